@@ -1,0 +1,75 @@
+"""The reference code location: document embeddings and prompt completions with vLLM.
+
+`dagster dev -w workspace.yaml` loads this module. Models and data come from `make demo`
+(or `python -m assets.prepare`); environment variables point the pipelines elsewhere:
+`GPUINFER_EMBED_MODEL`, `GPUINFER_GENERATE_MODEL`, `GPUINFER_INPUT_ROOT`,
+`GPUINFER_OUTPUT_ROOT`, and `GPUINFER_ENV` (local or k8s) for the resources.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from assets.paths import embedding_model_dir, generation_model_dir, input_root, output_root
+from dagster_gpuinfer import EngineArgs, InputSpec, SamplingParams, inference_assets
+from resources import resources_for_environment
+
+DOC_SHARDS = dg.StaticPartitionsDefinition([f"docs-{i:03d}" for i in range(4)])
+PROMPT_SHARDS = dg.StaticPartitionsDefinition([f"prompts-{i:03d}" for i in range(4)])
+
+# Transient failures (a killed pod, a storage hiccup) are retried with backoff; a bad shard or
+# spec raises a non-retryable Failure, which this policy leaves alone.
+TRANSIENT_RETRIES = dg.RetryPolicy(
+    max_retries=2, delay=5, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS
+)
+
+doc_embeddings = inference_assets(
+    name="doc_embeddings",
+    model=embedding_model_dir(),
+    task="embed",
+    input=InputSpec(uri=f"{input_root()}/docs/{{partition_key}}.parquet", id_column="doc_id"),
+    input_asset_key="doc_shards",
+    output_root=output_root(),
+    partitions_def=DOC_SHARDS,
+    # A small encoder: float32 costs little and keeps embeddings equal to the reference.
+    engine=EngineArgs(dtype="float32"),
+    chunk_size=256,
+    retry_policy=TRANSIENT_RETRIES,
+    group_name="embeddings",
+    description="all-MiniLM-L6-v2 embeddings (384-d, L2-normalised) of every document shard",
+)
+
+prompt_completions = inference_assets(
+    name="prompt_completions",
+    model=generation_model_dir(),
+    task="generate",
+    input=InputSpec(
+        uri=f"{input_root()}/prompts/{{partition_key}}.jsonl", id_column="id", text_column="prompt"
+    ),
+    input_asset_key="prompt_shards",
+    output_root=output_root(),
+    partitions_def=PROMPT_SHARDS,
+    engine=EngineArgs(max_model_len=256),
+    sampling=SamplingParams(temperature=0.0, max_tokens=32),
+    chunk_size=128,
+    retry_policy=TRANSIENT_RETRIES,
+    group_name="generation",
+    description="Greedy completions of every prompt shard by the local test Llama",
+)
+
+PIPELINES = {"doc_embeddings": doc_embeddings, "prompt_completions": prompt_completions}
+
+embed_docs_job = dg.define_asset_job(
+    "embed_docs", selection=[doc_embeddings.output_asset.key], partitions_def=DOC_SHARDS
+)
+complete_prompts_job = dg.define_asset_job(
+    "complete_prompts", selection=[prompt_completions.output_asset.key], partitions_def=PROMPT_SHARDS
+)
+
+JOBS = {"doc_embeddings": embed_docs_job, "prompt_completions": complete_prompts_job}
+
+defs = dg.Definitions(
+    assets=[*doc_embeddings.assets, *prompt_completions.assets],
+    jobs=[embed_docs_job, complete_prompts_job],
+    resources=resources_for_environment(),
+)

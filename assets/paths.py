@@ -1,0 +1,30 @@
+"""Where the reference pipelines keep their data: `GPUINFER_DATA_DIR`, default `<repo>/.data`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get("GPUINFER_DATA_DIR", REPO_ROOT / ".data")).resolve()
+
+
+def input_root() -> str:
+    return os.environ.get("GPUINFER_INPUT_ROOT", str(data_dir() / "inputs"))
+
+
+def output_root() -> str:
+    return os.environ.get("GPUINFER_OUTPUT_ROOT", str(data_dir() / "outputs"))
+
+
+def generation_model_dir() -> str:
+    return os.environ.get("GPUINFER_GENERATE_MODEL", str(data_dir() / "models" / "tiny-llama"))
+
+
+def embedding_model_dir() -> str:
+    from assets.models import minilm_path
+
+    return os.environ.get("GPUINFER_EMBED_MODEL") or minilm_path()

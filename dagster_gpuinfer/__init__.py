@@ -1,0 +1,57 @@
+"""dagster-gpuinfer: batch inference with vLLM as partitioned Dagster assets.
+
+The control plane (this package minus `worker/`) never imports torch or vllm. Names are
+loaded on first use, so `python -m dagster_gpuinfer.worker` in a pod does not import
+Dagster's control plane either.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "inference_assets": "dagster_gpuinfer.asset_factory",
+    "InferencePipeline": "dagster_gpuinfer.asset_factory",
+    "InferenceRunConfig": "dagster_gpuinfer.asset_factory",
+    "default_backfill_policy": "dagster_gpuinfer.asset_factory",
+    "GpuInferenceResource": "dagster_gpuinfer.resource",
+    "InvalidInferenceSpec": "dagster_gpuinfer.resource",
+    "InferenceSpec": "dagster_gpuinfer.spec",
+    "InputSpec": "dagster_gpuinfer.spec",
+    "OutputSpec": "dagster_gpuinfer.spec",
+    "EngineArgs": "dagster_gpuinfer.spec",
+    "SamplingParams": "dagster_gpuinfer.spec",
+    "StorageOptions": "dagster_gpuinfer.spec",
+    "Manifest": "dagster_gpuinfer.storage",
+    "read_partition": "dagster_gpuinfer.storage",
+    "read_errors": "dagster_gpuinfer.storage",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from dagster_gpuinfer.asset_factory import InferencePipeline as InferencePipeline
+    from dagster_gpuinfer.asset_factory import InferenceRunConfig as InferenceRunConfig
+    from dagster_gpuinfer.asset_factory import default_backfill_policy as default_backfill_policy
+    from dagster_gpuinfer.asset_factory import inference_assets as inference_assets
+    from dagster_gpuinfer.resource import GpuInferenceResource as GpuInferenceResource
+    from dagster_gpuinfer.resource import InvalidInferenceSpec as InvalidInferenceSpec
+    from dagster_gpuinfer.spec import EngineArgs as EngineArgs
+    from dagster_gpuinfer.spec import InferenceSpec as InferenceSpec
+    from dagster_gpuinfer.spec import InputSpec as InputSpec
+    from dagster_gpuinfer.spec import OutputSpec as OutputSpec
+    from dagster_gpuinfer.spec import SamplingParams as SamplingParams
+    from dagster_gpuinfer.spec import StorageOptions as StorageOptions
+    from dagster_gpuinfer.storage import Manifest as Manifest
+    from dagster_gpuinfer.storage import read_errors as read_errors
+    from dagster_gpuinfer.storage import read_partition as read_partition
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dagster_gpuinfer' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

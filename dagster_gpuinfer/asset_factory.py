@@ -1,0 +1,210 @@
+"""`inference_assets`: declare an input shard asset and its inference output asset.
+
+The two share one partitions definition (one partition per shard). The output asset's run
+launches one worker for all partitions of the run, so a multi-run backfill policy of K
+partitions per run loads the model once per K shards.
+"""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import dagster as dg
+from pydantic import Field
+
+from dagster_gpuinfer.checks import ROWS_BALANCED, ERROR_RATE, check_results
+from dagster_gpuinfer.metadata import partition_metadata, run_metadata
+from dagster_gpuinfer.resource import GpuInferenceResource, validate_spec
+from dagster_gpuinfer.spec import EngineArgs, InputSpec, OutputSpec, SamplingParams, Task
+
+DEFAULT_PARTITIONS_PER_RUN = 4
+
+
+def default_backfill_policy() -> dg.BackfillPolicy:
+    """Several shards per run: the model loads once for them (and once per run)."""
+    return dg.BackfillPolicy.multi_run(max_partitions_per_run=DEFAULT_PARTITIONS_PER_RUN)
+
+
+class InferenceRunConfig(dg.Config):
+    """Per-run overrides, editable in the launchpad; unset fields keep the pipeline's."""
+
+    replicas: int | None = Field(None, description="Data-parallel vLLM engines in the worker.")
+    chunk_size: int | None = Field(None, description="Rows per chunk.")
+    max_num_seqs: int | None = Field(None, description="vLLM engine `max_num_seqs`.")
+    max_num_batched_tokens: int | None = Field(
+        None, description="vLLM engine `max_num_batched_tokens`."
+    )
+    gpu_memory_utilization: float | None = Field(
+        None, description="vLLM engine `gpu_memory_utilization`."
+    )
+    max_tokens: int | None = Field(None, description="Sampling `max_tokens` (generate, chat).")
+    temperature: float | None = Field(None, description="Sampling `temperature`.")
+
+    ENGINE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization"
+    )
+    SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = ("max_tokens", "temperature")
+
+    def apply(self, raw_spec: dict[str, Any]) -> dict[str, Any]:
+        """The spec with the fields this run sets replaced."""
+        spec = dict(raw_spec)
+        spec["engine"] = dict(raw_spec["engine"])
+        spec["sampling"] = dict(raw_spec["sampling"])
+        for name in self.ENGINE_FIELDS:
+            if getattr(self, name) is not None:
+                spec["engine"][name] = getattr(self, name)
+        for name in self.SAMPLING_FIELDS:
+            if getattr(self, name) is not None:
+                spec["sampling"][name] = getattr(self, name)
+        for name in ("replicas", "chunk_size"):
+            if getattr(self, name) is not None:
+                spec[name] = getattr(self, name)
+        return spec
+
+
+@dataclass(frozen=True)
+class InferencePipeline:
+    """The definitions of one pipeline: pass `assets` to `dagster.Definitions`."""
+
+    input_asset: dg.AssetSpec
+    output_asset: dg.AssetsDefinition
+    spec: dict[str, Any]
+
+    @property
+    def assets(self) -> list[dg.AssetSpec | dg.AssetsDefinition]:
+        return [self.input_asset, self.output_asset]
+
+
+def inference_assets(
+    *,
+    name: str,
+    model: str,
+    task: Task,
+    input: InputSpec | Mapping[str, Any],
+    output_root: str,
+    partitions_def: dg.PartitionsDefinition,
+    input_asset_key: str | Sequence[str] | dg.AssetKey | None = None,
+    output_format: str = "parquet",
+    engine: EngineArgs | Mapping[str, Any] | None = None,
+    sampling: SamplingParams | Mapping[str, Any] | None = None,
+    tensor_parallel_size: int = 1,
+    replicas: int = 1,
+    chunk_size: int = 512,
+    max_error_rate: float = 0.10,
+    backfill_policy: dg.BackfillPolicy | None = None,
+    retry_policy: dg.RetryPolicy | None = None,
+    pool: str | None = None,
+    op_tags: Mapping[str, Any] | None = None,
+    group_name: str | None = None,
+    key_prefix: Sequence[str] | str | None = None,
+    resource_key: str = "gpu",
+    description: str | None = None,
+) -> InferencePipeline:
+    """Declare a batch inference pipeline as two partitioned assets.
+
+    Args:
+        name: The output asset's name (also its folder under `output_root`).
+        model: A model directory (or hub id) vLLM can load.
+        task: `embed`, `generate` or `chat`.
+        input: Where shards are: `InputSpec(uri="data/{partition_key}.parquet", ...)`.
+        output_root: Local directory or `s3://bucket/prefix` for outputs.
+        partitions_def: One partition per shard; shared by input and output assets.
+        input_asset_key: Key of the input shard asset; defaults to `<name>_input`.
+        output_format: `parquet` or `openai_batch`.
+        engine: vLLM engine arguments, by vLLM name.
+        sampling: vLLM sampling parameters (generate, chat).
+        tensor_parallel_size: GPUs per engine.
+        replicas: Data-parallel engines per worker.
+        chunk_size: Rows per chunk (streaming, commit and resume unit).
+        max_error_rate: Quarantined share of rows above which the error-rate check fails.
+        backfill_policy: Dagster's; defaults to multi-run with 4 partitions per run.
+        retry_policy, pool, op_tags, group_name, key_prefix: passed to `@dg.asset` as is.
+        resource_key: Resource key of the `GpuInferenceResource`.
+        description: Asset description.
+
+    Returns:
+        The input asset spec and the output assets definition.
+
+    Raises:
+        InvalidInferenceSpec: the spec does not validate (names the field).
+
+    Examples:
+        >>> pipeline = inference_assets(
+        ...     name="doc_embeddings", model="/models/minilm", task="embed",
+        ...     input=InputSpec(uri="data/docs/{partition_key}.parquet"),
+        ...     output_root="out", partitions_def=dg.StaticPartitionsDefinition(["a", "b"]),
+        ... )
+        >>> defs = dg.Definitions(assets=pipeline.assets, resources={"gpu": GpuInferenceResource()})
+    """
+    def as_dict(value: Any) -> Any:
+        return value.model_dump(mode="json") if hasattr(value, "model_dump") else dict(value or {})
+
+    raw_spec: dict[str, Any] = {
+        "model": model,
+        "task": task,
+        "engine": as_dict(engine),
+        "sampling": as_dict(sampling),
+        "input": as_dict(input),
+        "output": {"root": output_root, "asset_name": name, "format": output_format},
+        "tensor_parallel_size": tensor_parallel_size,
+        "replicas": replicas,
+        "chunk_size": chunk_size,
+    }
+    validate_spec(raw_spec, where=f"asset {name!r}")
+
+    prefix = [key_prefix] if isinstance(key_prefix, str) else list(key_prefix or [])
+    output_key = dg.AssetKey([*prefix, name])
+    input_key = (
+        dg.AssetKey.from_coercible(input_asset_key)
+        if input_asset_key is not None
+        else dg.AssetKey([*prefix, f"{name}_input"])
+    )
+    input_uri = raw_spec["input"]["uri"]
+    input_spec = dg.AssetSpec(
+        key=input_key,
+        partitions_def=partitions_def,
+        group_name=group_name,
+        description=f"Input shards of {name}: one file per partition at {input_uri}",
+        metadata={"uri_template": input_uri},
+        kinds={"parquet"} if input_uri.endswith(".parquet") else {"json"},
+    )
+
+    @dg.asset(
+        key=output_key,
+        deps=[input_spec],
+        partitions_def=partitions_def,
+        backfill_policy=backfill_policy or default_backfill_policy(),
+        retry_policy=retry_policy,
+        pool=pool,
+        op_tags=op_tags,
+        group_name=group_name,
+        required_resource_keys={resource_key},
+        check_specs=[
+            dg.AssetCheckSpec(ROWS_BALANCED, asset=output_key,
+                              description="rows_in == rows_out + rows_errored, from the files"),
+            dg.AssetCheckSpec(ERROR_RATE, asset=output_key,
+                              description=f"quarantined rows at most {max_error_rate:.0%}"),
+        ],
+        kinds={"vllm", output_format if output_format == "parquet" else "json"},
+        description=description or f"{task} with {model} over {input_key.to_user_string()}",
+        metadata={"model": model, "task": task, "output_root": output_root},
+    )
+    def _inference_asset(context: dg.AssetExecutionContext, config: InferenceRunConfig):
+        gpu: GpuInferenceResource = getattr(context.resources, resource_key)
+        run_spec = dict(config.apply(raw_spec), partition_keys=list(context.partition_keys))
+        try:
+            spec = validate_spec(run_spec, where=f"asset {name!r}")
+        except ValueError as exc:
+            raise dg.Failure(description=str(exc), allow_retries=False) from None
+        result = gpu.run_inference(context=context, spec=spec)
+        for key, manifest in result.manifests.items():
+            context.add_asset_metadata(
+                partition_metadata(result.spec or spec, manifest, computed=key in result.computed),
+                partition_key=key,
+            )
+        return dg.MaterializeResult(
+            metadata=run_metadata(result),
+            check_results=check_results(result, max_error_rate=max_error_rate),
+        )
+
+    return InferencePipeline(input_asset=input_spec, output_asset=_inference_asset, spec=raw_spec)

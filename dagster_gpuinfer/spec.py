@@ -1,0 +1,240 @@
+"""The job spec: the one contract between the control plane and the worker.
+
+`InferenceSpec` is built and validated in the Dagster code location, serialised into Dagster
+Pipes extras, and validated again by the worker. This module imports only pydantic and the
+standard library, so both sides can import it: no dagster, no torch, no vllm.
+
+Engine and sampling fields keep vLLM's own names (`tensor_parallel_size`, `max_model_len`,
+`gpu_memory_utilization`, `max_num_seqs`, `temperature`, `top_p`, `max_tokens`, ...), so a
+user who knows vLLM recognises every one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Task = Literal["embed", "generate", "chat"]
+InputFormat = Literal["parquet", "jsonl", "openai_batch"]
+OutputFormat = Literal["parquet", "openai_batch"]
+
+PARTITION_KEY_PLACEHOLDER = "{partition_key}"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineArgs(_Strict):
+    """Arguments of the vLLM engine (`vllm.LLM(...)`), under vLLM's names.
+
+    Fields not listed here can be passed through `extra`, which goes to `vllm.LLM` as is.
+    """
+
+    dtype: str = Field("auto", description="vLLM `dtype`: auto, float32, float16, bfloat16.")
+    max_model_len: int | None = Field(
+        None, gt=0, description="vLLM `max_model_len`; longer prompts are quarantined."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description=(
+            "vLLM `gpu_memory_utilization`. On the CPU backend it is the fraction of CPU "
+            "memory (NUMA node 0) reserved for the KV cache."
+        ),
+    )
+    max_num_seqs: int | None = Field(None, gt=0, description="vLLM `max_num_seqs`.")
+    max_num_batched_tokens: int | None = Field(
+        None, gt=0, description="vLLM `max_num_batched_tokens`."
+    )
+    enforce_eager: bool = Field(False, description="vLLM `enforce_eager`: skip graph capture.")
+    enable_prefix_caching: bool | None = Field(None, description="vLLM `enable_prefix_caching`.")
+    seed: int = Field(0, description="vLLM engine `seed`.")
+    trust_remote_code: bool = Field(False, description="vLLM `trust_remote_code`.")
+    extra: dict[str, Any] = Field(
+        default_factory=dict, description="Other `vllm.LLM` keyword arguments, passed as is."
+    )
+
+    # Fields that change speed or memory but not results: excluded from the spec hash, so
+    # that stepping them down after an out-of-memory error keeps committed chunks valid.
+    PERFORMANCE_ONLY: ClassVar[frozenset[str]] = frozenset(
+        {"gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "enforce_eager"}
+    )
+
+    def to_vllm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `vllm.LLM`, without the unset ones."""
+        kwargs = self.model_dump(exclude={"extra"}, exclude_none=True)
+        kwargs.update(self.extra)
+        return kwargs
+
+
+class SamplingParams(_Strict):
+    """vLLM `SamplingParams` for `generate` and `chat`, under vLLM's names."""
+
+    temperature: float = Field(0.0, ge=0, description="0 is greedy decoding.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, description="vLLM `top_k`; None or -1 disables it.")
+    max_tokens: int = Field(64, gt=0, description="Maximum generated tokens per row.")
+    min_tokens: int = Field(0, ge=0)
+    seed: int | None = Field(None, description="Per-request sampling seed.")
+    stop: list[str] = Field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    extra: dict[str, Any] = Field(
+        default_factory=dict, description="Other `vllm.SamplingParams` fields, passed as is."
+    )
+
+    def to_vllm_kwargs(self) -> dict[str, Any]:
+        kwargs = self.model_dump(exclude={"extra"}, exclude_none=True)
+        if not kwargs["stop"]:
+            kwargs.pop("stop")
+        kwargs.update(self.extra)
+        return kwargs
+
+
+class StorageOptions(_Strict):
+    """Where object storage lives. Credentials never travel here: the worker takes them from
+    the environment (the standard AWS chain or a mounted secret)."""
+
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint, e.g. MinIO.")
+    region: str | None = Field(None, description="S3 region.")
+    allow_http: bool = Field(False, description="Allow plain-http endpoints (tests, MinIO).")
+
+
+class InputSpec(_Strict):
+    """Where a shard's rows come from and which columns carry what.
+
+    `uri` is a template with `{partition_key}`: one file per partition (shard).
+    """
+
+    uri: str = Field(
+        description="Shard location template, e.g. `s3://bucket/docs/{partition_key}.parquet`."
+    )
+    format: InputFormat | None = Field(
+        None, description="parquet, jsonl or openai_batch; inferred from the suffix if unset."
+    )
+    id_column: str | None = Field(
+        "id",
+        description=(
+            "Column holding the row id. None: the id is `<partition_key>:<row number>`. "
+            "OpenAI batch input always uses `custom_id`."
+        ),
+    )
+    text_column: str = Field("text", description="Text column for `embed` and `generate`.")
+    messages_column: str = Field("messages", description="OpenAI-style messages for `chat`.")
+
+    @field_validator("uri")
+    @classmethod
+    def _has_placeholder(cls, uri: str) -> str:
+        if PARTITION_KEY_PLACEHOLDER not in uri:
+            raise ValueError(
+                f"input uri {uri!r} has no {PARTITION_KEY_PLACEHOLDER} placeholder; each "
+                "partition reads its own shard, e.g. 'data/docs/{partition_key}.parquet'"
+            )
+        return uri
+
+    def resolved_format(self) -> InputFormat:
+        if self.format is not None:
+            return self.format
+        uri = self.uri.lower()
+        if uri.endswith(".parquet"):
+            return "parquet"
+        if uri.endswith((".jsonl", ".json", ".ndjson")):
+            return "jsonl"
+        raise ValueError(
+            f"cannot infer the input format of {self.uri!r} from its suffix; set "
+            "input.format to parquet, jsonl or openai_batch"
+        )
+
+    def shard_uri(self, partition_key: str) -> str:
+        return self.uri.replace(PARTITION_KEY_PLACEHOLDER, partition_key)
+
+
+class OutputSpec(_Strict):
+    """Where results go: `<root>/<asset_name>/<partition>/`."""
+
+    root: str = Field(description="Output root: a local directory or `s3://bucket/prefix`.")
+    asset_name: str = Field(description="Folder under the root, usually the asset's name.")
+    format: OutputFormat = Field(
+        "parquet", description="parquet, or openai_batch for OpenAI Batch API output JSONL."
+    )
+
+
+class InferenceSpec(_Strict):
+    """Everything one worker needs to turn input shards into committed outputs.
+
+    Examples:
+        >>> spec = InferenceSpec(
+        ...     model="/models/all-MiniLM-L6-v2",
+        ...     task="embed",
+        ...     input=InputSpec(uri="data/docs/{partition_key}.parquet"),
+        ...     output=OutputSpec(root="out", asset_name="doc_embeddings"),
+        ...     partition_keys=["shard-000"],
+        ... )
+    """
+
+    model: str = Field(description="Model directory (local or in the model cache) or hub id.")
+    task: Task = Field(description="embed (pooling models), generate, or chat.")
+    engine: EngineArgs = Field(default_factory=EngineArgs)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    input: InputSpec
+    output: OutputSpec
+    storage: StorageOptions = Field(default_factory=StorageOptions)
+    partition_keys: list[str] = Field(
+        default_factory=list,
+        description="The partitions (shards) of this run. Pipes passes no partition range, "
+        "so the control plane lists them here.",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine (replica).")
+    replicas: int = Field(1, ge=1, description="Data-parallel vLLM engines in this worker.")
+    chunk_size: int = Field(
+        512, ge=1, description="Rows per chunk: the unit of streaming, writing and resume."
+    )
+
+    @field_validator("partition_keys")
+    @classmethod
+    def _valid_partition_keys(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            if not key or "\x00" in key:
+                raise ValueError(f"partition key {key!r} is empty or holds a NUL byte")
+        if len(set(keys)) != len(keys):
+            raise ValueError("partition_keys lists a partition more than once")
+        return keys
+
+    @model_validator(mode="after")
+    def _check_task_columns(self) -> InferenceSpec:
+        self.input.resolved_format()
+        if self.task == "embed" and self.sampling != SamplingParams():
+            raise ValueError("sampling parameters are set but task 'embed' does not sample")
+        return self
+
+    def spec_hash(self) -> str:
+        """A hash of what decides the results; committed outputs are valid only for it.
+
+        Leaves out the partition keys, parallelism and the performance-only engine knobs, so a
+        retry with fewer sequences or another replica count resumes committed work.
+        """
+        payload = self.model_dump(
+            mode="json",
+            exclude={"partition_keys", "tensor_parallel_size", "replicas", "storage"},
+        )
+        for name in EngineArgs.PERFORMANCE_ONLY:
+            payload["engine"].pop(name, None)
+        payload["model"] = os.path.normpath(self.model) if _looks_local(self.model) else self.model
+        blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def model_is_local_path(self) -> bool:
+        return _looks_local(self.model)
+
+
+def _looks_local(model: str) -> bool:
+    """A model given as an absolute, `./`, `../` or `~` path is a local directory; anything
+    else may be a hub id such as `sentence-transformers/all-MiniLM-L6-v2`."""
+    return model.startswith(("/", "./", "../", "~", "file://")) or os.path.isdir(model)

@@ -1,0 +1,394 @@
+"""Output layout, atomic writes and the partition manifest, on local disk or S3.
+
+Shared by the worker (which writes) and the control plane (which reads manifests to skip
+finished partitions and to check row counts). Imports pyarrow and pydantic only.
+
+Layout of one output partition::
+
+    <root>/<asset>/<partition dir>/
+        part-<spec hash>-00000.parquet     one file per committed chunk
+        errors.parquet                     quarantined rows, with a reason
+        _SUCCESS                           the manifest, written last
+        _chunks/<spec hash>/00000.json     chunk commit markers (deleted at commit)
+        _chunks/<spec hash>/errors-00000.parquet
+
+A partition is done only when `_SUCCESS` exists and names the current spec hash. Every file
+is written under a temporary name and renamed (local disk) or written in one PUT (S3), so a
+reader never sees half a file, and the manifest is the one source of which files count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import posixpath
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import quote
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field
+
+from dagster_gpuinfer.spec import InferenceSpec, OutputSpec, StorageOptions
+
+MANIFEST_NAME = "_SUCCESS"
+ERRORS_NAME = "errors.parquet"
+CHUNKS_DIR = "_chunks"
+MANIFEST_VERSION = 1
+
+ERRORS_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string(), nullable=True),
+        pa.field("source", pa.string()),
+        pa.field("row", pa.int64()),
+        pa.field("error_type", pa.string()),
+        pa.field("message", pa.string()),
+        pa.field("prompt_tokens", pa.int64(), nullable=True),
+    ]
+)
+
+
+# --------------------------------------------------------------------------- filesystems
+
+
+def filesystem_for(uri: str, storage: StorageOptions | None = None) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem and the path within it for a local path or an `s3://` URI.
+
+    S3 credentials come from the standard AWS chain (environment, profile, instance role);
+    only the endpoint and region travel in the spec.
+    """
+    storage = storage or StorageOptions()
+    if uri.startswith("s3://"):
+        kwargs: dict[str, Any] = {}
+        if storage.endpoint_url:
+            endpoint = storage.endpoint_url
+            if endpoint.startswith("http://"):
+                kwargs["scheme"] = "http"
+                endpoint = endpoint[len("http://") :]
+            elif endpoint.startswith("https://"):
+                endpoint = endpoint[len("https://") :]
+            kwargs["endpoint_override"] = endpoint
+        if storage.region:
+            kwargs["region"] = storage.region
+        return pafs.S3FileSystem(**kwargs), uri[len("s3://") :].rstrip("/")
+    if uri.startswith("file://"):
+        uri = uri[len("file://") :]
+    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
+
+
+def display_uri(fs: pafs.FileSystem, path: str) -> str:
+    return f"s3://{path}" if isinstance(fs, pafs.S3FileSystem) else path
+
+
+def partition_dir_name(partition_key: str) -> str:
+    """A partition key as one safe path segment.
+
+    Every character outside `[A-Za-z0-9_.-]` is percent-encoded, so `/` can never add a
+    level, and a leading dot is encoded, so `.`, `..` and hidden names cannot occur: no key
+    escapes the output root or collides with the `_chunks`/`_SUCCESS` bookkeeping names.
+    """
+    if not partition_key:
+        raise ValueError("a partition key must not be empty")
+    name = quote(partition_key, safe="")
+    if name.startswith((".", "_")):
+        name = "%" + format(ord(name[0]), "02X") + name[1:]
+    return name
+
+
+def partition_dir(output: OutputSpec, partition_key: str) -> str:
+    """The output folder of one partition, as a URI (local path or `s3://...`)."""
+    root = output.root.rstrip("/")
+    return f"{root}/{partition_dir_name(output.asset_name)}/{partition_dir_name(partition_key)}"
+
+
+def exists(fs: pafs.FileSystem, path: str) -> bool:
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def write_bytes_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    """Make `path` hold `data`, all or nothing.
+
+    Local disk: write a temporary sibling, fsync, rename over the target. S3: one PUT, which
+    is atomic (readers see the old object or the new one, never a mix).
+    """
+    parent = posixpath.dirname(path)
+    if isinstance(fs, pafs.LocalFileSystem):
+        os.makedirs(parent, exist_ok=True)
+        tmp = posixpath.join(parent, f".tmp-{uuid.uuid4().hex}-{posixpath.basename(path)}")
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        return
+    with fs.open_output_stream(path) as out:
+        out.write(data)
+
+
+def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
+    with fs.open_input_stream(path) as stream:
+        return stream.read()
+
+
+def delete_quietly(fs: pafs.FileSystem, paths: Iterable[str]) -> None:
+    for path in paths:
+        try:
+            info = fs.get_file_info(path)
+            if info.type == pafs.FileType.Directory:
+                fs.delete_dir(path)
+            elif info.type == pafs.FileType.File:
+                fs.delete_file(path)
+        except (FileNotFoundError, OSError):
+            pass
+
+
+def list_names(fs: pafs.FileSystem, directory: str) -> list[str]:
+    infos = fs.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
+    return sorted(posixpath.basename(info.path) for info in infos)
+
+
+# --------------------------------------------------------------------------- files
+
+
+class FileEntry(BaseModel):
+    """One committed file: its name inside the partition folder, rows and checksum."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    rows: int
+    bytes: int
+    sha256: str
+
+
+def table_to_parquet_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue()
+
+
+def write_file_entry(
+    fs: pafs.FileSystem, directory: str, name: str, data: bytes, rows: int
+) -> FileEntry:
+    write_bytes_atomic(fs, posixpath.join(directory, name), data)
+    return FileEntry(name=name, rows=rows, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+# --------------------------------------------------------------------------- chunks
+
+
+class ChunkMarker(BaseModel):
+    """Proof that one chunk of a shard is committed: written after its files."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int
+    spec_hash: str
+    rows_in: int
+    rows_out: int
+    rows_errored: int
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    inference_seconds: float = 0.0
+    part: FileEntry | None = None
+    errors: FileEntry | None = None
+
+
+def chunk_dir(partition_path: str, spec_hash: str) -> str:
+    return posixpath.join(partition_path, CHUNKS_DIR, spec_hash)
+
+
+def chunk_part_name(spec_hash: str, index: int, suffix: str) -> str:
+    return f"part-{spec_hash}-{index:05d}{suffix}"
+
+
+def write_chunk_marker(fs: pafs.FileSystem, partition_path: str, marker: ChunkMarker) -> None:
+    path = posixpath.join(chunk_dir(partition_path, marker.spec_hash), f"{marker.index:05d}.json")
+    write_bytes_atomic(fs, path, marker.model_dump_json().encode())
+
+
+def read_chunk_markers(
+    fs: pafs.FileSystem, partition_path: str, spec_hash: str
+) -> dict[int, ChunkMarker]:
+    """The committed chunks of this spec, by index. Markers of other specs are ignored."""
+    directory = chunk_dir(partition_path, spec_hash)
+    markers: dict[int, ChunkMarker] = {}
+    for name in list_names(fs, directory):
+        if name.endswith(".json") and not name.startswith(".tmp-"):
+            marker = ChunkMarker.model_validate_json(read_bytes(fs, posixpath.join(directory, name)))
+            if marker.spec_hash == spec_hash:
+                markers[marker.index] = marker
+    return markers
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+class Manifest(BaseModel):
+    """The `_SUCCESS` manifest: a partition is committed exactly when this exists."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = MANIFEST_VERSION
+    partition_key: str
+    spec_hash: str
+    model: str
+    task: str
+    output_format: str
+    rows_in: int
+    rows_out: int
+    rows_errored: int
+    rows_resumed: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    parts: list[FileEntry]
+    errors: FileEntry
+    error_types: dict[str, int] = Field(default_factory=dict)
+    inference_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    model_load_seconds: float = 0.0
+    committed_at: float = Field(default_factory=time.time)
+    worker: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def balanced(self) -> bool:
+        return self.rows_in == self.rows_out + self.rows_errored
+
+
+def manifest_path(partition_path: str) -> str:
+    return posixpath.join(partition_path, MANIFEST_NAME)
+
+
+def read_manifest(fs: pafs.FileSystem, partition_path: str) -> Manifest | None:
+    path = manifest_path(partition_path)
+    try:
+        data = read_bytes(fs, path)
+    except FileNotFoundError:
+        return None
+    return Manifest.model_validate_json(data)
+
+
+def committed_manifest(spec: InferenceSpec, partition_key: str) -> Manifest | None:
+    """The manifest of `partition_key` if it is committed for this exact spec, else None."""
+    fs, path = filesystem_for(partition_dir(spec.output, partition_key), spec.storage)
+    manifest = read_manifest(fs, path)
+    if manifest is None or manifest.spec_hash != spec.spec_hash():
+        return None
+    return manifest
+
+
+def commit_partition(
+    fs: pafs.FileSystem,
+    partition_path: str,
+    manifest: Manifest,
+    error_tables: list[pa.Table],
+) -> Manifest:
+    """Write `errors.parquet`, then the manifest (the commit point), then clear leftovers.
+
+    Files that the manifest does not name (chunks of an older spec, temporary files of a
+    killed attempt, chunk markers) are deleted only after the manifest is in place, so a
+    crash at any point leaves either the old committed state or the new one.
+    """
+    errors = pa.concat_tables(error_tables) if error_tables else ERRORS_SCHEMA.empty_table()
+    errors_entry = write_file_entry(
+        fs, partition_path, ERRORS_NAME, table_to_parquet_bytes(errors), errors.num_rows
+    )
+    manifest = manifest.model_copy(update={"errors": errors_entry})
+    write_bytes_atomic(
+        fs, manifest_path(partition_path), manifest.model_dump_json(indent=2).encode()
+    )
+    keep = {MANIFEST_NAME, ERRORS_NAME, *(part.name for part in manifest.parts)}
+    stale = [
+        posixpath.join(partition_path, name)
+        for name in list_names(fs, partition_path)
+        if name not in keep
+    ]
+    delete_quietly(fs, stale)
+    return manifest
+
+
+def verify_manifest(fs: pafs.FileSystem, partition_path: str, manifest: Manifest) -> list[str]:
+    """Check a committed partition against its files: every named file exists with the rows
+    the manifest claims (read from the Parquet footer or by counting JSONL lines), and
+    `rows_in == rows_out + rows_errored`. Returns the problems found; empty when sound."""
+    problems: list[str] = []
+    counted_out = 0
+    for part in manifest.parts:
+        path = posixpath.join(partition_path, part.name)
+        if not exists(fs, path):
+            problems.append(f"part file {part.name} named by the manifest is missing")
+            continue
+        rows = count_rows(fs, path)
+        counted_out += rows
+        if rows != part.rows:
+            problems.append(f"{part.name} holds {rows} rows, the manifest says {part.rows}")
+    errors_path = posixpath.join(partition_path, manifest.errors.name)
+    counted_errors = count_rows(fs, errors_path) if exists(fs, errors_path) else -1
+    if counted_errors < 0:
+        problems.append("errors.parquet named by the manifest is missing")
+    if counted_out != manifest.rows_out:
+        problems.append(f"output files hold {counted_out} rows, manifest rows_out={manifest.rows_out}")
+    if counted_errors >= 0 and counted_errors != manifest.rows_errored:
+        problems.append(
+            f"errors.parquet holds {counted_errors} rows, manifest rows_errored="
+            f"{manifest.rows_errored}"
+        )
+    if not manifest.balanced:
+        problems.append(
+            f"rows_in={manifest.rows_in} != rows_out={manifest.rows_out} + "
+            f"rows_errored={manifest.rows_errored}"
+        )
+    return problems
+
+
+def count_rows(fs: pafs.FileSystem, path: str) -> int:
+    if path.endswith(".parquet"):
+        with fs.open_input_file(path) as handle:
+            return pq.ParquetFile(handle).metadata.num_rows
+    return sum(1 for line in read_bytes(fs, path).splitlines() if line.strip())
+
+
+# --------------------------------------------------------------------------- reading results
+
+
+def read_partition(
+    output: OutputSpec, partition_key: str, storage: StorageOptions | None = None
+) -> pa.Table:
+    """The committed output rows of one partition, read through its manifest.
+
+    Raises:
+        FileNotFoundError: the partition has no manifest (not committed yet).
+    """
+    fs, path = filesystem_for(partition_dir(output, partition_key), storage)
+    manifest = read_manifest(fs, path)
+    if manifest is None:
+        raise FileNotFoundError(
+            f"partition {partition_key!r} of {output.asset_name!r} is not committed: no "
+            f"{MANIFEST_NAME} in {display_uri(fs, path)}; materialize it first"
+        )
+    tables = []
+    for part in manifest.parts:
+        part_path = posixpath.join(path, part.name)
+        if part.name.endswith(".parquet"):
+            with fs.open_input_file(part_path) as handle:
+                tables.append(pq.read_table(handle))
+        else:
+            lines = read_bytes(fs, part_path).splitlines()
+            tables.append(pa.Table.from_pylist([json.loads(line) for line in lines if line]))
+    if not tables:
+        return pa.table({})
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def read_errors(
+    output: OutputSpec, partition_key: str, storage: StorageOptions | None = None
+) -> pa.Table:
+    fs, path = filesystem_for(partition_dir(output, partition_key), storage)
+    with fs.open_input_file(posixpath.join(path, ERRORS_NAME)) as handle:
+        return pq.read_table(handle)

@@ -1,0 +1,5 @@
+"""The data plane: `python -m dagster_gpuinfer.worker`, identical in a pod and on a laptop.
+
+Imports neither Dagster's control plane (only `dagster_pipes`) nor, until an engine is
+built, vllm.
+"""

@@ -1,0 +1,93 @@
+"""Entry point: `python -m dagster_gpuinfer.worker`.
+
+Under Dagster (local subprocess or Kubernetes pod) the job spec arrives in Dagster Pipes
+extras (`spec`), and progress goes back as Pipes messages:
+
+- `{"type": "partition", "computed": bool, "manifest": {...}}` for each committed partition;
+- `{"type": "run", ...}` once, with the model loads and timings of the run;
+- `{"type": "fatal", "error_type", "message", "partition_key"}` when the spec or a shard
+  cannot run. The process then exits 0: it finished its protocol, and the control plane
+  raises a non-retryable Dagster `Failure`. Any other exit is a crash, which Dagster's
+  retry policy may retry.
+
+Without Pipes, `python -m dagster_gpuinfer.worker --spec spec.json` runs the same job and
+prints the same messages as JSON lines (for debugging a spec by hand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.storage import Manifest
+from dagster_gpuinfer.worker.errors import SpecError, WorkerError
+from dagster_gpuinfer.worker.job import run_job
+
+
+class MessageReporter:
+    """Sends the worker's messages to `emit` (Pipes custom messages, or stdout)."""
+
+    def __init__(self, emit: Any) -> None:
+        self.emit = emit
+
+    def partition_committed(self, manifest: Manifest, *, computed: bool) -> None:
+        self.emit(
+            {"type": "partition", "computed": computed, "manifest": manifest.model_dump(mode="json")}
+        )
+
+    def run_finished(self, summary: dict[str, Any]) -> None:
+        self.emit({"type": "run", **summary})
+
+    def fatal(self, exc: WorkerError) -> None:
+        self.emit(
+            {
+                "type": "fatal",
+                "error_type": exc.error_type,
+                "message": str(exc),
+                "partition_key": exc.partition_key,
+            }
+        )
+
+
+def parse_spec(raw: Any) -> InferenceSpec:
+    if raw is None:
+        raise SpecError("the worker got no job spec: Pipes extras hold no 'spec'")
+    try:
+        return InferenceSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise SpecError(f"the job spec does not validate: {exc}") from exc
+
+
+def run(raw_spec: Any, reporter: MessageReporter) -> None:
+    try:
+        run_job(parse_spec(raw_spec), reporter)
+    except WorkerError as exc:
+        logging.getLogger("dagster_gpuinfer.worker").error("%s", exc)
+        reporter.fatal(exc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dagster_gpuinfer.worker")
+    parser.add_argument("--spec", help="a job spec JSON file, to run without Dagster Pipes")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.spec:
+        with open(args.spec) as handle:
+            raw = json.load(handle)
+        run(raw, MessageReporter(lambda message: print(json.dumps(message), flush=True)))
+        return 0
+    from dagster_pipes import open_dagster_pipes
+
+    with open_dagster_pipes() as pipes:
+        run(pipes.extras.get("spec"), MessageReporter(pipes.report_custom_message))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The vLLM engine of one replica: built once per worker (or replica), used for every shard.
+
+This is the only module that imports vllm, and it does so when an engine is built, so the
+worker can preflight its shards (and skip finished ones) without paying for the import.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.worker.errors import SpecError
+
+log = logging.getLogger("dagster_gpuinfer.worker")
+
+# Written once per engine built when set: lets tests and benchmarks count model loads from
+# outside the worker (a line per load: pid and model).
+LOAD_LOG_ENV = "GPUINFER_MODEL_LOAD_LOG"
+
+
+@dataclass
+class ChunkResult:
+    """Engine output for the rows of one chunk, in input order."""
+
+    embeddings: np.ndarray | None = None  # (rows, dim) float32, for embed
+    texts: list[str] | None = None
+    finish_reasons: list[str | None] | None = None
+    prompt_tokens: list[int] | None = None
+    generated_tokens: list[int] | None = None
+    seconds: float = 0.0
+
+
+def check_model_dir(spec: InferenceSpec) -> None:
+    """A model given as a local path must be a directory with a `config.json`."""
+    if not spec.model_is_local_path():
+        return
+    path = os.path.expanduser(spec.model.removeprefix("file://"))
+    if not os.path.isdir(path):
+        raise SpecError(
+            f"model directory {spec.model!r} does not exist. Point `model` at a directory "
+            "with config.json and weights (in a pod: under the model cache mount)"
+        )
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SpecError(
+            f"model directory {spec.model!r} has no config.json, so it is not a Hugging Face "
+            "model folder vLLM can load. Point `model` at the folder holding config.json"
+        )
+
+
+class InferenceEngine:
+    """A vLLM `LLM` configured from the spec, with the task's one call."""
+
+    def __init__(self, spec: InferenceSpec) -> None:
+        check_model_dir(spec)
+        from vllm import LLM, SamplingParams
+
+        self.spec = spec
+        kwargs = spec.engine.to_vllm_kwargs()
+        kwargs["tensor_parallel_size"] = spec.tensor_parallel_size
+        if spec.task == "embed":
+            kwargs["runner"] = "pooling"
+        started = time.perf_counter()
+        try:
+            self.llm = LLM(model=os.path.expanduser(spec.model.removeprefix("file://")), **kwargs)
+        except (OSError, ValueError) as exc:
+            message = str(exc)
+            if _is_memory_error(message):
+                raise  # transient for the control plane: it may step memory knobs down
+            raise SpecError(
+                f"vLLM could not load model {spec.model!r} with engine arguments {kwargs}: "
+                f"{message.splitlines()[0] if message else type(exc).__name__}"
+            ) from exc
+        self.load_seconds = time.perf_counter() - started
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.sampling_params = (
+            SamplingParams(**spec.sampling.to_vllm_kwargs()) if spec.task != "embed" else None
+        )
+        load_log = os.environ.get(LOAD_LOG_ENV)
+        if load_log:
+            with open(load_log, "a") as handle:
+                handle.write(f"{os.getpid()}\t{spec.model}\n")
+        log.info("engine ready in %.1fs (max_model_len=%d)", self.load_seconds, self.max_model_len)
+
+    def run(self, token_ids: list[list[int]]) -> ChunkResult:
+        """Run the task over pre-tokenized prompts; returns results in the same order."""
+        if not token_ids:
+            return ChunkResult(
+                embeddings=np.zeros((0, 0), np.float32) if self.spec.task == "embed" else None,
+                texts=[], finish_reasons=[], prompt_tokens=[], generated_tokens=[],
+            )
+        prompts: list[Any] = [{"prompt_token_ids": ids} for ids in token_ids]
+        started = time.perf_counter()
+        if self.spec.task == "embed":
+            outputs = self.llm.embed(prompts, use_tqdm=False)
+            embeddings = np.asarray([o.outputs.embedding for o in outputs], dtype=np.float32)
+            return ChunkResult(
+                embeddings=embeddings,
+                prompt_tokens=[len(ids) for ids in token_ids],
+                generated_tokens=[0] * len(token_ids),
+                seconds=time.perf_counter() - started,
+            )
+        outputs = self.llm.generate(prompts, self.sampling_params, use_tqdm=False)
+        return ChunkResult(
+            texts=[o.outputs[0].text for o in outputs],
+            finish_reasons=[o.outputs[0].finish_reason for o in outputs],
+            prompt_tokens=[len(o.prompt_token_ids or ()) for o in outputs],
+            generated_tokens=[len(o.outputs[0].token_ids) for o in outputs],
+            seconds=time.perf_counter() - started,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes now; left to garbage collection they can hang at exit."""
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()
+
+
+def _is_memory_error(message: str) -> bool:
+    lowered = message.lower()
+    return any(
+        marker in lowered
+        for marker in ("out of memory", "kv cache", "insufficient memory", "not enough memory")
+    )

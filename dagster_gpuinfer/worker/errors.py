@@ -1,0 +1,57 @@
+"""Errors of the worker, split by what a retry can change.
+
+`ShardError` and `SpecError` are the user's to fix (a missing file, a missing column, a model
+directory that is not there): retrying cannot help, so the control plane turns them into a
+non-retryable Dagster `Failure`. Anything else that escapes the worker (an engine crash, a
+killed process, a storage hiccup) is treated as transient and left to Dagster's retries.
+`RowError` is not an exception: it is a quarantined row with its reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class WorkerError(Exception):
+    """An error the user must fix; not retried."""
+
+    error_type = "worker_error"
+    retryable = False
+
+    def __init__(self, message: str, *, partition_key: str | None = None) -> None:
+        super().__init__(message)
+        self.partition_key = partition_key
+
+
+class ShardError(WorkerError):
+    """A shard cannot be processed at all: unreadable, missing, or missing a column."""
+
+    error_type = "bad_shard"
+
+
+class SpecError(WorkerError):
+    """The job spec cannot run: unknown model directory, invalid arguments."""
+
+    error_type = "bad_spec"
+
+
+@dataclass(frozen=True)
+class RowError:
+    """One quarantined input row: which row, why, and what to do."""
+
+    id: str | None
+    source: str
+    row: int
+    error_type: str
+    message: str
+    prompt_tokens: int | None = None
+
+    def as_record(self) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "source": self.source,
+            "row": self.row,
+            "error_type": self.error_type,
+            "message": self.message,
+            "prompt_tokens": self.prompt_tokens,
+        }

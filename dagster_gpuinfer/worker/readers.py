@@ -1,0 +1,262 @@
+"""Streaming shard readers: Parquet, JSONL and OpenAI Batch API JSONL, local or S3.
+
+A reader yields `RawChunk`s of exactly `chunk_size` input rows (the last one shorter), so
+chunk boundaries depend only on the file and the chunk size: a restarted worker cuts the
+same chunks and can skip the committed ones. Memory is bounded by one chunk, never the shard.
+
+Rows that cannot even be parsed (a JSONL line that is not JSON, not UTF-8, or an OpenAI
+batch line for an endpoint the task does not serve) are returned as errors of their chunk,
+never raised: one bad row does not fail the shard. A shard that cannot be read at all, or
+lacks a required column, raises `ShardError`, which fails the partition fast.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.storage import display_uri, filesystem_for
+from dagster_gpuinfer.worker.errors import RowError, ShardError
+
+# Which OpenAI endpoint serves which task, and where the input sits in the request body.
+OPENAI_ENDPOINTS: dict[str, tuple[str, str]] = {
+    "/v1/embeddings": ("embed", "input"),
+    "/v1/completions": ("generate", "prompt"),
+    "/v1/chat/completions": ("chat", "messages"),
+}
+
+
+@dataclass
+class RawChunk:
+    """One chunk of input rows, before validation.
+
+    `rows` holds `(row number, id, payload)` for the rows that parsed; `payload` is a string
+    for embed/generate and a messages value for chat (validated later). `errors` holds the
+    rows of this chunk that failed to parse. `rows_in` counts both.
+    """
+
+    index: int
+    source: str
+    rows: list[tuple[int, str | None, Any]] = field(default_factory=list)
+    errors: list[RowError] = field(default_factory=list)
+    rows_in: int = 0
+
+
+class ShardReader:
+    """Opens one shard and checks it can be read before any model is loaded."""
+
+    def __init__(self, spec: InferenceSpec, partition_key: str) -> None:
+        self.spec = spec
+        self.partition_key = partition_key
+        self.uri = spec.input.shard_uri(partition_key)
+        self.format = spec.input.resolved_format()
+        self.fs, self.path = filesystem_for(self.uri, spec.storage)
+        self.source = display_uri(self.fs, self.path)
+        self.payload_column = (
+            spec.input.messages_column if spec.task == "chat" else spec.input.text_column
+        )
+
+    # ------------------------------------------------------------------ preflight
+
+    def preflight(self) -> None:
+        """Fail fast, before any engine starts, when the shard cannot serve this spec."""
+        try:
+            info = self.fs.get_file_info(self.path)
+        except OSError as exc:
+            raise ShardError(
+                f"shard {self.source} of partition {self.partition_key!r} cannot be reached: "
+                f"{exc}. Check the input uri and storage credentials",
+                partition_key=self.partition_key,
+            ) from exc
+        if info.type != pafs.FileType.File:
+            raise ShardError(
+                f"shard {self.source} of partition {self.partition_key!r} does not exist. "
+                f"Check input.uri ({self.spec.input.uri!r}) or register only partitions whose "
+                "files exist",
+                partition_key=self.partition_key,
+            )
+        if self.format == "parquet":
+            self._preflight_parquet()
+        else:
+            self._preflight_jsonl()
+
+    def _required_columns(self) -> list[str]:
+        columns = [self.payload_column]
+        if self.spec.input.id_column:
+            columns.insert(0, self.spec.input.id_column)
+        return columns
+
+    def _missing_column_error(self, missing: list[str], present: list[str]) -> ShardError:
+        return ShardError(
+            f"shard {self.source} has no column {', '.join(repr(m) for m in missing)} "
+            f"(columns: {', '.join(present) or 'none'}). Set input.id_column / "
+            f"input.{'messages' if self.spec.task == 'chat' else 'text'}_column to the "
+            "right names",
+            partition_key=self.partition_key,
+        )
+
+    def _preflight_parquet(self) -> None:
+        try:
+            with self.fs.open_input_file(self.path) as handle:
+                schema = pq.ParquetFile(handle).schema_arrow
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise ShardError(
+                f"shard {self.source} is not a readable Parquet file: {exc}",
+                partition_key=self.partition_key,
+            ) from exc
+        missing = [c for c in self._required_columns() if c not in schema.names]
+        if missing:
+            raise self._missing_column_error(missing, schema.names)
+
+    def _preflight_jsonl(self) -> None:
+        """The first parseable line decides the columns of a JSONL shard."""
+        if self.format == "openai_batch":
+            return
+        for line in self._lines():
+            try:
+                first = json.loads(line)
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if isinstance(first, dict):
+                missing = [c for c in self._required_columns() if c not in first]
+                if missing:
+                    raise self._missing_column_error(missing, list(first))
+            return
+
+    # ------------------------------------------------------------------ streaming
+
+    def chunks(self, chunk_size: int) -> Iterator[RawChunk]:
+        if self.format == "parquet":
+            yield from self._parquet_chunks(chunk_size)
+        else:
+            yield from self._jsonl_chunks(chunk_size)
+
+    def _parquet_chunks(self, chunk_size: int) -> Iterator[RawChunk]:
+        id_column = self.spec.input.id_column
+        columns = self._required_columns()
+        with self.fs.open_input_file(self.path) as handle:
+            parquet = pq.ParquetFile(handle)
+            pending: list[pa.RecordBatch] = []
+            pending_rows = 0
+            index = 0
+            row = 0
+            for batch in parquet.iter_batches(batch_size=chunk_size, columns=columns):
+                pending.append(batch)
+                pending_rows += batch.num_rows
+                while pending_rows >= chunk_size:
+                    table = pa.Table.from_batches(pending)
+                    head, tail = table.slice(0, chunk_size), table.slice(chunk_size)
+                    yield self._parquet_chunk(index, row, head, id_column)
+                    index += 1
+                    row += head.num_rows
+                    pending = tail.to_batches()
+                    pending_rows = tail.num_rows
+            if pending_rows:
+                yield self._parquet_chunk(index, row, pa.Table.from_batches(pending), id_column)
+
+    def _parquet_chunk(
+        self, index: int, first_row: int, table: pa.Table, id_column: str | None
+    ) -> RawChunk:
+        payloads = table.column(self.payload_column).to_pylist()
+        if id_column:
+            ids = [None if v is None else str(v) for v in table.column(id_column).to_pylist()]
+        else:
+            ids = [self._default_id(first_row + i) for i in range(table.num_rows)]
+        rows = [(first_row + i, ids[i], payloads[i]) for i in range(table.num_rows)]
+        return RawChunk(index=index, source=self.source, rows=rows, rows_in=len(rows))
+
+    def _default_id(self, row: int) -> str:
+        return f"{self.partition_key}:{row}"
+
+    def _lines(self) -> Iterator[bytes]:
+        """Non-blank lines of the file, streamed in blocks."""
+        with self.fs.open_input_stream(self.path) as stream:
+            rest = b""
+            while True:
+                block = stream.read(1 << 20)
+                if not block:
+                    break
+                lines = (rest + block).split(b"\n")
+                rest = lines.pop()
+                for line in lines:
+                    if line.strip():
+                        yield line
+            if rest.strip():
+                yield rest
+
+    def _jsonl_chunks(self, chunk_size: int) -> Iterator[RawChunk]:
+        chunk = RawChunk(index=0, source=self.source)
+        for row, line in enumerate(self._lines()):
+            if chunk.rows_in == chunk_size:
+                yield chunk
+                chunk = RawChunk(index=chunk.index + 1, source=self.source)
+            chunk.rows_in += 1
+            parsed = self._parse_line(row, line)
+            if isinstance(parsed, RowError):
+                chunk.errors.append(parsed)
+            else:
+                chunk.rows.append(parsed)
+        if chunk.rows_in:
+            yield chunk
+
+    def _parse_line(self, row: int, line: bytes) -> tuple[int, str | None, Any] | RowError:
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return RowError(
+                None, self.source, row, "invalid_utf8",
+                f"{self.source} line {row + 1}: not valid UTF-8 ({exc.reason} at byte "
+                f"{exc.start}); the row was quarantined",
+            )
+        try:
+            record = json.loads(text)
+        except ValueError as exc:
+            return RowError(
+                None, self.source, row, "invalid_json",
+                f"{self.source} line {row + 1}: not valid JSON ({exc}); the row was quarantined",
+            )
+        if not isinstance(record, dict):
+            return RowError(
+                None, self.source, row, "invalid_json",
+                f"{self.source} line {row + 1}: a JSON {type(record).__name__}, not an object; "
+                "the row was quarantined",
+            )
+        if self.format == "openai_batch":
+            return self._parse_openai_request(row, record)
+        id_column = self.spec.input.id_column
+        row_id = self._default_id(row) if id_column is None else record.get(id_column)
+        return (row, None if row_id is None else str(row_id), record.get(self.payload_column))
+
+    def _parse_openai_request(self, row: int, record: dict[str, Any]) -> Any:
+        custom_id = record.get("custom_id")
+        row_id = None if custom_id is None else str(custom_id)
+        url = record.get("url")
+        body = record.get("body")
+        endpoint = OPENAI_ENDPOINTS.get(url) if isinstance(url, str) else None
+        if endpoint is None:
+            return RowError(
+                row_id, self.source, row, "unsupported_url",
+                f"{self.source} line {row + 1}: url {url!r} is not supported; use one of "
+                f"{', '.join(OPENAI_ENDPOINTS)}; the row was quarantined",
+            )
+        task, body_field = endpoint
+        if task != self.spec.task:
+            return RowError(
+                row_id, self.source, row, "unsupported_url",
+                f"{self.source} line {row + 1}: url {url} asks for task {task!r} but this "
+                f"pipeline runs {self.spec.task!r}; the row was quarantined",
+            )
+        if not isinstance(body, dict) or body_field not in body:
+            return RowError(
+                row_id, self.source, row, "invalid_request",
+                f"{self.source} line {row + 1}: body has no {body_field!r}; the row was "
+                "quarantined",
+            )
+        return (row, row_id, body[body_field])
