@@ -67,6 +67,29 @@ def production_kubernetes_client(config: K8sLauncherConfig) -> DagsterKubernetes
     return DagsterKubernetesClient.production_client()
 
 
+class _PromptPodClient(DagsterKubernetesClient):
+    """dagster-k8s's client, but a pod that disappears fails the wait within a poll or two.
+
+    `wait_for_pod` treats a missing pod as "not launched yet" for `pod_launch_timeout` (one
+    day by default), which is right before creation and wrong after it: our pods exist
+    before any wait starts, so a missing pod was deleted (from outside, or with its node).
+    """
+
+    def __init__(self, client: DagsterKubernetesClient, *, launch_timeout: float) -> None:
+        super().__init__(
+            batch_api=client.batch_api,
+            core_api=client.core_api,
+            logger=client.logger,
+            sleeper=client.sleeper,
+            timer=client.timer,
+        )
+        self.launch_timeout = launch_timeout
+
+    def wait_for_pod(self, pod_name: str, namespace: str, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("pod_launch_timeout", self.launch_timeout)
+        return super().wait_for_pod(pod_name, namespace, *args, **kwargs)
+
+
 class GpuWorkerPipesClient(PipesK8sClient):
     """`PipesK8sClient` for worker pods built by `build_worker_pod`.
 
@@ -106,7 +129,7 @@ class GpuWorkerPipesClient(PipesK8sClient):
             WorkerPodFailed: the pod failed (`failure` says why and if a retry can help);
                 `WorkerOutOfMemory` when it ran out of memory.
         """
-        client = self._kubernetes_client()
+        client = _PromptPodClient(self._kubernetes_client(), launch_timeout=self.poll_interval)
         name = pod["metadata"]["name"]
         namespace = pod["metadata"]["namespace"]
         image = pod["spec"]["containers"][0]["image"]
