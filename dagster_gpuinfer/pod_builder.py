@@ -54,7 +54,9 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 # Kubernetes resource.Quantity: a signed decimal with an optional binary or decimal suffix.
-_QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$")
+_QUANTITY = re.compile(
+    r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+)
 # Names of environment variables that usually hold credentials: these must come from a Secret.
 _SECRET_LIKE = re.compile(
     r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY|ACCESS_KEY|SESSION_KEY)",
@@ -352,7 +354,9 @@ def validate_launcher_config(config: K8sLauncherConfig, extra_env: Mapping[str, 
         PodSpecError: naming the field and what to write instead.
     """
     if not config.image.strip():
-        raise PodSpecError("k8s.image is empty; set the worker image, e.g. 'repo/gpuinfer-worker:0.1.0'")
+        raise PodSpecError(
+            "k8s.image is empty; set the worker image, e.g. 'repo/gpuinfer-worker:0.1.0'"
+        )
     if not _DNS_LABEL.match(config.namespace):
         raise PodSpecError(f"k8s.namespace={config.namespace!r} is not a valid namespace name")
     if config.model_cache_pvc and config.model_cache_host_path:
@@ -360,12 +364,21 @@ def validate_launcher_config(config: K8sLauncherConfig, extra_env: Mapping[str, 
             "k8s.model_cache_pvc and k8s.model_cache_host_path are both set; the model cache is "
             "one volume: keep the PVC (shared storage) or the hostPath (node-local cache)"
         )
-    if config.model_cache_host_path is not None and not config.model_cache_host_path.startswith("/"):
+    if config.model_cache_host_path is not None and not config.model_cache_host_path.startswith(
+        "/"
+    ):
         raise PodSpecError(
             f"k8s.model_cache_host_path={config.model_cache_host_path!r} must be an absolute "
             "path on the node, e.g. /var/lib/gpuinfer/models"
         )
-    for field in ("shm_size", "scratch_size", "cpu_request", "cpu_limit", "memory_request", "memory_limit"):
+    for field in (
+        "shm_size",
+        "scratch_size",
+        "cpu_request",
+        "cpu_limit",
+        "memory_request",
+        "memory_limit",
+    ):
         _check_quantity(field, getattr(config, field))
     if config.gpu_resource_name is not None:
         _check_label_key("k8s.gpu_resource_name", config.gpu_resource_name)
@@ -377,7 +390,10 @@ def validate_launcher_config(config: K8sLauncherConfig, extra_env: Mapping[str, 
             f"k8s.kueue_queue={config.kueue_queue!r} is not a LocalQueue name (lowercase "
             "letters, digits, '-' and '.')"
         )
-    for where, mapping in (("k8s.labels", config.labels), ("k8s.node_selector", config.node_selector)):
+    for where, mapping in (
+        ("k8s.labels", config.labels),
+        ("k8s.node_selector", config.node_selector),
+    ):
         for key, value in mapping.items():
             _check_label_key(where, key)
             if label_value(value) != value:
@@ -389,12 +405,20 @@ def validate_launcher_config(config: K8sLauncherConfig, extra_env: Mapping[str, 
         _check_label_key("k8s.annotations", key)
     _check_env_names("k8s.env", list(config.env), allow_secret_like=False)
     _check_env_names("GpuInferenceResource.env", list(extra_env), allow_secret_like=False)
-    _check_env_names("k8s.secret_env", [ref.env_name for ref in config.secret_env], allow_secret_like=True)
-    for name in [*config.image_pull_secrets, *config.secret_env_from, *(r.secret_name for r in config.secret_env)]:
+    _check_env_names(
+        "k8s.secret_env", [ref.env_name for ref in config.secret_env], allow_secret_like=True
+    )
+    for name in [
+        *config.image_pull_secrets,
+        *config.secret_env_from,
+        *(r.secret_name for r in config.secret_env),
+    ]:
         if not _DNS_SUBDOMAIN.match(name):
             raise PodSpecError(f"Secret name {name!r} is not a valid Kubernetes object name")
     if not config.command:
-        raise PodSpecError("k8s.command is empty; the default runs python3 -m dagster_gpuinfer.worker")
+        raise PodSpecError(
+            "k8s.command is empty; the default runs python3 -m dagster_gpuinfer.worker"
+        )
 
 
 def _check_model_location(spec: InferenceSpec, config: K8sLauncherConfig) -> None:
@@ -405,8 +429,10 @@ def _check_model_location(spec: InferenceSpec, config: K8sLauncherConfig) -> Non
             f"model {spec.model!r} is a path relative to the code location; a pod cannot see "
             f"it. Copy the model into the model cache and set model='{MODEL_CACHE_MOUNT}/<name>'"
         )
-    if has_cache and model.startswith("/") and not (
-        model == MODEL_CACHE_MOUNT or model.startswith(MODEL_CACHE_MOUNT + "/")
+    if (
+        has_cache
+        and model.startswith("/")
+        and not (model == MODEL_CACHE_MOUNT or model.startswith(MODEL_CACHE_MOUNT + "/"))
     ):
         raise PodSpecError(
             f"model {spec.model!r} is outside the model cache, which pods mount read-only at "
@@ -498,7 +524,9 @@ def build_worker_pod(
     env.extend(
         {
             "name": ref.env_name,
-            "valueFrom": {"secretKeyRef": {"name": ref.secret_name, "key": ref.key, "optional": False}},
+            "valueFrom": {
+                "secretKeyRef": {"name": ref.secret_name, "key": ref.key, "optional": False}
+            },
         }
         for ref in config.secret_env
     )

@@ -54,11 +54,19 @@ FailureKind = Literal[
 KUEUE_ADMISSION_GATE = "kueue.x-k8s.io/admission"
 
 IMAGE_PULL_REASONS = frozenset(
-    {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "RegistryUnavailable"}
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "ErrImageNeverPull",
+        "RegistryUnavailable",
+    }
 )
 CONFIG_ERROR_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError"})
 # Pod-level reasons the kubelet or node lifecycle controllers set when they stop a pod.
-NODE_LOSS_REASONS = frozenset({"NodeLost", "NodeShutdown", "Shutdown", "Terminated", "NodeAffinity"})
+NODE_LOSS_REASONS = frozenset(
+    {"NodeLost", "NodeShutdown", "Shutdown", "Terminated", "NodeAffinity"}
+)
 RESUME_NOTE = "The step is retryable; a retry resumes from the committed chunks."
 
 # vLLM and torch messages for memory that ran out at engine start or during a batch.
@@ -149,7 +157,9 @@ def is_scheduled(pod: Any) -> bool:
     return bool(getattr(getattr(pod, "spec", None), "node_name", None))
 
 
-StartState = Literal["queued", "unschedulable", "starting", "config_error", "image_error", "started", "failed"]
+StartState = Literal[
+    "queued", "unschedulable", "starting", "config_error", "image_error", "started", "failed"
+]
 
 
 def pod_start_state(pod: Any) -> tuple[StartState, str]:
@@ -168,7 +178,10 @@ def pod_start_state(pod: Any) -> tuple[StartState, str]:
         if state is not None and (state.running is not None or state.terminated is not None):
             return "started", f"container {cs.name} started"
     if phase in ("Failed", "Succeeded"):
-        return "failed", f"pod phase {phase}: {getattr(status, 'reason', None) or ''} {getattr(status, 'message', None) or ''}".strip()
+        return (
+            "failed",
+            f"pod phase {phase}: {getattr(status, 'reason', None) or ''} {getattr(status, 'message', None) or ''}".strip(),
+        )
     for cs in statuses:
         waiting = cs.state.waiting if cs.state is not None else None
         if waiting is None:
@@ -198,7 +211,12 @@ def scheduler_messages(events: Iterable[Any]) -> list[str]:
     for event in events:
         if getattr(event, "type", None) != "Warning":
             continue
-        if getattr(event, "reason", None) not in ("FailedScheduling", "NotTriggerScaleUp", "FailedMount", "FailedAttachVolume"):
+        if getattr(event, "reason", None) not in (
+            "FailedScheduling",
+            "NotTriggerScaleUp",
+            "FailedMount",
+            "FailedAttachVolume",
+        ):
             continue
         text = f"{event.reason}: {event.message}"
         if text not in seen:
@@ -221,7 +239,9 @@ def last_error_lines(log_text: str, limit: int = 25) -> str:
             except ValueError:
                 pass
         lines.append(line.rstrip())
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    starts = [
+        i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")
+    ]
     if starts:
         lines = lines[starts[-1] :]
     return "\n".join(lines[-limit:])
@@ -415,7 +435,12 @@ def _terminated_state(pod: Any) -> Any:
 
 
 def start_timeout_failure(
-    *, state: StartState, detail_text: str, pod_name: str, timeout: float, events: Sequence[Any] = ()
+    *,
+    state: StartState,
+    detail_text: str,
+    pod_name: str,
+    timeout: float,
+    events: Sequence[Any] = (),
 ) -> PodFailure:
     """The verdict for a pod that did not start within `pod_pending_timeout`."""
     reasons = scheduler_messages(events)
@@ -466,7 +491,9 @@ def queue_timeout_failure(*, pod_name: str, queue: str | None, timeout: float) -
     )
 
 
-def api_error_failure(*, status: int | None, reason: str, body: str, pod_name: str, namespace: str) -> PodFailure:
+def api_error_failure(
+    *, status: int | None, reason: str, body: str, pod_name: str, namespace: str
+) -> PodFailure:
     """The verdict when the API server refuses to create the pod."""
     message = body
     try:

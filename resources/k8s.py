@@ -54,18 +54,23 @@ def k8s_launcher_config(environ: Mapping[str, str] | None = None) -> K8sLauncher
             "built from deploy/worker/Dockerfile (the Helm values set it on the user deployment)"
         )
     pvc = env.get("GPUINFER_MODEL_CACHE_PVC") or None
-    host_path = None if pvc else env.get("GPUINFER_MODEL_CACHE_HOST_PATH", DEFAULT_MODEL_CACHE_HOST_PATH)
+    host_path = (
+        None if pvc else env.get("GPUINFER_MODEL_CACHE_HOST_PATH", DEFAULT_MODEL_CACHE_HOST_PATH)
+    )
     memory = env.get("GPUINFER_WORKER_MEMORY", "64Gi")
     secret_env = []
     if env.get("GPUINFER_HF_TOKEN_SECRET"):
         secret_env.append(
-            SecretEnvRef(env_name="HF_TOKEN", secret_name=env["GPUINFER_HF_TOKEN_SECRET"], key="token")
+            SecretEnvRef(
+                env_name="HF_TOKEN", secret_name=env["GPUINFER_HF_TOKEN_SECRET"], key="token"
+            )
         )
     s3_secret = env.get("GPUINFER_S3_SECRET", DEFAULT_S3_SECRET)
     return K8sLauncherConfig(
         image=image,
         namespace=env.get("GPUINFER_NAMESPACE", DEFAULT_NAMESPACE),
-        service_account=env.get("GPUINFER_WORKER_SERVICE_ACCOUNT", DEFAULT_WORKER_SERVICE_ACCOUNT) or None,
+        service_account=env.get("GPUINFER_WORKER_SERVICE_ACCOUNT", DEFAULT_WORKER_SERVICE_ACCOUNT)
+        or None,
         gpu_type=env.get("GPUINFER_GPU_TYPE") or None,
         tolerations=[Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")],
         kueue_queue=env.get("GPUINFER_KUEUE_QUEUE", DEFAULT_KUEUE_QUEUE) or None,

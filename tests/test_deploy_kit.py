@@ -32,14 +32,23 @@ from resources.k8s import k8s_launcher_config, k8s_resources
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 K8S_VERSION = "1.37.0"
-NATIVE_GROUPS = {"v1", "apps/v1", "batch/v1", "rbac.authorization.k8s.io/v1", "scheduling.k8s.io/v1", "policy/v1"}
+NATIVE_GROUPS = {
+    "v1",
+    "apps/v1",
+    "batch/v1",
+    "rbac.authorization.k8s.io/v1",
+    "scheduling.k8s.io/v1",
+    "policy/v1",
+}
 NOT_MANIFESTS = {DEPLOY / "helm" / "values.yaml", DEPLOY / "dagster.yaml"}
 _API = ApiClient()
 
 
 def manifest_files() -> list[Path]:
     return sorted(
-        p for p in DEPLOY.rglob("*.yaml") if p not in NOT_MANIFESTS and "local" not in p.relative_to(DEPLOY).parts
+        p
+        for p in DEPLOY.rglob("*.yaml")
+        if p not in NOT_MANIFESTS and "local" not in p.relative_to(DEPLOY).parts
     )
 
 
@@ -82,9 +91,27 @@ def match_labels(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 def test_the_kit_has_every_piece_the_issue_asks_for():
     kinds = {doc["kind"] for _, doc in all_objects()}
-    assert {"ServiceAccount", "Role", "RoleBinding", "ResourceFlavor", "ClusterQueue", "LocalQueue",
-            "PriorityClass", "ConfigMap", "DaemonSet", "Job", "PersistentVolumeClaim", "Namespace"} <= kinds
-    for path in ("worker/Dockerfile", "code-location/Dockerfile", "helm/values.yaml", "dagster.yaml", "README.md"):
+    assert {
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "ResourceFlavor",
+        "ClusterQueue",
+        "LocalQueue",
+        "PriorityClass",
+        "ConfigMap",
+        "DaemonSet",
+        "Job",
+        "PersistentVolumeClaim",
+        "Namespace",
+    } <= kinds
+    for path in (
+        "worker/Dockerfile",
+        "code-location/Dockerfile",
+        "helm/values.yaml",
+        "dagster.yaml",
+        "README.md",
+    ):
         assert (DEPLOY / path).is_file(), path
 
 
@@ -95,7 +122,9 @@ def test_native_objects_validate_strictly_and_round_trip_through_the_client_mode
     for doc in docs:
         assert {"apiVersion", "kind", "metadata"} <= set(doc), f"{path}: not a Kubernetes object"
         if doc["apiVersion"] not in NATIVE_GROUPS:
-            assert doc["apiVersion"].startswith("kueue.x-k8s.io/"), f"{path}: unexpected {doc['apiVersion']}"
+            assert doc["apiVersion"].startswith("kueue.x-k8s.io/"), (
+                f"{path}: unexpected {doc['apiVersion']}"
+            )
             continue
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         assert round_trip(doc) == doc, f"{path}: {doc['kind']} has a field the client model drops"
@@ -128,11 +157,15 @@ def test_readme_documents_every_file_of_the_kit():
 
 def test_local_queues_point_at_existing_cluster_queues_in_tenant_namespaces():
     cluster_queues = {cq["metadata"]["name"]: cq for cq in objects("ClusterQueue")}
-    namespaces = {ns["metadata"]["name"]: ns["metadata"].get("labels", {}) for ns in objects("Namespace")}
+    namespaces = {
+        ns["metadata"]["name"]: ns["metadata"].get("labels", {}) for ns in objects("Namespace")
+    }
     for queue in objects("LocalQueue"):
         namespace = queue["metadata"]["namespace"]
         target = cluster_queues.get(queue["spec"]["clusterQueue"])
-        assert target is not None, f"LocalQueue {namespace}/{queue['metadata']['name']} names a missing ClusterQueue"
+        assert target is not None, (
+            f"LocalQueue {namespace}/{queue['metadata']['name']} names a missing ClusterQueue"
+        )
         assert match_labels(target["spec"]["namespaceSelector"], namespaces[namespace]), (
             f"ClusterQueue {target['metadata']['name']} does not accept namespace {namespace}"
         )
@@ -148,20 +181,31 @@ def test_cluster_queues_use_existing_flavors_with_full_quota_and_share_a_fair_co
         for group in spec["resourceGroups"]:
             covered = group["coveredResources"]
             for flavor in group["flavors"]:
-                assert flavor["name"] in flavors, f"{cq['metadata']['name']}: unknown flavor {flavor['name']}"
-                assert [r["name"] for r in flavor["resources"]] == covered, "quota for each covered resource, in order"
+                assert flavor["name"] in flavors, (
+                    f"{cq['metadata']['name']}: unknown flavor {flavor['name']}"
+                )
+                assert [r["name"] for r in flavor["resources"]] == covered, (
+                    "quota for each covered resource, in order"
+                )
     assert len(cohorts) == 1, "fair sharing works between ClusterQueues of one cohort"
 
 
 def test_kueue_configuration_admits_plain_pods_in_tenant_namespaces_with_fair_sharing():
-    configmap = next(cm for cm in objects("ConfigMap") if cm["metadata"]["name"] == "kueue-manager-config")
+    configmap = next(
+        cm for cm in objects("ConfigMap") if cm["metadata"]["name"] == "kueue-manager-config"
+    )
     config = yaml.safe_load(configmap["data"]["controller_manager_config.yaml"])
-    assert config["apiVersion"] == "config.kueue.x-k8s.io/v1beta1" and config["kind"] == "Configuration"
+    assert (
+        config["apiVersion"] == "config.kueue.x-k8s.io/v1beta1"
+        and config["kind"] == "Configuration"
+    )
     assert "pod" in config["integrations"]["frameworks"]
     assert config["fairSharing"]["enable"] is True
     assert config["manageJobsWithoutQueueName"] is False
     selector = config["managedJobsNamespaceSelector"]
-    namespaces = {ns["metadata"]["name"]: ns["metadata"].get("labels", {}) for ns in objects("Namespace")}
+    namespaces = {
+        ns["metadata"]["name"]: ns["metadata"].get("labels", {}) for ns in objects("Namespace")
+    }
     for queue in objects("LocalQueue"):
         assert match_labels(selector, namespaces[queue["metadata"]["namespace"]])
     assert not match_labels(selector, {"kubernetes.io/metadata.name": "kube-system"})
@@ -193,7 +237,9 @@ def sample_spec(**overrides: Any) -> InferenceSpec:
 
 def helm_worker_pod() -> dict[str, Any]:
     resource = k8s_resources(code_location_env())["gpu"]
-    return build_worker_pod(sample_spec(), resource.k8s, RunIdentity(run_id="r" * 36, asset_key="completions"))
+    return build_worker_pod(
+        sample_spec(), resource.k8s, RunIdentity(run_id="r" * 36, asset_key="completions")
+    )
 
 
 def test_helm_env_builds_a_valid_pod_that_references_only_objects_the_kit_creates():
@@ -201,17 +247,25 @@ def test_helm_env_builds_a_valid_pod_that_references_only_objects_the_kit_create
     namespace = pod["metadata"]["namespace"]
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
 
-    accounts = {(sa["metadata"]["namespace"], sa["metadata"]["name"]) for sa in objects("ServiceAccount")}
+    accounts = {
+        (sa["metadata"]["namespace"], sa["metadata"]["name"]) for sa in objects("ServiceAccount")
+    }
     assert (namespace, pod["spec"]["serviceAccountName"]) in accounts
-    assert pod["spec"]["priorityClassName"] in {pc["metadata"]["name"] for pc in objects("PriorityClass")}
+    assert pod["spec"]["priorityClassName"] in {
+        pc["metadata"]["name"] for pc in objects("PriorityClass")
+    }
     queues = {(q["metadata"]["namespace"], q["metadata"]["name"]) for q in objects("LocalQueue")}
     assert (namespace, pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]) in queues
     assert namespace in {ns["metadata"]["name"] for ns in objects("Namespace")}
 
     warmer = objects("DaemonSet")[0]
-    warmer_cache = next(v for v in warmer["spec"]["template"]["spec"]["volumes"] if v["name"] == "cache")
+    warmer_cache = next(
+        v for v in warmer["spec"]["template"]["spec"]["volumes"] if v["name"] == "cache"
+    )
     pod_cache = next(v for v in pod["spec"]["volumes"] if v["name"] == "model-cache")
-    assert pod_cache["hostPath"]["path"] == warmer_cache["hostPath"]["path"], "workers read where the warmer writes"
+    assert pod_cache["hostPath"]["path"] == warmer_cache["hostPath"]["path"], (
+        "workers read where the warmer writes"
+    )
     assert warmer["metadata"]["namespace"] == namespace
 
 
@@ -219,15 +273,24 @@ def test_cluster_queue_covers_every_resource_a_worker_pod_requests():
     pod = helm_worker_pod()
     requested = set(pod["spec"]["containers"][0]["resources"]["requests"])
     namespace_labels = next(
-        ns["metadata"]["labels"] for ns in objects("Namespace") if ns["metadata"]["name"] == pod["metadata"]["namespace"]
+        ns["metadata"]["labels"]
+        for ns in objects("Namespace")
+        if ns["metadata"]["name"] == pod["metadata"]["namespace"]
     )
-    queue = next(cq for cq in objects("ClusterQueue") if match_labels(cq["spec"]["namespaceSelector"], namespace_labels))
+    queue = next(
+        cq
+        for cq in objects("ClusterQueue")
+        if match_labels(cq["spec"]["namespaceSelector"], namespace_labels)
+    )
     covered = {r for group in queue["spec"]["resourceGroups"] for r in group["coveredResources"]}
     assert requested <= covered, f"Kueue never admits a pod requesting {requested - covered}"
     gpus = int(pod["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"])
     quota = max(
-        int(r["nominalQuota"]) for group in queue["spec"]["resourceGroups"] for f in group["flavors"]
-        for r in f["resources"] if r["name"] == "nvidia.com/gpu"
+        int(r["nominalQuota"])
+        for group in queue["spec"]["resourceGroups"]
+        for f in group["flavors"]
+        for r in f["resources"]
+        if r["name"] == "nvidia.com/gpu"
     )
     assert gpus <= quota, "one pod must fit in the quota"
 
@@ -235,14 +298,24 @@ def test_cluster_queue_covers_every_resource_a_worker_pod_requests():
 def test_namespaces_with_hostpath_workers_do_not_enforce_a_pod_security_level_that_forbids_it():
     pod = helm_worker_pod()
     assert any("hostPath" in v for v in pod["spec"]["volumes"])
-    labels = next(ns["metadata"]["labels"] for ns in objects("Namespace") if ns["metadata"]["name"] == pod["metadata"]["namespace"])
+    labels = next(
+        ns["metadata"]["labels"]
+        for ns in objects("Namespace")
+        if ns["metadata"]["name"] == pod["metadata"]["namespace"]
+    )
     assert labels.get("pod-security.kubernetes.io/enforce") not in ("baseline", "restricted")
 
 
 def test_rbac_grants_what_the_launcher_calls_and_nothing_more(tmp_path):
     import math
 
-    from test_k8s_launcher import FakeKubernetes, PodScript, committing_worker, crashing_worker, materialize
+    from test_k8s_launcher import (
+        FakeKubernetes,
+        PodScript,
+        committing_worker,
+        crashing_worker,
+        materialize,
+    )
 
     calls: set[str] = set()
 
@@ -272,13 +345,21 @@ def test_rbac_grants_what_the_launcher_calls_and_nothing_more(tmp_path):
     }
     needed = {verb_of[call] for call in calls}
     role = next(r for r in objects("Role") if r["metadata"]["name"] == "gpuinfer-launcher")
-    granted = {(res, verb) for rule in role["rules"] for res in rule["resources"] for verb in rule["verbs"]}
+    granted = {
+        (res, verb) for rule in role["rules"] for res in rule["resources"] for verb in rule["verbs"]
+    }
     assert all(rule["apiGroups"] == [""] for rule in role["rules"])
     assert needed <= granted, f"the Role lacks {needed - granted}"
-    assert granted - needed <= {("pods", "watch"), ("pods", "get")}, f"the Role grants more: {granted - needed}"
+    assert granted - needed <= {("pods", "watch"), ("pods", "get")}, (
+        f"the Role grants more: {granted - needed}"
+    )
     binding = next(b for b in objects("RoleBinding") if b["roleRef"]["name"] == "gpuinfer-launcher")
     assert binding["metadata"]["namespace"] == role["metadata"]["namespace"]
-    assert {"kind": "ServiceAccount", "name": helm_values()["global"]["serviceAccountName"], "namespace": "dagster"} in binding["subjects"]
+    assert {
+        "kind": "ServiceAccount",
+        "name": helm_values()["global"]["serviceAccountName"],
+        "namespace": "dagster",
+    } in binding["subjects"]
 
 
 # --------------------------------------------------------------------------- Dagster instance and chart
@@ -303,15 +384,24 @@ def test_helm_values_match_the_instance_config():
         "maxRetries": instance["run_retries"]["max_retries"],
         "retryOnAssetOrOpFailure": instance["run_retries"]["retry_on_asset_or_op_failure"],
     }
-    monitoring = {re.sub(r"_(\w)", lambda m: m.group(1).upper(), k): v for k, v in instance["run_monitoring"].items()}
+    monitoring = {
+        re.sub(r"_(\w)", lambda m: m.group(1).upper(), k): v
+        for k, v in instance["run_monitoring"].items()
+    }
     assert daemon["runMonitoring"] == monitoring
     assert values["concurrency"]["pools"] == {
         "granularity": instance["concurrency"]["pools"]["granularity"],
         "defaultLimit": instance["concurrency"]["pools"]["default_limit"],
     }
-    assert values["concurrency"]["runs"]["maxConcurrentRuns"] == instance["concurrency"]["runs"]["max_concurrent_runs"]
-    assert values["runLauncher"]["config"]["k8sRunLauncher"]["runK8sConfig"]["podSpecConfig"]["serviceAccountName"] == (
-        instance["run_launcher"]["config"]["service_account_name"]
+    assert (
+        values["concurrency"]["runs"]["maxConcurrentRuns"]
+        == instance["concurrency"]["runs"]["max_concurrent_runs"]
+    )
+    assert (
+        values["runLauncher"]["config"]["k8sRunLauncher"]["runK8sConfig"]["podSpecConfig"][
+            "serviceAccountName"
+        ]
+        == (instance["run_launcher"]["config"]["service_account_name"])
     )
 
 
@@ -321,21 +411,83 @@ CHART_KEYS = {
     "serviceAccount": {"create", "name", "annotations"},
     "dagster-user-deployments": {"enabled", "enableSubchart", "imagePullSecrets", "deployments"},
     "runLauncher": {"type", "config"},
-    "postgresql": {"enabled", "image", "postgresqlHost", "postgresqlUsername", "postgresqlPassword",
-                   "postgresqlDatabase", "postgresqlParams", "postgresqlScheme", "service"},
+    "postgresql": {
+        "enabled",
+        "image",
+        "postgresqlHost",
+        "postgresqlUsername",
+        "postgresqlPassword",
+        "postgresqlDatabase",
+        "postgresqlParams",
+        "postgresqlScheme",
+        "service",
+    },
     "generatePostgresqlPasswordSecret": None,
-    "dagsterDaemon": {"enabled", "image", "runCoordinator", "heartbeatTolerance", "env", "envConfigMaps",
-                      "envSecrets", "resources", "runMonitoring", "runRetries", "sensors", "schedules",
-                      "backfills", "nodeSelector", "affinity", "tolerations", "annotations", "labels"},
+    "dagsterDaemon": {
+        "enabled",
+        "image",
+        "runCoordinator",
+        "heartbeatTolerance",
+        "env",
+        "envConfigMaps",
+        "envSecrets",
+        "resources",
+        "runMonitoring",
+        "runRetries",
+        "sensors",
+        "schedules",
+        "backfills",
+        "nodeSelector",
+        "affinity",
+        "tolerations",
+        "annotations",
+        "labels",
+    },
     "concurrency": {"enabled", "pools", "runs"},
 }
-DEPLOYMENT_KEYS = {"name", "image", "dagsterApiGrpcArgs", "codeServerArgs", "includeConfigInLaunchedRuns", "port",
-                   "env", "envConfigMaps", "envSecrets", "annotations", "nodeSelector", "affinity", "tolerations",
-                   "podSecurityContext", "securityContext", "resources", "livenessProbe", "readinessProbe",
-                   "startupProbe", "labels", "volumeMounts", "volumes", "schedulerName"}
-K8S_RUN_LAUNCHER_KEYS = {"image", "imagePullPolicy", "jobNamespace", "loadInclusterConfig", "kubeconfigFile",
-                         "envConfigMaps", "envSecrets", "envVars", "volumeMounts", "volumes", "labels",
-                         "failPodOnRunFailure", "resources", "schedulerName", "securityContext", "runK8sConfig"}
+DEPLOYMENT_KEYS = {
+    "name",
+    "image",
+    "dagsterApiGrpcArgs",
+    "codeServerArgs",
+    "includeConfigInLaunchedRuns",
+    "port",
+    "env",
+    "envConfigMaps",
+    "envSecrets",
+    "annotations",
+    "nodeSelector",
+    "affinity",
+    "tolerations",
+    "podSecurityContext",
+    "securityContext",
+    "resources",
+    "livenessProbe",
+    "readinessProbe",
+    "startupProbe",
+    "labels",
+    "volumeMounts",
+    "volumes",
+    "schedulerName",
+}
+K8S_RUN_LAUNCHER_KEYS = {
+    "image",
+    "imagePullPolicy",
+    "jobNamespace",
+    "loadInclusterConfig",
+    "kubeconfigFile",
+    "envConfigMaps",
+    "envSecrets",
+    "envVars",
+    "volumeMounts",
+    "volumes",
+    "labels",
+    "failPodOnRunFailure",
+    "resources",
+    "schedulerName",
+    "securityContext",
+    "runK8sConfig",
+}
 
 
 def test_helm_values_use_only_keys_the_dagster_chart_knows():
@@ -343,7 +495,9 @@ def test_helm_values_use_only_keys_the_dagster_chart_knows():
     for key, value in values.items():
         assert key in CHART_KEYS, f"unknown top-level chart key {key!r}"
         if CHART_KEYS[key] is not None and isinstance(value, dict):
-            assert set(value) <= CHART_KEYS[key], f"{key}: unknown keys {set(value) - CHART_KEYS[key]}"
+            assert set(value) <= CHART_KEYS[key], (
+                f"{key}: unknown keys {set(value) - CHART_KEYS[key]}"
+            )
     for deployment in values["dagster-user-deployments"]["deployments"]:
         assert set(deployment) <= DEPLOYMENT_KEYS, set(deployment) - DEPLOYMENT_KEYS
     assert set(values["runLauncher"]["config"]["k8sRunLauncher"]) <= K8S_RUN_LAUNCHER_KEYS
@@ -378,11 +532,15 @@ def test_worker_image_pins_the_vllm_base_the_worker_extra_pins():
     assert "USER 1000" in dockerfile
 
 
-@pytest.mark.parametrize("path", sorted(DEPLOY.rglob("Dockerfile*")), ids=lambda p: str(p.relative_to(DEPLOY)))
+@pytest.mark.parametrize(
+    "path", sorted(DEPLOY.rglob("Dockerfile*")), ids=lambda p: str(p.relative_to(DEPLOY))
+)
 def test_images_are_pinned_and_non_root(path):
     text = path.read_text()
     for base in re.findall(r"^ARG \w+_BASE=(\S+)$", text, flags=re.MULTILINE):
-        assert ":" in base and not base.endswith(":latest"), f"{path}: base image {base} is not pinned"
+        assert ":" in base and not base.endswith(":latest"), (
+            f"{path}: base image {base} is not pinned"
+        )
     assert re.search(r"^USER 1000$", text, flags=re.MULTILINE), f"{path} runs as root"
 
 

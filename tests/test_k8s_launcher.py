@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import dagster as dg
@@ -70,7 +70,7 @@ SCHEDULER_MESSAGE = (
     "0/4 nodes are available: 4 Insufficient nvidia.com/gpu. preemption: 0/4 nodes are "
     "available: 4 No preemption victims found for incoming pod."
 )
-EPOCH = datetime(2026, 11, 30, tzinfo=timezone.utc)
+EPOCH = datetime(2026, 11, 30, tzinfo=UTC)
 _API = ApiClient()
 
 
@@ -169,7 +169,9 @@ class FakeLogResponse:
 class FakeKubernetes:
     """A fake `CoreV1Api`: pods created by the launcher go through the scripts in order."""
 
-    def __init__(self, *scripts: PodScript, secrets: dict[str, dict[str, str]] | None = None) -> None:
+    def __init__(
+        self, *scripts: PodScript, secrets: dict[str, dict[str, str]] | None = None
+    ) -> None:
         self.clock = FakeClock()
         self.scripts = list(scripts)
         self.secrets = secrets or {}
@@ -203,7 +205,9 @@ class FakeKubernetes:
         self.created.append(pod)
         return body
 
-    def list_namespaced_pod(self, namespace: str, field_selector: str = "", **kwargs: Any) -> V1PodList:
+    def list_namespaced_pod(
+        self, namespace: str, field_selector: str = "", **kwargs: Any
+    ) -> V1PodList:
         name = field_selector.removeprefix("metadata.name=")
         if self.vanished_at is not None:
             self.polls_after_vanish += 1
@@ -221,7 +225,9 @@ class FakeKubernetes:
         del self.pods[name]
         self.deleted.append(name)
 
-    def list_namespaced_event(self, namespace: str, field_selector: str = "", **kwargs: Any) -> CoreV1EventList:
+    def list_namespaced_event(
+        self, namespace: str, field_selector: str = "", **kwargs: Any
+    ) -> CoreV1EventList:
         name = field_selector.removeprefix("involvedObject.name=")
         pod = self.pods.get(name)
         items = []
@@ -262,7 +268,9 @@ class FakeKubernetes:
     def _follow(self, pod: FakePod, lines: list[str], timestamps: bool) -> Any:
         for line in lines:
             self.clock.now += 0.001
-            yield ((self.clock.stamp() + " ") if timestamps else "").encode() + line.encode() + b"\n"
+            yield (
+                ((self.clock.stamp() + " ") if timestamps else "").encode() + line.encode() + b"\n"
+            )
         if pod.script.interrupt_after_logs:
             raise DagsterExecutionInterruptedError()
         pod.finished = True
@@ -280,8 +288,12 @@ class FakeKubernetes:
 
         def status(state: V1ContainerState, ready: bool = False) -> V1ContainerStatus:
             return V1ContainerStatus(
-                name=container["name"], image=container["image"], image_id="", ready=ready,
-                restart_count=0, state=state,
+                name=container["name"],
+                image=container["image"],
+                image_id="",
+                ready=ready,
+                restart_count=0,
+                state=state,
             )
 
         conditions: list[V1PodCondition] = []
@@ -289,22 +301,37 @@ class FakeKubernetes:
         phase, reason, message = "Pending", None, None
         if age < script.queued_for:
             model.spec.scheduling_gates = [V1PodSchedulingGate(name="kueue.x-k8s.io/admission")]
-            conditions.append(V1PodCondition(type="PodScheduled", status="False", reason="SchedulingGated"))
+            conditions.append(
+                V1PodCondition(type="PodScheduled", status="False", reason="SchedulingGated")
+            )
         elif age < script.queued_for + script.unschedulable_for:
             conditions.append(
-                V1PodCondition(type="PodScheduled", status="False", reason="Unschedulable", message=SCHEDULER_MESSAGE)
+                V1PodCondition(
+                    type="PodScheduled",
+                    status="False",
+                    reason="Unschedulable",
+                    message=SCHEDULER_MESSAGE,
+                )
             )
         else:
             model.spec.node_name = "gpu-node-1"
             conditions.append(V1PodCondition(type="PodScheduled", status="True"))
             started_at = script.queued_for + script.unschedulable_for + script.pulling_for
             if age < started_at:
-                statuses.append(status(V1ContainerState(waiting=V1ContainerStateWaiting(reason="ContainerCreating"))))
+                statuses.append(
+                    status(
+                        V1ContainerState(
+                            waiting=V1ContainerStateWaiting(reason="ContainerCreating")
+                        )
+                    )
+                )
             elif script.waiting_reason:
                 statuses.append(
                     status(
                         V1ContainerState(
-                            waiting=V1ContainerStateWaiting(reason=script.waiting_reason, message=script.waiting_message)
+                            waiting=V1ContainerStateWaiting(
+                                reason=script.waiting_reason, message=script.waiting_message
+                            )
                         )
                     )
                 )
@@ -313,14 +340,20 @@ class FakeKubernetes:
                     pod.logs = script.worker(pod.env(self.secrets)) if script.worker else []
                 if not pod.finished:
                     phase = "Running"
-                    statuses.append(status(V1ContainerState(running=V1ContainerStateRunning()), ready=True))
+                    statuses.append(
+                        status(V1ContainerState(running=V1ContainerStateRunning()), ready=True)
+                    )
                 else:
                     code = script.exit_code
-                    terminated_reason = script.terminated_reason or ("Completed" if code == 0 else "Error")
+                    terminated_reason = script.terminated_reason or (
+                        "Completed" if code == 0 else "Error"
+                    )
                     statuses.append(
                         status(
                             V1ContainerState(
-                                terminated=V1ContainerStateTerminated(exit_code=code, reason=terminated_reason)
+                                terminated=V1ContainerStateTerminated(
+                                    exit_code=code, reason=terminated_reason
+                                )
                             )
                         )
                     )
@@ -329,12 +362,17 @@ class FakeKubernetes:
                     if script.disruption:
                         conditions.append(
                             V1PodCondition(
-                                type="DisruptionTarget", status="True", reason=script.disruption,
+                                type="DisruptionTarget",
+                                status="True",
+                                reason=script.disruption,
                                 message=f"{script.disruption}: the pod was chosen for disruption",
                             )
                         )
         model.status = V1PodStatus(
-            phase=phase, reason=reason, message=message, conditions=conditions,
+            phase=phase,
+            reason=reason,
+            message=message,
+            conditions=conditions,
             container_statuses=statuses or None,
         )
         return model
@@ -356,11 +394,21 @@ def commit_fake_partition(spec: InferenceSpec, key: str, rows: int = 3) -> Manif
     """Commit a real output partition the way the worker does (files, then the manifest)."""
     fs, path = filesystem_for(partition_dir(spec.output, key), spec.storage)
     table = pa.table({"id": [f"{key}:{i}" for i in range(rows)], "embedding": [[0.1, 0.2]] * rows})
-    part = write_file_entry(fs, path, f"part-{spec.spec_hash()}-00000.parquet", table_to_parquet_bytes(table), rows)
+    part = write_file_entry(
+        fs, path, f"part-{spec.spec_hash()}-00000.parquet", table_to_parquet_bytes(table), rows
+    )
     manifest = Manifest(
-        partition_key=key, spec_hash=spec.spec_hash(), model=spec.model, task=spec.task,
-        output_format=spec.output.format, rows_in=rows, rows_out=rows, rows_errored=0,
-        parts=[part], errors=part, wall_seconds=1.0,
+        partition_key=key,
+        spec_hash=spec.spec_hash(),
+        model=spec.model,
+        task=spec.task,
+        output_format=spec.output.format,
+        rows_in=rows,
+        rows_out=rows,
+        rows_errored=0,
+        parts=[part],
+        errors=part,
+        wall_seconds=1.0,
     )
     return commit_partition(fs, path, manifest, [])
 
@@ -375,11 +423,21 @@ def committing_worker(*, commit: int | None = None, tail: list[str] | None = Non
         keys = spec.partition_keys if commit is None else spec.partition_keys[:commit]
         for key in keys:
             manifest = commit_fake_partition(spec, key)
-            payload = {"type": "partition", "computed": True, "manifest": manifest.model_dump(mode="json")}
+            payload = {
+                "type": "partition",
+                "computed": True,
+                "manifest": manifest.model_dump(mode="json"),
+            }
             lines.append(pipes_line("report_custom_message", {"payload": payload}))
         if commit is None:
-            summary = {"type": "run", "partitions": len(keys), "partitions_computed": len(keys),
-                       "replicas": spec.replicas, "model_loads": 1, "wall_seconds": 1.0}
+            summary = {
+                "type": "run",
+                "partitions": len(keys),
+                "partitions_computed": len(keys),
+                "replicas": spec.replicas,
+                "model_loads": 1,
+                "wall_seconds": 1.0,
+            }
             lines.append(pipes_line("report_custom_message", {"payload": summary}))
             lines.append(pipes_line("closed", {}))
         return lines + list(tail or [])
@@ -398,8 +456,10 @@ def crashing_worker(*tail: str) -> Worker:
 CUDA_OOM = [
     "Traceback (most recent call last):",
     '  File "/app/dagster_gpuinfer/worker/engine.py", line 70, in __init__',
-    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
-    "capacity of 79.19 GiB of which 1.02 GiB is free.",
+    (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+        "capacity of 79.19 GiB of which 1.02 GiB is free."
+    ),
 ]
 
 
@@ -407,14 +467,14 @@ CUDA_OOM = [
 
 
 def launcher_config(**overrides: Any) -> K8sLauncherConfig:
-    values: dict[str, Any] = dict(
-        image=IMAGE,
-        namespace=NAMESPACE,
-        model_cache_host_path="/var/lib/gpuinfer/models",
-        kueue_queue="gpu-inference",
-        pod_pending_timeout=PENDING_TIMEOUT,
-        poll_interval=POLL,
-    )
+    values: dict[str, Any] = {
+        "image": IMAGE,
+        "namespace": NAMESPACE,
+        "model_cache_host_path": "/var/lib/gpuinfer/models",
+        "kueue_queue": "gpu-inference",
+        "pod_pending_timeout": PENDING_TIMEOUT,
+        "poll_interval": POLL,
+    }
     values.update(overrides)
     return K8sLauncherConfig(**values)
 
@@ -445,13 +505,20 @@ def pipeline(tmp_path: Any, **kwargs: Any) -> Any:
 
 
 def materialize(
-    tmp_path: Any, cluster: FakeKubernetes, *, partitions: tuple[str, ...] = ("shard-0",), resource: Any = None, **kwargs: Any
+    tmp_path: Any,
+    cluster: FakeKubernetes,
+    *,
+    partitions: tuple[str, ...] = ("shard-0",),
+    resource: Any = None,
+    **kwargs: Any,
 ) -> dg.ExecuteInProcessResult:
     pipe = pipeline(tmp_path, **kwargs)
     tags = {}
     if len(partitions) > 1:
-        tags = {"dagster/asset_partition_range_start": partitions[0],
-                "dagster/asset_partition_range_end": partitions[-1]}
+        tags = {
+            "dagster/asset_partition_range_start": partitions[0],
+            "dagster/asset_partition_range_end": partitions[-1],
+        }
     return dg.materialize(
         [pipe.output_asset],
         partition_key=partitions[0] if len(partitions) == 1 else None,
@@ -490,7 +557,11 @@ def step_failure_message(result: dg.ExecuteInProcessResult) -> str:
 
 def failure_metadata(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
     data = next(
-        (f.user_failure_data for f in reversed(failures(result)) if getattr(f, "user_failure_data", None)),
+        (
+            f.user_failure_data
+            for f in reversed(failures(result))
+            if getattr(f, "user_failure_data", None)
+        ),
         None,
     )
     assert data is not None, "the failure is not a dagster Failure with metadata"
@@ -498,7 +569,9 @@ def failure_metadata(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
 
 
 def pod_spec_of(pod: FakePod) -> InferenceSpec:
-    return spec_from_env({e["name"]: e.get("value", "") for e in pod.manifest["spec"]["containers"][0]["env"]})
+    return spec_from_env(
+        {e["name"]: e.get("value", "") for e in pod.manifest["spec"]["containers"][0]["env"]}
+    )
 
 
 # --------------------------------------------------------------------------- success path
@@ -528,10 +601,17 @@ def test_partition_materializes_through_pipes_k8s_client_and_pod_is_deleted(tmp_
 
 def test_fatal_worker_message_fails_without_retry(tmp_path):
     def fatal_worker(env: dict[str, str]) -> list[str]:
-        payload = {"type": "fatal", "error_type": "bad_shard", "partition_key": "shard-0",
-                   "message": "shard in/shard-0.parquet does not exist"}
-        return [pipes_line("opened", {"extras": {}}), pipes_line("report_custom_message", {"payload": payload}),
-                pipes_line("closed", {})]
+        payload = {
+            "type": "fatal",
+            "error_type": "bad_shard",
+            "partition_key": "shard-0",
+            "message": "shard in/shard-0.parquet does not exist",
+        }
+        return [
+            pipes_line("opened", {"extras": {}}),
+            pipes_line("report_custom_message", {"payload": payload}),
+            pipes_line("closed", {}),
+        ]
 
     cluster = FakeKubernetes(PodScript(worker=fatal_worker), PodScript(worker=fatal_worker))
 
@@ -546,7 +626,9 @@ def test_fatal_worker_message_fails_without_retry(tmp_path):
 
 
 def test_pending_pod_past_timeout_fails_retryable_and_is_deleted(tmp_path):
-    cluster = FakeKubernetes(PodScript(unschedulable_for=math.inf), PodScript(unschedulable_for=math.inf))
+    cluster = FakeKubernetes(
+        PodScript(unschedulable_for=math.inf), PodScript(unschedulable_for=math.inf)
+    )
 
     result = materialize(tmp_path, cluster)
 
@@ -558,11 +640,15 @@ def test_pending_pod_past_timeout_fails_retryable_and_is_deleted(tmp_path):
     assert "pod_pending_timeout" in message
     assert failure_metadata(result)["pod_failure"] == "unschedulable"
     per_pod = cluster.clock.now / 2
-    assert PENDING_TIMEOUT < per_pod <= PENDING_TIMEOUT + 3 * POLL, "failed at the timeout, not later"
+    assert PENDING_TIMEOUT < per_pod <= PENDING_TIMEOUT + 3 * POLL, (
+        "failed at the timeout, not later"
+    )
 
 
 def test_pod_waiting_for_kueue_admission_is_not_failed_by_pending_timeout(tmp_path):
-    cluster = FakeKubernetes(PodScript(queued_for=10 * PENDING_TIMEOUT, unschedulable_for=60, worker=committing_worker()))
+    cluster = FakeKubernetes(
+        PodScript(queued_for=10 * PENDING_TIMEOUT, unschedulable_for=60, worker=committing_worker())
+    )
 
     result = materialize(tmp_path, cluster)
 
@@ -584,7 +670,9 @@ def test_kueue_queue_timeout_fails_retryable(tmp_path):
 
 
 def test_slow_image_pull_within_timeout_is_not_a_failure(tmp_path):
-    cluster = FakeKubernetes(PodScript(unschedulable_for=100, pulling_for=150, worker=committing_worker()))
+    cluster = FakeKubernetes(
+        PodScript(unschedulable_for=100, pulling_for=150, worker=committing_worker())
+    )
 
     assert materialize(tmp_path, cluster).success
 
@@ -609,7 +697,9 @@ def test_image_pull_failure_fails_fast_without_retry_and_names_the_image(tmp_pat
 
 
 def test_missing_secret_fails_not_retried_naming_the_secret(tmp_path):
-    script = PodScript(waiting_reason="CreateContainerConfigError", waiting_message='secret "hf-token" not found')
+    script = PodScript(
+        waiting_reason="CreateContainerConfigError", waiting_message='secret "hf-token" not found'
+    )
     cluster = FakeKubernetes(script, PodScript(worker=committing_worker()))
 
     result = materialize(tmp_path, cluster)
@@ -623,7 +713,9 @@ def test_api_forbidden_is_not_retried_and_points_at_rbac(tmp_path):
     cluster = FakeKubernetes()
     cluster.create_error = kubernetes.client.ApiException(status=403, reason="Forbidden")
     cluster.create_error.body = json.dumps(
-        {"message": 'pods is forbidden: User "system:serviceaccount:dagster:default" cannot create resource "pods"'}
+        {
+            "message": 'pods is forbidden: User "system:serviceaccount:dagster:default" cannot create resource "pods"'
+        }
     )
 
     result = materialize(tmp_path, cluster)
@@ -638,7 +730,11 @@ def test_api_forbidden_is_not_retried_and_points_at_rbac(tmp_path):
 
 def test_oom_killed_worker_is_relaunched_once_with_smaller_batches_recorded_in_metadata(tmp_path):
     cluster = FakeKubernetes(
-        PodScript(worker=crashing_worker("INFO loading weights"), exit_code=137, terminated_reason="OOMKilled"),
+        PodScript(
+            worker=crashing_worker("INFO loading weights"),
+            exit_code=137,
+            terminated_reason="OOMKilled",
+        ),
         PodScript(worker=committing_worker()),
     )
 
@@ -661,7 +757,8 @@ def test_oom_killed_worker_is_relaunched_once_with_smaller_batches_recorded_in_m
 
 def test_cuda_out_of_memory_at_engine_start_is_stepped_down(tmp_path):
     cluster = FakeKubernetes(
-        PodScript(worker=crashing_worker(*CUDA_OOM), exit_code=1), PodScript(worker=committing_worker())
+        PodScript(worker=crashing_worker(*CUDA_OOM), exit_code=1),
+        PodScript(worker=committing_worker()),
     )
 
     result = materialize(tmp_path, cluster, retry_policy=None)
@@ -672,15 +769,23 @@ def test_cuda_out_of_memory_at_engine_start_is_stepped_down(tmp_path):
 
 def test_out_of_memory_twice_fails_with_a_hint_and_is_not_retried(tmp_path):
     oom = PodScript(worker=crashing_worker(), exit_code=137, terminated_reason="OOMKilled")
-    cluster = FakeKubernetes(oom, PodScript(worker=crashing_worker(*CUDA_OOM), exit_code=1),
-                             PodScript(worker=committing_worker()))
+    cluster = FakeKubernetes(
+        oom,
+        PodScript(worker=crashing_worker(*CUDA_OOM), exit_code=1),
+        PodScript(worker=committing_worker()),
+    )
 
     result = materialize(tmp_path, cluster, retry_policy=dg.RetryPolicy(max_retries=2))
 
     assert not result.success
     assert len(cluster.created) == 2, "one step-down, then no more launches"
     message = step_failure_message(result)
-    for hint in ("max_num_seqs", "gpu_memory_utilization", "k8s.memory_limit", "tensor_parallel_size"):
+    for hint in (
+        "max_num_seqs",
+        "gpu_memory_utilization",
+        "k8s.memory_limit",
+        "tensor_parallel_size",
+    ):
         assert hint in message
 
 
@@ -690,8 +795,10 @@ def test_kv_cache_too_small_is_not_stepped_down(tmp_path):
         "that can be stored in KV cache (20000). Try increasing `gpu_memory_utilization` or "
         "decreasing `max_model_len` when initializing the engine."
     )
-    cluster = FakeKubernetes(PodScript(worker=crashing_worker(too_small), exit_code=1),
-                             PodScript(worker=committing_worker()))
+    cluster = FakeKubernetes(
+        PodScript(worker=crashing_worker(too_small), exit_code=1),
+        PodScript(worker=committing_worker()),
+    )
 
     result = materialize(tmp_path, cluster)
 
@@ -705,7 +812,9 @@ def test_kv_cache_too_small_is_not_stepped_down(tmp_path):
 
 def test_evicted_pod_is_retried_and_the_retry_resumes_from_committed_work(tmp_path):
     evicted = PodScript(
-        worker=committing_worker(commit=1), exit_code=137, pod_reason="Evicted",
+        worker=committing_worker(commit=1),
+        exit_code=137,
+        pod_reason="Evicted",
         pod_message="The node was low on resource: memory. Threshold quantity: 100Mi.",
     )
     cluster = FakeKubernetes(evicted, PodScript(worker=committing_worker()))
@@ -717,8 +826,9 @@ def test_evicted_pod_is_retried_and_the_retry_resumes_from_committed_work(tmp_pa
     assert "Evicted" in first_failure and "resumes from the committed chunks" in first_failure
     assert pod_spec_of(cluster.created[0]).partition_keys == ["shard-0", "shard-1"]
     assert pod_spec_of(cluster.created[1]).partition_keys == ["shard-1"], "shard-0 was committed"
-    assert sorted(m.partition for m in result.asset_materializations_for_node("doc_embeddings")) == [
-        "shard-0", "shard-1"]
+    assert sorted(
+        m.partition for m in result.asset_materializations_for_node("doc_embeddings")
+    ) == ["shard-0", "shard-1"]
 
 
 @pytest.mark.parametrize(
@@ -726,7 +836,10 @@ def test_evicted_pod_is_retried_and_the_retry_resumes_from_committed_work(tmp_pa
     [
         (PodScript(exit_code=143, disruption="PreemptionByScheduler"), "PreemptionByScheduler"),
         (PodScript(exit_code=137, disruption="DeletionByTaintManager"), "DeletionByTaintManager"),
-        (PodScript(exit_code=137, pod_reason="NodeLost", pod_message="node gpu-node-1 is lost"), "NodeLost"),
+        (
+            PodScript(exit_code=137, pod_reason="NodeLost", pod_message="node gpu-node-1 is lost"),
+            "NodeLost",
+        ),
         (PodScript(exit_code=137, pod_reason="DeadlineExceeded"), "activeDeadlineSeconds"),
     ],
     ids=["preempted", "node-not-ready", "node-lost", "deadline"],
@@ -743,7 +856,9 @@ def test_preempted_or_lost_pod_fails_retryable(tmp_path, script, words):
 
 
 def test_pod_deleted_from_outside_while_running_fails_promptly(tmp_path):
-    cluster = FakeKubernetes(PodScript(worker=crashing_worker("INFO chunk 3 of 40"), vanish_after_logs=True))
+    cluster = FakeKubernetes(
+        PodScript(worker=crashing_worker("INFO chunk 3 of 40"), vanish_after_logs=True)
+    )
 
     result = materialize(tmp_path, cluster, retry_policy=None)
 
@@ -814,15 +929,23 @@ def test_planted_secret_is_never_in_pod_bodies_dagster_logs_or_metadata(tmp_path
     instance = dg.DagsterInstance.ephemeral()
     pipe = pipeline(tmp_path, retry_policy=None)
     runs = [
-        dg.materialize([pipe.output_asset], partition_key=key, instance=instance, raise_on_error=False,
-                       resources={"gpu": fake_cluster_resource(cluster, k8s=config)})
+        dg.materialize(
+            [pipe.output_asset],
+            partition_key=key,
+            instance=instance,
+            raise_on_error=False,
+            resources={"gpu": fake_cluster_resource(cluster, k8s=config)},
+        )
         for key in ("shard-0", "shard-1")
     ]
 
     assert runs[0].success and not runs[1].success
     assert seen_by_worker == [PLANTED, PLANTED], "the worker does get the secret, from the cluster"
     pod_env = cluster.created[0].manifest["spec"]["containers"][0]["env"]
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token", "optional": False}}} in pod_env
+    assert {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token", "optional": False}},
+    } in pod_env
     for pod in cluster.created:
         assert PLANTED not in json.dumps(pod.manifest)
     for run in runs:
@@ -849,11 +972,16 @@ def test_step_outside_the_gpu_pool_is_logged_as_uncapped(tmp_path):
         instance = dg.DagsterInstance.ephemeral()
         pipe = pipeline(tmp_path / str(pool), pool=pool)
         result = dg.materialize(
-            [pipe.output_asset], partition_key="shard-0", instance=instance,
+            [pipe.output_asset],
+            partition_key="shard-0",
+            instance=instance,
             resources={"gpu": fake_cluster_resource(cluster, k8s=launcher_config(pool="gpu-h100"))},
         )
         assert result.success
-        assert cluster.created[0].manifest["metadata"]["labels"]["gpuinfer.dagster.io/pool"] == "gpu-h100"
+        assert (
+            cluster.created[0].manifest["metadata"]["labels"]["gpuinfer.dagster.io/pool"]
+            == "gpu-h100"
+        )
         return [entry.user_message for entry in instance.all_logs(result.run_id)]
 
     assert any("not capped" in message for message in log_messages(None))
@@ -880,19 +1008,59 @@ def test_classification_without_a_pod_is_deletion():
 
 def test_last_error_lines_keeps_the_last_traceback_and_drops_pipes_messages():
     log = "\n".join(
-        [pipes_line("opened", {}), "Traceback (most recent call last):", "ValueError: old",
-         "INFO retrying", "Traceback (most recent call last):", '  File "x.py", line 1',
-         "KeyError: 'text'", pipes_line("closed", {})]
+        [
+            pipes_line("opened", {}),
+            "Traceback (most recent call last):",
+            "ValueError: old",
+            "INFO retrying",
+            "Traceback (most recent call last):",
+            '  File "x.py", line 1',
+            "KeyError: 'text'",
+            pipes_line("closed", {}),
+        ]
     )
-    assert last_error_lines(log) == "Traceback (most recent call last):\n  File \"x.py\", line 1\nKeyError: 'text'"
+    assert (
+        last_error_lines(log)
+        == "Traceback (most recent call last):\n  File \"x.py\", line 1\nKeyError: 'text'"
+    )
 
 
 def test_step_down_halves_batches_and_keeps_the_spec_hash():
     spec = InferenceSpec.model_validate(
-        {"model": "/models/m", "task": "embed", "input": {"uri": "in/{partition_key}.parquet"},
-         "output": {"root": "out", "asset_name": "a"}, "engine": {"max_num_seqs": 64, "gpu_memory_utilization": 0.3}}
+        {
+            "model": "/models/m",
+            "task": "embed",
+            "input": {"uri": "in/{partition_key}.parquet"},
+            "output": {"root": "out", "asset_name": "a"},
+            "engine": {"max_num_seqs": 64, "gpu_memory_utilization": 0.3},
+        }
     )
     stepped, change = step_down_memory(spec)
     assert (stepped.engine.max_num_seqs, stepped.engine.gpu_memory_utilization) == (32, 0.24)
-    assert change == {"max_num_seqs": {"from": 64, "to": 32}, "gpu_memory_utilization": {"from": 0.3, "to": 0.24}}
+    assert change == {
+        "max_num_seqs": {"from": 64, "to": 32},
+        "gpu_memory_utilization": {"from": 0.3, "to": 0.24},
+    }
     assert stepped.spec_hash() == spec.spec_hash()
+
+
+def test_control_plane_imports_neither_torch_nor_vllm_and_kubernetes_only_for_k8s():
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "import dagster_gpuinfer.resource, dagster_gpuinfer.pod_builder, dagster_gpuinfer.pod_failures\n"
+        "light = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'vllm', 'kubernetes', 'dagster_k8s'})\n"
+        "import dagster_gpuinfer.launchers.k8s, resources.k8s\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'vllm'})\n"
+        "print(light, heavy)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent),
+    )
+    assert out.stdout.strip() == "[] []", out.stdout + out.stderr

@@ -53,7 +53,10 @@ def make_spec(**overrides: Any) -> InferenceSpec:
 
 
 def make_config(**overrides: Any) -> K8sLauncherConfig:
-    values: dict[str, Any] = {"image": "registry.example.com/gpuinfer-worker:0.1.0", "namespace": "team-a"}
+    values: dict[str, Any] = {
+        "image": "registry.example.com/gpuinfer-worker:0.1.0",
+        "namespace": "team-a",
+    }
     values.update(overrides)
     return K8sLauncherConfig(**values)
 
@@ -78,7 +81,7 @@ def assert_valid_pod(manifest: dict[str, Any]) -> None:
         assert len(value) <= 63 and LABEL_VALUE.match(value), (key, value)
     container = manifest["spec"]["containers"][0]
     for section in ("requests", "limits"):
-        for resource, quantity in container["resources"].get(section, {}).items():
+        for quantity in container["resources"].get(section, {}).values():
             parse_quantity(quantity)  # raises on an invalid quantity
     for volume in manifest["spec"]["volumes"]:
         if "emptyDir" in volume:
@@ -109,8 +112,18 @@ def test_every_pod_validates_and_requests_tp_times_replicas_gpus(tp, replicas, q
         affinity={
             "nodeAffinity": {
                 "preferredDuringSchedulingIgnoredDuringExecution": [
-                    {"weight": 50, "preference": {"matchExpressions": [
-                        {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["us-east-1a"]}]}}
+                    {
+                        "weight": 50,
+                        "preference": {
+                            "matchExpressions": [
+                                {
+                                    "key": "topology.kubernetes.io/zone",
+                                    "operator": "In",
+                                    "values": ["us-east-1a"],
+                                }
+                            ]
+                        },
+                    }
                 ]
             }
         },
@@ -124,23 +137,34 @@ def test_every_pod_validates_and_requests_tp_times_replicas_gpus(tp, replicas, q
     assert container["resources"]["requests"]["nvidia.com/gpu"] == gpus
     assert pod["metadata"]["labels"]["gpuinfer.dagster.io/gpus"] == gpus
     assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
-    assert pod["spec"]["tolerations"] == [{"operator": "Exists", "key": "nvidia.com/gpu", "effect": "NoSchedule"}]
+    assert pod["spec"]["tolerations"] == [
+        {"operator": "Exists", "key": "nvidia.com/gpu", "effect": "NoSchedule"}
+    ]
     if queue:
         assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == queue
     else:
         assert "kueue.x-k8s.io/queue-name" not in pod["metadata"]["labels"]
     cache_volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "model-cache")
     if cache == "pvc":
-        assert cache_volume["persistentVolumeClaim"] == {"claimName": "model-cache", "readOnly": True}
+        assert cache_volume["persistentVolumeClaim"] == {
+            "claimName": "model-cache",
+            "readOnly": True,
+        }
     else:
         assert cache_volume["hostPath"] == {"path": "/var/lib/gpuinfer/models", "type": "Directory"}
-    assert {"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT, "readOnly": True} in container["volumeMounts"]
+    assert {"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT, "readOnly": True} in container[
+        "volumeMounts"
+    ]
 
 
 def test_dev_shm_is_a_sized_memory_volume():
-    pod = build_worker_pod(make_spec(tensor_parallel_size=4), make_config(shm_size="32Gi"), IDENTITY)
+    pod = build_worker_pod(
+        make_spec(tensor_parallel_size=4), make_config(shm_size="32Gi"), IDENTITY
+    )
 
-    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}} in pod["spec"]["volumes"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}} in pod["spec"][
+        "volumes"
+    ]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["spec"]["containers"][0]["volumeMounts"]
 
 
@@ -163,7 +187,9 @@ def test_security_defaults_non_root_no_escalation_no_capabilities_no_token():
 
 def test_service_account_token_is_mounted_only_when_asked():
     pod = build_worker_pod(
-        make_spec(), make_config(service_account="gpuinfer-worker", automount_service_account_token=True), IDENTITY
+        make_spec(),
+        make_config(service_account="gpuinfer-worker", automount_service_account_token=True),
+        IDENTITY,
     )
     assert pod["spec"]["automountServiceAccountToken"] is True
     assert pod["spec"]["serviceAccountName"] == "gpuinfer-worker"
@@ -177,12 +203,18 @@ def test_secrets_travel_by_reference_only():
     )
     container = build_worker_pod(make_spec(), config, IDENTITY)["spec"]["containers"][0]
 
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token", "optional": False}}} in container["env"]
+    assert {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token", "optional": False}},
+    } in container["env"]
     assert container["envFrom"] == [{"secretRef": {"name": "s3-credentials", "optional": False}}]
     assert {"name": "VLLM_LOGGING_LEVEL", "value": "INFO"} in container["env"]
 
 
-@pytest.mark.parametrize("name", ["HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "DB_PASSWORD", "OPENAI_API_KEY"])
+@pytest.mark.parametrize(
+    "name",
+    ["HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "DB_PASSWORD", "OPENAI_API_KEY"],
+)
 def test_plain_env_refuses_credential_names(name):
     with pytest.raises(PodSpecError, match="secret_env") as raised:
         build_worker_pod(make_spec(), make_config(env={name: "value"}), IDENTITY)
@@ -197,8 +229,12 @@ def test_resource_env_is_checked_like_launcher_env():
 def test_active_deadline_priority_and_pull_settings_are_applied():
     pod = build_worker_pod(
         make_spec(),
-        make_config(active_deadline_seconds=7200, priority_class="gpuinfer-batch", image_pull_secrets=["regcred"],
-                    image_pull_policy="Always"),
+        make_config(
+            active_deadline_seconds=7200,
+            priority_class="gpuinfer-batch",
+            image_pull_secrets=["regcred"],
+            image_pull_policy="Always",
+        ),
         IDENTITY,
     )
     assert pod["spec"]["activeDeadlineSeconds"] == 7200
@@ -208,7 +244,9 @@ def test_active_deadline_priority_and_pull_settings_are_applied():
 
 
 def test_cpu_only_pods_request_no_gpu_and_do_not_force_cuda():
-    pod = build_worker_pod(make_spec(replicas=2), make_config(gpu_resource_name=None, cpu_request="2"), IDENTITY)
+    pod = build_worker_pod(
+        make_spec(replicas=2), make_config(gpu_resource_name=None, cpu_request="2"), IDENTITY
+    )
 
     assert_valid_pod(pod)
     container = pod["spec"]["containers"][0]
@@ -218,7 +256,12 @@ def test_cpu_only_pods_request_no_gpu_and_do_not_force_cuda():
 
 
 def test_model_cache_points_the_hub_offline_at_the_cache():
-    env = {e["name"]: e.get("value") for e in build_worker_pod(make_spec(), make_config(), IDENTITY)["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e.get("value")
+        for e in build_worker_pod(make_spec(), make_config(), IDENTITY)["spec"]["containers"][0][
+            "env"
+        ]
+    }
     assert env["HF_HUB_OFFLINE"] == "1"
     assert env["HF_HUB_CACHE"].startswith(MODEL_CACHE_MOUNT)
 
@@ -272,7 +315,11 @@ def test_label_value_keeps_valid_values_and_hashes_changed_ones():
 
 def test_pod_names_are_unique_per_retry_and_launch_and_stable_per_input():
     names = {
-        worker_pod_name(RunIdentity(run_id=RUN_ID, asset_key="llm/completions", retry_number=r, launch_attempt=a))
+        worker_pod_name(
+            RunIdentity(
+                run_id=RUN_ID, asset_key="llm/completions", retry_number=r, launch_attempt=a
+            )
+        )
         for r in range(3)
         for a in range(2)
     }
@@ -314,11 +361,19 @@ def test_invalid_configuration_is_refused_naming_the_field(overrides, expected):
 
 def test_model_outside_the_cache_is_refused_with_the_fix():
     with pytest.raises(PodSpecError, match=f"model='{MODEL_CACHE_MOUNT}/<name>'"):
-        build_worker_pod(make_spec(model="/home/alice/models/llama"), make_config(model_cache_pvc="model-cache"), IDENTITY)
+        build_worker_pod(
+            make_spec(model="/home/alice/models/llama"),
+            make_config(model_cache_pvc="model-cache"),
+            IDENTITY,
+        )
     with pytest.raises(PodSpecError, match="relative"):
         build_worker_pod(make_spec(model="./models/llama"), make_config(), IDENTITY)
 
 
 def test_hub_model_ids_are_allowed_and_resolved_offline_from_the_cache():
-    pod = build_worker_pod(make_spec(model="meta-llama/Llama-3.1-8B-Instruct"), make_config(model_cache_pvc="model-cache"), IDENTITY)
+    pod = build_worker_pod(
+        make_spec(model="meta-llama/Llama-3.1-8B-Instruct"),
+        make_config(model_cache_pvc="model-cache"),
+        IDENTITY,
+    )
     assert_valid_pod(pod)

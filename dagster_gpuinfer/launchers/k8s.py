@@ -26,8 +26,6 @@ from typing import Any
 
 import dagster as dg
 import kubernetes
-from dagster._core.pipes.client import PipesClientCompletedInvocation
-from dagster._core.pipes.utils import open_pipes_session
 from dagster_k8s.client import DEFAULT_WAIT_TIMEOUT, DagsterKubernetesClient, WaitForPodState
 from dagster_k8s.pipes import PipesK8sClient, build_pod_body
 
@@ -122,7 +120,7 @@ class GpuWorkerPipesClient(PipesK8sClient):
         context: dg.AssetExecutionContext | dg.OpExecutionContext,
         extras: Mapping[str, Any],
         pod: Mapping[str, Any],
-    ) -> PipesClientCompletedInvocation:
+    ) -> dg.PipesClientCompletedInvocation:
         """Create the pod, stream its Pipes messages, wait for it to end, delete it.
 
         Raises:
@@ -134,7 +132,7 @@ class GpuWorkerPipesClient(PipesK8sClient):
         namespace = pod["metadata"]["namespace"]
         image = pod["spec"]["containers"][0]["image"]
         queue = pod["metadata"].get("labels", {}).get("kueue.x-k8s.io/queue-name")
-        with open_pipes_session(
+        with dg.open_pipes_session(
             context=context,
             extras=dict(extras),
             context_injector=self.context_injector,
@@ -165,7 +163,9 @@ class GpuWorkerPipesClient(PipesK8sClient):
                 f"(image {image}, queue {queue or 'none'})"
             )
             try:
-                self.wait_until_started(client, name=name, namespace=namespace, image=image, queue=queue)
+                self.wait_until_started(
+                    client, name=name, namespace=namespace, image=image, queue=queue
+                )
                 with self.consume_pod_logs(
                     context=context, client=client, namespace=namespace, pod_name=name
                 ):
@@ -178,16 +178,24 @@ class GpuWorkerPipesClient(PipesK8sClient):
                     )
             except WorkerPodFailed:
                 raise
-            except Exception as exc:
-                raise_for(self.diagnose(client, name=name, namespace=namespace, image=image, error=exc))
+            except Exception as exc:  # noqa: BLE001 - any watch error: read the pod, classify it
+                raise_for(
+                    self.diagnose(client, name=name, namespace=namespace, image=image, error=exc)
+                )
             finally:
                 delete_pod(client, name=name, namespace=namespace)
-        return PipesClientCompletedInvocation(pipes_session)
+        return dg.PipesClientCompletedInvocation(pipes_session)
 
     # ------------------------------------------------------------------ start phase
 
     def wait_until_started(
-        self, client: DagsterKubernetesClient, *, name: str, namespace: str, image: str, queue: str | None
+        self,
+        client: DagsterKubernetesClient,
+        *,
+        name: str,
+        namespace: str,
+        image: str,
+        queue: str | None,
     ) -> None:
         """Wait until a container of the pod runs (or ran).
 
@@ -210,11 +218,17 @@ class GpuWorkerPipesClient(PipesK8sClient):
             if state == "started":
                 return
             if state in ("image_error", "failed"):
-                raise_for(self.diagnose(client, name=name, namespace=namespace, image=image, pod=pod))
+                raise_for(
+                    self.diagnose(client, name=name, namespace=namespace, image=image, pod=pod)
+                )
             if state == "queued":
                 pending_since = None
                 if self.queue_timeout is not None and now - started_at > self.queue_timeout:
-                    raise_for(queue_timeout_failure(pod_name=name, queue=queue, timeout=self.queue_timeout))
+                    raise_for(
+                        queue_timeout_failure(
+                            pod_name=name, queue=queue, timeout=self.queue_timeout
+                        )
+                    )
             else:
                 if pending_since is None:
                     pending_since = now
@@ -250,7 +264,9 @@ class GpuWorkerPipesClient(PipesK8sClient):
             pod_name=name,
             image=image,
             events=read_events(client, name=name, namespace=namespace) if pod is not None else (),
-            log_text=read_log_tail(client, name=name, namespace=namespace) if pod is not None else "",
+            log_text=read_log_tail(client, name=name, namespace=namespace)
+            if pod is not None
+            else "",
             error=str(error or ""),
         )
 
@@ -328,7 +344,9 @@ def run_k8s_worker(
     try:
         pod = build_worker_pod(spec, config, identity, extra_env=env)
     except PodSpecError as exc:
-        raise dg.Failure(description=f"cannot build the worker pod: {exc}", allow_retries=False) from None
+        raise dg.Failure(
+            description=f"cannot build the worker pod: {exc}", allow_retries=False
+        ) from None
     step_pool = getattr(context.op_def, "pool", None)
     if config.pool and step_pool != config.pool:
         context.log.warning(

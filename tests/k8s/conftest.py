@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from cluster_access import SKIP_REASON, explicit_kubeconfig
 
 
@@ -42,7 +41,9 @@ def kubeconfig(request: pytest.FixtureRequest) -> Path:
 def core_api(kubeconfig: Path):
     import kubernetes
 
-    return kubernetes.client.CoreV1Api(kubernetes.config.new_client_from_config(config_file=str(kubeconfig)))
+    return kubernetes.client.CoreV1Api(
+        kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+    )
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +54,9 @@ def test_namespace(core_api) -> Iterator[str]:
     name = f"gpuinfer-test-{uuid.uuid4().hex[:8]}"
     core_api.create_namespace(
         kubernetes.client.V1Namespace(
-            metadata=kubernetes.client.V1ObjectMeta(name=name, labels={"app.kubernetes.io/part-of": "dagster-gpuinfer-tests"})
+            metadata=kubernetes.client.V1ObjectMeta(
+                name=name, labels={"app.kubernetes.io/part-of": "dagster-gpuinfer-tests"}
+            )
         )
     )
     try:

@@ -13,5 +13,7 @@ def test_default_kubeconfig_locations_are_never_used():
 def test_option_or_suite_variable_selects_the_kubeconfig():
     assert explicit_kubeconfig("/tmp/kind.yaml", {}) == Path("/tmp/kind.yaml")
     assert explicit_kubeconfig(None, {KUBECONFIG_ENV: "/tmp/kind.yaml"}) == Path("/tmp/kind.yaml")
-    assert explicit_kubeconfig("/tmp/a.yaml", {KUBECONFIG_ENV: "/tmp/b.yaml"}) == Path("/tmp/a.yaml")
+    assert explicit_kubeconfig("/tmp/a.yaml", {KUBECONFIG_ENV: "/tmp/b.yaml"}) == Path(
+        "/tmp/a.yaml"
+    )
     assert explicit_kubeconfig(None, {KUBECONFIG_ENV: ""}) is None

@@ -29,35 +29,47 @@ PARTITIONS = dg.StaticPartitionsDefinition(["shard-0"])
 
 
 def launcher_config(kubeconfig: Path, namespace: str, **overrides: Any) -> K8sLauncherConfig:
-    values: dict[str, Any] = dict(
-        image=SMALL_IMAGE,
-        namespace=namespace,
-        kubeconfig_file=str(kubeconfig),
-        gpu_resource_name=None,  # CPU-only test cluster
-        cpu_request="100m",
-        memory_request="64Mi",
-        shm_size="64Mi",
-        scratch_size="256Mi",
-        poll_interval=2.0,
-        pod_pending_timeout=30.0,
-    )
+    values: dict[str, Any] = {
+        "image": SMALL_IMAGE,
+        "namespace": namespace,
+        "kubeconfig_file": str(kubeconfig),
+        "gpu_resource_name": None,  # CPU-only test cluster
+        "cpu_request": "100m",
+        "memory_request": "64Mi",
+        "shm_size": "64Mi",
+        "scratch_size": "256Mi",
+        "poll_interval": 2.0,
+        "pod_pending_timeout": 30.0,
+    }
     values.update(overrides)
     return K8sLauncherConfig(**values)
 
 
-def run_asset(tmp_path: Path, resource: GpuInferenceResource, *, input_uri: str | None = None,
-              output_root: str | None = None, engine: dict[str, Any] | None = None) -> dg.ExecuteInProcessResult:
+def run_asset(
+    tmp_path: Path,
+    resource: GpuInferenceResource,
+    *,
+    input_uri: str | None = None,
+    output_root: str | None = None,
+    engine: dict[str, Any] | None = None,
+) -> dg.ExecuteInProcessResult:
     pipeline = inference_assets(
         name="cluster_embeddings",
         model=CPU_MODEL,
         task="embed",
-        input=InputSpec(uri=input_uri or f"{tmp_path}/in/{{partition_key}}.parquet", id_column="id"),
+        input=InputSpec(
+            uri=input_uri or f"{tmp_path}/in/{{partition_key}}.parquet", id_column="id"
+        ),
         output_root=output_root or str(tmp_path / "out"),
         partitions_def=PARTITIONS,
         engine=engine,
     )
-    return dg.materialize([pipeline.output_asset], partition_key="shard-0", resources={"gpu": resource},
-                          raise_on_error=False)
+    return dg.materialize(
+        [pipeline.output_asset],
+        partition_key="shard-0",
+        resources={"gpu": resource},
+        raise_on_error=False,
+    )
 
 
 def error_text(result: dg.ExecuteInProcessResult) -> str:
@@ -77,10 +89,20 @@ def pods_of(core_api: Any, namespace: str, run_id: str) -> list[Any]:
 
 def test_worker_pod_is_accepted_by_the_api_server(core_api, test_namespace, kubeconfig):
     spec = InferenceSpec.model_validate(
-        {"model": CPU_MODEL, "task": "embed", "input": {"uri": "s3://b/{partition_key}.parquet"},
-         "output": {"root": "s3://b/out", "asset_name": "e"}, "partition_keys": ["shard-0"], "replicas": 2}
+        {
+            "model": CPU_MODEL,
+            "task": "embed",
+            "input": {"uri": "s3://b/{partition_key}.parquet"},
+            "output": {"root": "s3://b/out", "asset_name": "e"},
+            "partition_keys": ["shard-0"],
+            "replicas": 2,
+        }
     )
-    pod = build_worker_pod(spec, launcher_config(kubeconfig, test_namespace), RunIdentity(run_id="dry-run", asset_key="e"))
+    pod = build_worker_pod(
+        spec,
+        launcher_config(kubeconfig, test_namespace),
+        RunIdentity(run_id="dry-run", asset_key="e"),
+    )
 
     created = core_api.create_namespaced_pod(test_namespace, pod, dry_run="All")
 
@@ -88,7 +110,9 @@ def test_worker_pod_is_accepted_by_the_api_server(core_api, test_namespace, kube
     assert created.spec.containers[0].security_context.run_as_non_root is True
 
 
-def test_unschedulable_pod_fails_with_the_schedulers_reason_and_is_deleted(tmp_path, core_api, test_namespace, kubeconfig):
+def test_unschedulable_pod_fails_with_the_schedulers_reason_and_is_deleted(
+    tmp_path, core_api, test_namespace, kubeconfig
+):
     config = launcher_config(kubeconfig, test_namespace, cpu_request="100000")
     result = run_asset(tmp_path, GpuInferenceResource(launcher="k8s", k8s=config))
 
@@ -98,7 +122,9 @@ def test_unschedulable_pod_fails_with_the_schedulers_reason_and_is_deleted(tmp_p
     assert pods_of(core_api, test_namespace, result.run_id) == []
 
 
-def test_image_that_does_not_exist_fails_fast_naming_it(tmp_path, core_api, test_namespace, kubeconfig):
+def test_image_that_does_not_exist_fails_fast_naming_it(
+    tmp_path, core_api, test_namespace, kubeconfig
+):
     image = "registry.invalid/gpuinfer/no-such-image:0.0.0"
     config = launcher_config(kubeconfig, test_namespace, image=image, pod_pending_timeout=600.0)
     result = run_asset(tmp_path, GpuInferenceResource(launcher="k8s", k8s=config))
@@ -108,7 +134,9 @@ def test_image_that_does_not_exist_fails_fast_naming_it(tmp_path, core_api, test
     assert pods_of(core_api, test_namespace, result.run_id) == []
 
 
-def test_one_small_partition_materializes_in_a_real_pod(tmp_path, core_api, test_namespace, kubeconfig):
+def test_one_small_partition_materializes_in_a_real_pod(
+    tmp_path, core_api, test_namespace, kubeconfig
+):
     image = os.environ.get("GPUINFER_TEST_WORKER_IMAGE")
     endpoint = os.environ.get("GPUINFER_TEST_S3_ENDPOINT")
     bucket = os.environ.get("GPUINFER_TEST_S3_BUCKET")
@@ -140,15 +168,30 @@ def test_one_small_partition_materializes_in_a_real_pod(tmp_path, core_api, test
         pq.write_table(pa.table({"id": [str(i) for i in range(20)], "text": texts}), out)
 
     config = launcher_config(
-        kubeconfig, test_namespace, image=image, cpu_request="2", memory_request="6Gi", memory_limit="8Gi",
-        shm_size="1Gi", scratch_size="4Gi", secret_env_from=["test-s3"], pod_pending_timeout=900.0,
+        kubeconfig,
+        test_namespace,
+        image=image,
+        cpu_request="2",
+        memory_request="6Gi",
+        memory_limit="8Gi",
+        shm_size="1Gi",
+        scratch_size="4Gi",
+        secret_env_from=["test-s3"],
+        pod_pending_timeout=900.0,
     )
     resource = GpuInferenceResource(
-        launcher="k8s", k8s=config, s3_endpoint_url=endpoint, s3_allow_http=endpoint.startswith("http://"),
+        launcher="k8s",
+        k8s=config,
+        s3_endpoint_url=endpoint,
+        s3_allow_http=endpoint.startswith("http://"),
         engine_overrides={"gpu_memory_utilization": 0.2, "enforce_eager": True},
     )
-    result = run_asset(tmp_path, resource, input_uri=f"{prefix}/in/{{partition_key}}.parquet",
-                       output_root=f"{prefix}/out")
+    result = run_asset(
+        tmp_path,
+        resource,
+        input_uri=f"{prefix}/in/{{partition_key}}.parquet",
+        output_root=f"{prefix}/out",
+    )
 
     assert result.success, error_text(result)
     materialization = result.asset_materializations_for_node("cluster_embeddings")[0]
