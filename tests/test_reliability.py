@@ -274,3 +274,22 @@ def test_two_concurrent_runs_of_one_partition_commit_it_exactly_once(tmp_path, t
     # Nothing but the committed files remains (once both workers are gone).
     names = {n for n in os.listdir(path) if not n.startswith(".tmp-")}
     assert names == {"_SUCCESS", "errors.parquet", *(p.name for p in manifest.parts)}
+
+
+# --------------------------------------------------------------------------- instance config
+
+
+def test_local_instance_config_enables_run_retries_for_lost_run_workers(tmp_path):
+    import shutil
+
+    repo = Path(__file__).resolve().parent.parent
+    shutil.copy(repo / "deploy" / "local" / "dagster.yaml", tmp_path / "dagster.yaml")
+    instance = dg.DagsterInstance.from_config(str(tmp_path))
+    try:
+        assert instance.run_retries_enabled and instance.run_retries_max_retries == 2
+        # Step failures are left to RetryPolicy (which a non-retryable Failure stops), so a
+        # bad shard is not retried by the daemon as a whole run.
+        assert instance.run_retries_retry_on_asset_or_op_failure is False
+        assert instance.run_monitoring_enabled
+    finally:
+        instance.dispose()
