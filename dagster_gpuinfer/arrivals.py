@@ -243,18 +243,22 @@ def scan_arrivals(
 ) -> ArrivalScan:
     """List from `start_after` until `max_new_files` unknown inputs or `max_listed` files.
 
+    Reaching the end of the listing wraps around: the same call goes on from the beginning
+    up to `start_after`, so a file that landed behind the listing position is found by the
+    next tick, and a tick that finishes a pass starts the next one from the beginning.
+
     Args:
         is_known: Whether a file key is registered already (as a whole or in ranges).
         keys_arrive_in_order: New files always sort after older ones (date-stamped names):
-            the listing never starts over from the beginning. Otherwise, reaching the end
-            starts the next page from the beginning, so a file that lands behind the current
-            position is found on the next pass.
+            the listing never wraps around and only ever lists after the newest name seen.
 
     Returns:
         The new files in name order, and where the next page starts.
     """
     scan = ArrivalScan(next_start_after=start_after)
-    for arrived in lister.list_after(start_after):
+
+    def visit(arrived: ArrivedFile) -> bool:
+        """Take one listed file; True when this page is full."""
         scan.listed += 1
         scan.next_start_after = arrived.name
         key = watched.file_key(arrived.name)
@@ -267,11 +271,22 @@ def scan_arrivals(
                 )
             else:
                 scan.new_files.append(arrived)
-        if len(scan.new_files) >= max_new_files or scan.listed >= max_listed:
+        return len(scan.new_files) >= max_new_files or scan.listed >= max_listed
+
+    for arrived in lister.list_after(start_after):
+        if visit(arrived):
             return scan
+    if keys_arrive_in_order:
+        scan.reached_end = True
+        return scan
+    if start_after:
+        for arrived in lister.list_after(""):
+            if arrived.name > start_after:
+                break
+            if visit(arrived):
+                return scan
     scan.reached_end = True
-    if not keys_arrive_in_order:
-        scan.next_start_after = ""
+    scan.next_start_after = ""
     return scan
 
 

@@ -134,7 +134,7 @@ def arrival_sensor(
 
     @dg.sensor(
         name=sensor_name,
-        target=[pipeline.output_asset],
+        asset_selection=dg.AssetSelection.assets(output_key),
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=default_status,
         required_resource_keys=required,
