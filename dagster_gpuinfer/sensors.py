@@ -126,7 +126,9 @@ def arrival_sensor(
         if not watched.prefix.startswith("s3://"):
             return LocalLister(watched.prefix)
         if s3_resource_key:
-            client = getattr(context.resources, s3_resource_key).get_client()
+            # An S3Resource bound by `required_resource_keys` arrives as its boto3 client.
+            s3 = getattr(context.resources, s3_resource_key)
+            client = s3.get_client() if hasattr(type(s3), "get_client") else s3
         else:
             options = storage or getattr(context.resources, resource_key).storage_options()
             client = s3_client(options.endpoint_url, options.region)
