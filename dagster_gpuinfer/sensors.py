@@ -13,6 +13,12 @@ cursor. The cursor only says where the listing goes on: a tick stops after
 `max_new_files_per_tick` new files (or `max_files_listed_per_tick` listed) and the next tick
 pages on from there; at the end of the listing the next tick starts over from the beginning,
 so a file that landed behind the listing position during a tick is found on the next pass.
+
+Scale (bench/control_plane.py, 2 CPU cores, moto S3 on loopback): evaluating a tick over
+10,000 new files takes about 11 s, inside Dagster's 60 s sensor timeout. The sensor daemon
+then registers the partitions, checking each key on its own (about 3 ms per key on
+SQLite), so the whole tick of 10,000 files took about 64 s there; lower
+`max_new_files_per_tick` on a SQLite instance if ticks must stay short.
 """
 
 from __future__ import annotations

@@ -100,6 +100,15 @@ def test_file_names_map_to_partition_keys_by_template_suffix_and_glob():
     assert watched.file_key(".jsonl") is None  # nothing left for the key
 
 
+def test_a_name_prefix_in_the_template_selects_files_within_a_folder(tmp_path, instance):
+    inbox = tmp_path / "inbox"
+    write_jsonl(inbox / "docs-1.jsonl", ["1"])
+    write_jsonl(inbox / "docs-2.jsonl", ["2"])
+    write_jsonl(inbox / "other-3.jsonl", ["3"])
+    driver = SensorDriver(make_pipeline(f"{inbox}/docs-{{partition_key}}.jsonl"), instance)
+    assert added_keys(driver.tick()) == ["1", "2"]
+
+
 def test_template_without_exactly_one_placeholder_cannot_be_watched():
     with pytest.raises(ValueError, match="exactly once"):
         WatchedFiles("s3://bkt/{partition_key}/{partition_key}.jsonl")
@@ -198,8 +207,9 @@ def test_restarted_sensor_resumes_from_its_cursor_and_a_lost_cursor_adds_nothing
     assert json.loads(restarted.cursor)["start_after"] == "f3.jsonl"
     assert added_keys(restarted.tick()) == ["f4", "f5"]
 
-    # A reset cursor lists from the start again but registers nothing twice.
+    # A lost or unreadable cursor lists from the start again but registers nothing twice.
     reset = SensorDriver(make_pipeline(uri, name), instance)
+    reset.cursor = "{not json"
     result = reset.tick()
     assert added_keys(result) == [] and not result.run_requests
     assert sorted(reset.registered()) == [f"f{i}" for i in range(6)]
