@@ -64,9 +64,14 @@ def write_daily_notes(days: list[str], *, rows: int = 50, seed: int = 3) -> list
             continue
         rng = random.Random(f"{seed}-{day}")
         lines = [
-            json.dumps({"id": f"{day}-{i:04d}", "text": f"Note {i} of {day}: "
-                        f"{rng.choice(['sunny', 'rainy', 'windy'])} day, "
-                        f"{rng.randint(1, 40)} visitors, {rng.choice(['calm', 'busy'])} shift."})
+            json.dumps(
+                {
+                    "id": f"{day}-{i:04d}",
+                    "text": f"Note {i} of {day}: "
+                    f"{rng.choice(['sunny', 'rainy', 'windy'])} day, "
+                    f"{rng.randint(1, 40)} visitors, {rng.choice(['calm', 'busy'])} shift.",
+                }
+            )
             for i in range(rows)
         ]
         tmp = path.with_name(f".{path.name}.tmp")

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets.paths import embedding_model_dir, generation_model_dir, input_root, output_root
 from assets.daily import daily_embeddings_job, daily_embeddings_schedule, daily_note_embeddings
 from assets.downstream import embedding_stats_asset
+from assets.paths import embedding_model_dir, generation_model_dir, input_root, output_root
 from assets.yaml_pipelines import load_yaml_pipelines
 from dagster_gpuinfer import EngineArgs, InputSpec, SamplingParams, inference_assets
 from resources import resources_for_environment

@@ -6,7 +6,6 @@ is materialized as soon as the same partition of the embeddings is updated (a ba
 sensor run, a re-run), and not while the upstream is still in progress.
 """
 
-
 import posixpath
 
 import dagster as dg
@@ -24,7 +23,9 @@ from dagster_gpuinfer.storage import (
 
 STATS_FILE = "stats.parquet"
 EMPTY_EMBEDDINGS_SCHEMA = {
-    "id": pl.String, "embedding": pl.Array(pl.Float32, 1), "prompt_tokens": pl.Int32
+    "id": pl.String,
+    "embedding": pl.Array(pl.Float32, 1),
+    "prompt_tokens": pl.Int32,
 }
 
 

@@ -171,9 +171,12 @@ def launch_ui_backfill(context, keys: list[str]) -> str:
     result = execute_dagster_graphql(
         context.create_request_context(),
         LAUNCH_PARTITION_BACKFILL_MUTATION,
-        variables={"backfillParams": {
-            "partitionNames": keys, "assetSelection": [{"path": ["bench_embeddings"]}],
-        }},
+        variables={
+            "backfillParams": {
+                "partitionNames": keys,
+                "assetSelection": [{"path": ["bench_embeddings"]}],
+            }
+        },
     )
     data = result.data["launchPartitionBackfill"]
     assert data["__typename"] == "LaunchBackfillSuccess", data
@@ -193,7 +196,8 @@ def bench_backfill(instance, context, b: int, submit_sample: int) -> None:
     keys = [f"bf-{i:06d}" for i in range(b)]
     instance.add_dynamic_partitions("bench_arrivals", keys)
     backfill_id = timed(
-        f"UI backfill of {b:,} partitions (GraphQL mutation)", lambda: launch_ui_backfill(context, keys)
+        f"UI backfill of {b:,} partitions (GraphQL mutation)",
+        lambda: launch_ui_backfill(context, keys),
     )
     backfill = instance.get_backfill(backfill_id)
     defs = load_bench_defs()
@@ -210,7 +214,11 @@ def bench_backfill(instance, context, b: int, submit_sample: int) -> None:
         )
 
     planned = timed(f"backfill daemon planning: {b:,} partitions into runs", plan)
-    record("runs planned", len(planned.run_requests), f"(ceil({b}/{PER_RUN}) = {math.ceil(b / PER_RUN)})")
+    record(
+        "runs planned",
+        len(planned.run_requests),
+        f"(ceil({b}/{PER_RUN}) = {math.ceil(b / PER_RUN)})",
+    )
     # Cancel it: submitting 2,500 runs is measured per run on a sample below.
     instance.update_backfill(backfill.with_status(BulkActionStatus.CANCELED))
 
@@ -221,7 +229,9 @@ def bench_backfill(instance, context, b: int, submit_sample: int) -> None:
         lambda: drain(execute_backfill_iteration(context, logger)),
     )
     runs = instance.get_runs_count(filters=RunsFilter(tags={BACKFILL_ID_TAG: sample_id}))
-    per_run = RESULTS[f"backfill daemon: plan + submit a {len(sample)}-partition backfill"] / max(runs, 1)
+    per_run = RESULTS[f"backfill daemon: plan + submit a {len(sample)}-partition backfill"] / max(
+        runs, 1
+    )
     record("runs submitted", runs, f"({per_run:.3f} s per run on this instance's storage)")
     RESULTS["submit_seconds_per_run"] = round(per_run, 4)
 
@@ -236,12 +246,16 @@ def bench_sensor(instance, context, files: int, endpoint: str, bucket: str) -> N
 
     def upload():
         with ThreadPoolExecutor(16) as pool:
-            list(pool.map(
-                lambda i: client.put_object(
-                    Bucket=bucket, Key=f"landing/day-{i // 1000:02d}/part-{i:06d}.jsonl",
-                    Body=b'{"id": "x", "text": "y"}\n'),
-                range(files),
-            ))
+            list(
+                pool.map(
+                    lambda i: client.put_object(
+                        Bucket=bucket,
+                        Key=f"landing/day-{i // 1000:02d}/part-{i:06d}.jsonl",
+                        Body=b'{"id": "x", "text": "y"}\n',
+                    ),
+                    range(files),
+                )
+            )
 
     timed(f"upload {files:,} files to the loopback S3 (setup, not sensor)", upload)
     # The evaluation alone, as the code server runs it under the 60 s timeout.
@@ -262,7 +276,10 @@ def bench_sensor(instance, context, files: int, endpoint: str, bucket: str) -> N
         lambda: drain(execute_sensor_iteration(context, logger, None, None)),
     )
     record("partitions registered", len(instance.get_dynamic_partitions("bench_arrivals")))
-    record("backfills created", len(instance.get_backfills(filters=BulkActionsFilter())) - backfills_before)
+    record(
+        "backfills created",
+        len(instance.get_backfills(filters=BulkActionsFilter())) - backfills_before,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,17 +288,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backfill", type=int, default=10_000)
     parser.add_argument("--files", type=int, default=10_000)
     parser.add_argument(
-        "--submit-sample", type=int, default=200,
+        "--submit-sample",
+        type=int,
+        default=200,
         help="partitions of the backfill whose runs are really submitted (storage bound)",
     )
     parser.add_argument("--json", help="also write the numbers to this JSON file")
     args = parser.parse_args(argv)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    os.environ.update({
-        "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-        "DAGSTER_DISABLE_TELEMETRY": "yes",
-    })
+    os.environ.update(
+        {
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "DAGSTER_DISABLE_TELEMETRY": "yes",
+        }
+    )
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -303,14 +326,18 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             defs_file = Path(tmp) / "bench_defs.py"
             defs_file.write_text(DEFS_SOURCE)
-            os.environ.update({
-                "BENCH_INPUT_URI": "s3://bench-landing/landing/{partition_key}.jsonl",
-                "BENCH_S3_ENDPOINT": endpoint,
-                "BENCH_FILES": str(args.files),
-                "BENCH_DEFS_FILE": str(defs_file),
-            })
+            os.environ.update(
+                {
+                    "BENCH_INPUT_URI": "s3://bench-landing/landing/{partition_key}.jsonl",
+                    "BENCH_S3_ENDPOINT": endpoint,
+                    "BENCH_FILES": str(args.files),
+                    "BENCH_DEFS_FILE": str(defs_file),
+                }
+            )
             launcher = {"module": "dagster._core.test_utils", "class": "MockedRunLauncher"}
-            with dg.instance_for_test(overrides={"run_launcher": launcher}, temp_dir=tmp) as instance:
+            with dg.instance_for_test(
+                overrides={"run_launcher": launcher}, temp_dir=tmp
+            ) as instance:
                 print()
                 bench_dynamic(instance, args.partitions)
                 with workspace(instance, defs_file) as context:

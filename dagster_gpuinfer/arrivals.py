@@ -266,8 +266,11 @@ def scan_arrivals(
             bad = [s for s in INVALID_KEY_SUBSTRINGS if s in key]
             if bad:
                 scan.rejected.append(
-                    (arrived.name, f"its partition key would contain {bad[0]!r}, which Dagster "
-                     "does not allow in partition keys; rename the file")
+                    (
+                        arrived.name,
+                        f"its partition key would contain {bad[0]!r}, which Dagster "
+                        "does not allow in partition keys; rename the file",
+                    )
                 )
             else:
                 scan.new_files.append(arrived)
@@ -308,7 +311,10 @@ class SplitLargeFiles:
     parquet_rows_per_partition: int = 200_000
 
     def __post_init__(self) -> None:
-        if min(self.min_bytes, self.jsonl_bytes_per_partition, self.parquet_rows_per_partition) <= 0:
+        if (
+            min(self.min_bytes, self.jsonl_bytes_per_partition, self.parquet_rows_per_partition)
+            <= 0
+        ):
             raise ValueError("SplitLargeFiles sizes must be positive")
 
 
@@ -351,7 +357,9 @@ def plan_partition_keys(
         if input_format == "parquet":
             with lister.open(arrived.name) as handle:
                 metadata = pq.ParquetFile(handle).metadata
-                group_rows = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+                group_rows = [
+                    metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)
+                ]
             ranges, unit = row_group_ranges(group_rows, split.parquet_rows_per_partition), "rows"
         else:
             ranges, unit = byte_ranges(arrived.size, split.jsonl_bytes_per_partition), "bytes"

@@ -181,7 +181,11 @@ def arrival_sensor(
             f"listed {scan.listed} file(s) after {cursor['start_after']!r} in "
             f"{time.perf_counter() - started:.2f}s: {len(scan.new_files)} new, "
             f"{len(keys)} partition(s)"
-            + ("" if scan.reached_end else f"; the next tick goes on after {scan.next_start_after!r}")
+            + (
+                ""
+                if scan.reached_end
+                else f"; the next tick goes on after {scan.next_start_after!r}"
+            )
         )
         context.log.info(summary)
         if not keys:

@@ -28,7 +28,9 @@ PARTITION_KEY_PLACEHOLDER = "{partition_key}"
 # A large file split into several partitions: `<file key>@rows=<start>-<end>` (Parquet rows,
 # or JSONL lines) or `<file key>@bytes=<start>-<end>` (JSONL bytes; a line belongs to the
 # range holding its first byte). Ranges are half-open: `@rows=0-1000` is rows 0..999.
-RANGE_KEY_PATTERN = re.compile(r"^(?P<file>.+)@(?P<unit>rows|bytes)=(?P<start>\d+)-(?P<end>\d+)$")
+RANGE_KEY_PATTERN = re.compile(
+    r"^(?P<file>.+)@(?P<unit>rows|bytes)=(?P<start>\d+)-(?P<end>\d+)$"
+)
 
 
 class _Strict(BaseModel):
@@ -123,7 +125,9 @@ class ShardRange(_Strict):
     @model_validator(mode="after")
     def _not_empty(self) -> ShardRange:
         if self.end <= self.start:
-            raise ValueError(f"range {self.unit}={self.start}-{self.end} is empty; end must exceed start")
+            raise ValueError(
+                f"range {self.unit}={self.start}-{self.end} is empty; end must exceed start"
+            )
         return self
 
     def suffix(self) -> str:
@@ -135,10 +139,11 @@ def split_partition_key(partition_key: str) -> tuple[str, ShardRange | None]:
     match = RANGE_KEY_PATTERN.match(partition_key)
     if match is None:
         return partition_key, None
-    shard_range = ShardRange(
-        unit=match["unit"], start=int(match["start"]), end=int(match["end"])  # type: ignore[arg-type]
-    )
-    return match["file"], shard_range
+    start, end = int(match["start"]), int(match["end"])
+    if end <= start:  # not a range this package writes: part of a file's name
+        return partition_key, None
+    unit = "rows" if match["unit"] == "rows" else "bytes"
+    return match["file"], ShardRange(unit=unit, start=start, end=end)
 
 
 def range_partition_key(file_key: str, unit: Literal["rows", "bytes"], start: int, end: int) -> str:
@@ -258,7 +263,8 @@ class InferenceSpec(_Strict):
         input_format = self.input.resolved_format()
         for key in self.partition_keys:
             shard_range = self.input.shard_range(key)
-            if shard_range is not None and shard_range.unit == "bytes" and input_format == "parquet":
+            in_bytes = shard_range is not None and shard_range.unit == "bytes"
+            if in_bytes and input_format == "parquet":
                 raise ValueError(
                     f"partition {key!r} asks for a byte range of a Parquet file; Parquet shards "
                     "split by rows (`@rows=<start>-<end>`), byte ranges are for JSONL"

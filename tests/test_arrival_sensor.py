@@ -67,7 +67,9 @@ class SensorDriver:
         result = self.sensor(context)
         assert isinstance(result, dg.SensorResult)
         for request in result.dynamic_partitions_requests or []:
-            self.instance.add_dynamic_partitions(request.partitions_def_name, request.partition_keys)
+            self.instance.add_dynamic_partitions(
+                request.partitions_def_name, request.partition_keys
+            )
         self.cursor = result.cursor
         return result
 
@@ -125,7 +127,9 @@ def test_sensor_refuses_a_pipeline_without_dynamic_partitions(tmp_path):
         output_root=str(tmp_path / "out"),
         partitions_def=dg.StaticPartitionsDefinition(["a"]),
     )
-    with pytest.raises(ValueError, match="DynamicPartitionsDefinition.*static_docs has StaticPartitionsDefinition"):
+    with pytest.raises(
+        ValueError, match="DynamicPartitionsDefinition.*static_docs has StaticPartitionsDefinition"
+    ):
         arrival_sensor(pipeline)
 
 
@@ -146,7 +150,9 @@ def test_each_new_file_is_registered_once_and_processed_by_one_backfill(tmp_path
     subset = request.asset_graph_subset
     assert subset is not None, "launch='backfill' asks the daemon for a backfill"
     assert set(subset.get_partitions_subset(pipeline.output_asset.key).get_partition_keys()) == {
-        "a", "b", "sub/c"
+        "a",
+        "b",
+        "sub/c",
     }
 
     second = driver.tick()
@@ -240,17 +246,23 @@ def test_sensor_pages_through_an_s3_prefix_on_the_loopback_server(s3_server, ins
     bucket = s3_server.new_bucket("arrivals")
     names = [f"batch/{i:05d}" for i in range(600)]
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(
-            lambda n: s3_server.client.put_object(Bucket=bucket, Key=f"in/{n}.jsonl", Body=b"{}\n"),
-            names,
-        ))
+        list(
+            pool.map(
+                lambda n: s3_server.client.put_object(
+                    Bucket=bucket, Key=f"in/{n}.jsonl", Body=b"{}\n"
+                ),
+                names,
+            )
+        )
     s3_server.client.put_object(Bucket=bucket, Key="in/batch/_SUCCESS", Body=b"")
     s3_server.client.put_object(Bucket=bucket, Key="elsewhere/z.jsonl", Body=b"{}\n")
     gpu = GpuInferenceResource(
         s3_endpoint_url=s3_server.endpoint_url, s3_region=s3_server.region, s3_allow_http=True
     )
     driver = SensorDriver(
-        make_pipeline(f"s3://{bucket}/in/{{partition_key}}.jsonl"), instance, gpu,
+        make_pipeline(f"s3://{bucket}/in/{{partition_key}}.jsonl"),
+        instance,
+        gpu,
         max_new_files_per_tick=250,
     )
     per_tick = [added_keys(driver.tick()) for _ in range(4)]
@@ -343,9 +355,7 @@ def test_large_parquet_file_splits_into_row_group_ranges_read_exactly(landing, i
     pipeline = make_pipeline(f"{root}/{{partition_key}}.parquet")
     split = SplitLargeFiles(min_bytes=1, parquet_rows_per_partition=250)
     keys = added_keys(SensorDriver(pipeline, instance, gpu, split=split).tick())
-    assert keys == [
-        "big@rows=0-300", "big@rows=300-600", "big@rows=600-900", "big@rows=900-1000"
-    ]
+    assert keys == ["big@rows=0-300", "big@rows=300-600", "big@rows=600-900", "big@rows=900-1000"]
     spec = spec_for(f"{root}/{{partition_key}}.parquet", storage)
     assert [len(read_ids(spec, key, chunk_size=64)) for key in keys] == [300, 300, 300, 100]
     assert [i for key in keys for i in read_ids(spec, key, chunk_size=64)] == ids
@@ -367,7 +377,9 @@ def test_a_range_beyond_the_file_fails_the_shard_with_what_to_do(tmp_path):
     write_jsonl(tmp_path / "f.jsonl", ["a", "b"])
     spec = spec_for(f"{tmp_path}/{{partition_key}}.jsonl")
     size = os.path.getsize(tmp_path / "f.jsonl")
-    with pytest.raises(ShardError, match=f"bytes up to {size + 10} but the file holds {size}.*Register"):
+    with pytest.raises(
+        ShardError, match=f"bytes up to {size + 10} but the file holds {size}.*Register"
+    ):
         ShardReader(spec, f"f@bytes=0-{size + 10}").preflight()
     pq.write_table(pa.table({"id": ["a"], "text": ["t"]}), tmp_path / "g.parquet")
     spec = spec_for(f"{tmp_path}/{{partition_key}}.parquet")
@@ -396,7 +408,7 @@ def test_sensor_daemon_registers_partitions_and_creates_one_backfill(tmp_path, m
         assert sorted(test_instance.get_dynamic_partitions("doc_files")) == ["p1", "p2", "p3"]
         [backfill] = test_instance.get_backfills(filters=BulkActionsFilter())
         subset = backfill.asset_backfill_data.target_subset
-        assert set(subset.get_partitions_subset(dg.AssetKey("doc_vectors")).get_partition_keys()) == {
-            "p1", "p2", "p3"
-        }
+        assert set(
+            subset.get_partitions_subset(dg.AssetKey("doc_vectors")).get_partition_keys()
+        ) == {"p1", "p2", "p3"}
         assert backfill.tags["dagster-gpuinfer/arrival_sensor"] == "doc_vectors_arrivals"

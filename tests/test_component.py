@@ -66,8 +66,10 @@ def test_reference_code_location_declares_ticket_embeddings_in_yaml():
     assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
     graph = defs.resolve_asset_graph()
     assert dg.AssetKey("ticket_embeddings_input") in graph.get(asset.key).parent_keys
-    assert graph.get(dg.AssetKey("ticket_embeddings_input")).metadata["uri_template"].endswith(
-        "/tickets/{partition_key}.jsonl"
+    assert (
+        graph.get(dg.AssetKey("ticket_embeddings_input"))
+        .metadata["uri_template"]
+        .endswith("/tickets/{partition_key}.jsonl")
     )
 
 
@@ -78,8 +80,9 @@ def test_yaml_pipeline_builds_what_the_python_factory_builds():
         name="tickets",
         model="/models/minilm",
         task="embed",
-        input=InputSpec(uri="s3://support/in/{partition_key}.jsonl", id_column="ticket_id",
-                        text_column="body"),
+        input=InputSpec(
+            uri="s3://support/in/{partition_key}.jsonl", id_column="ticket_id", text_column="body"
+        ),
         output_root="s3://support/out",
         partitions_def=dg.DynamicPartitionsDefinition(name="tickets"),
         engine={"dtype": "float16", "max_model_len": 512},
@@ -115,10 +118,16 @@ partitioning: {type: daily, start_date: "2026-11-01", schedule_hour: 3}
 
 
 def test_a_pipeline_own_resource_is_bound_under_its_own_key():
-    defs = build(TICKETS_YAML.replace("group_name: support", """group_name: support
+    defs = build(
+        TICKETS_YAML.replace(
+            "group_name: support",
+            """group_name: support
 resource:
   launcher: local
-  engine_overrides: {gpu_memory_utilization: 0.5}"""), resources={})
+  engine_overrides: {gpu_memory_utilization: 0.5}""",
+        ),
+        resources={},
+    )
     asset = defs.resolve_assets_def("tickets")
     assert "gpuinfer_tickets" in asset.required_resource_keys
     assert "gpu" not in asset.required_resource_keys
@@ -128,11 +137,20 @@ resource:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (("type: dynamic", "type: static\n  keys: [a]"), "arrival_sensor registers partitions.*not 'static'"),
+        (
+            ("type: dynamic", "type: static\n  keys: [a]"),
+            "arrival_sensor registers partitions.*not 'static'",
+        ),
         (("{partition_key}.jsonl", "all.jsonl"), "input.uri.*no {partition_key} placeholder"),
-        (("max_partitions_per_run: 8", "max_partitions_per_run: 0"), "max_partitions_per_run must be at least 1"),
+        (
+            ("max_partitions_per_run: 8", "max_partitions_per_run: 0"),
+            "max_partitions_per_run must be at least 1",
+        ),
         (("dtype: float16", "dtype: float16\n  max_num_seqs: -1"), "engine.max_num_seqs"),
-        (("group_name: support", "group_name: support\nresource: {launcher: slurm}"), "`resource` is not a valid GpuInferenceResource"),
+        (
+            ("group_name: support", "group_name: support\nresource: {launcher: slurm}"),
+            "`resource` is not a valid GpuInferenceResource",
+        ),
     ],
 )
 def test_yaml_mistakes_are_reported_with_the_attribute_and_the_component(change, message):

@@ -47,7 +47,9 @@ def bucket(s3_server):
 
 @pytest.fixture
 def storage(s3_server) -> StorageOptions:
-    return StorageOptions(endpoint_url=s3_server.endpoint_url, region=s3_server.region, allow_http=True)
+    return StorageOptions(
+        endpoint_url=s3_server.endpoint_url, region=s3_server.region, allow_http=True
+    )
 
 
 def make_spec(bucket: str, storage: StorageOptions, model: str = "/models/minilm") -> InferenceSpec:
@@ -71,13 +73,28 @@ def commit_example(spec: InferenceSpec, key: str) -> Manifest:
     # A leftover of an earlier attempt that the commit must clear.
     write_file_entry(fs, posixpath.join(path, "_chunks", spec.spec_hash()), "00000.json", b"{}", 0)
     errors = pa.Table.from_pylist(
-        [{"id": "d", "source": "s3://x", "row": 3, "error_type": "empty",
-          "message": "row 4 is empty; the row was quarantined", "prompt_tokens": None}],
+        [
+            {
+                "id": "d",
+                "source": "s3://x",
+                "row": 3,
+                "error_type": "empty",
+                "message": "row 4 is empty; the row was quarantined",
+                "prompt_tokens": None,
+            }
+        ],
         schema=ERRORS_SCHEMA,
     )
     manifest = Manifest(
-        partition_key=key, spec_hash=spec.spec_hash(), model=spec.model, task=spec.task,
-        output_format="parquet", rows_in=4, rows_out=3, rows_errored=1, parts=[entry],
+        partition_key=key,
+        spec_hash=spec.spec_hash(),
+        model=spec.model,
+        task=spec.task,
+        output_format="parquet",
+        rows_in=4,
+        rows_out=3,
+        rows_errored=1,
+        parts=[entry],
         errors=FileEntry(name="errors.parquet", rows=0, bytes=0, sha256=""),
         error_types={"empty": 1},
     )
@@ -92,7 +109,7 @@ def test_committed_partition_on_s3_reads_back_with_boto3_and_through_its_manifes
 
     keys = s3_server.keys(bucket, "out/")
     prefix = "out/vectors/day%2F1/"  # "/" in a key never adds a folder level
-    files = sorted(k[len(prefix):] for k in keys if not k.endswith("/"))
+    files = sorted(k[len(prefix) :] for k in keys if not k.endswith("/"))
     assert files == ["_SUCCESS", "errors.parquet", f"part-{spec.spec_hash()}-00000.parquet"]
     assert not [k for k in keys if "_chunks/" in k or ".tmp-" in k]
 
@@ -125,7 +142,9 @@ def test_a_tampered_part_file_on_s3_fails_verification(s3_server, bucket, storag
 
 def test_reading_an_uncommitted_partition_on_s3_says_to_materialize_it(bucket, storage):
     spec = make_spec(bucket, storage)
-    with pytest.raises(FileNotFoundError, match=rf"no _SUCCESS in s3://{bucket}/out/vectors/day%2F9.*materialize"):
+    with pytest.raises(
+        FileNotFoundError, match=rf"no _SUCCESS in s3://{bucket}/out/vectors/day%2F9.*materialize"
+    ):
         read_partition(spec.output, "day/9", storage)
 
 
@@ -170,7 +189,10 @@ def test_sensor_lists_s3_with_the_client_of_an_s3_resource(s3_server, bucket):
         context = dg.build_sensor_context(
             instance=instance,
             # The gpu resource points nowhere useful: listing must use the S3Resource.
-            resources={"gpu": GpuInferenceResource(s3_endpoint_url="https://unused.invalid"), "s3": s3},
+            resources={
+                "gpu": GpuInferenceResource(s3_endpoint_url="https://unused.invalid"),
+                "s3": s3,
+            },
         )
         result = sensor(context)
     assert [k for r in result.dynamic_partitions_requests for k in r.partition_keys] == ["a"]

@@ -20,13 +20,13 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from dagster._core.execution.backfill import BulkActionStatus, BulkActionsFilter
+from daemon_workspace import daemon_workspace, tick_backfills, tick_sensors
+from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
 from dagster._core.storage.dagster_run import DagsterRunStatus, RunsFilter
 from dagster._core.storage.tags import BACKFILL_ID_TAG
 from dagster_graphql.client.query import LAUNCH_PARTITION_BACKFILL_MUTATION
 from dagster_graphql.test.utils import execute_dagster_graphql
 
-from daemon_workspace import daemon_workspace, tick_backfills, tick_sensors
 from dagster_gpuinfer import Manifest
 
 RANGE_START = "dagster/asset_partition_range_start"
@@ -90,7 +90,9 @@ def test_ui_backfill_of_10_partitions_becomes_3_runs_of_at_most_4(tmp_path, monk
             launched = result.data["launchPartitionBackfill"]
             assert launched["__typename"] == "LaunchBackfillSuccess", launched
             tick_backfills(workspace)
-            runs = instance.get_runs(filters=RunsFilter(tags={BACKFILL_ID_TAG: launched["backfillId"]}))
+            runs = instance.get_runs(
+                filters=RunsFilter(tags={BACKFILL_ID_TAG: launched["backfillId"]})
+            )
     assert len(runs) == math.ceil(len(keys) / 4) == 3
     ranges = sorted((run.tags[RANGE_START], run.tags[RANGE_END]) for run in runs)
     assert ranges == [("shard-00", "shard-03"), ("shard-04", "shard-07"), ("shard-08", "shard-09")]
@@ -169,7 +171,10 @@ def flow(s3_server, tmp_path_factory):
                 result.backfill_id = backfill.backfill_id
                 for _ in range(6):  # each launched run executes inside the tick
                     tick_backfills(workspace)
-                    if instance.get_backfill(backfill.backfill_id).status != BulkActionStatus.REQUESTED:
+                    if (
+                        instance.get_backfill(backfill.backfill_id).status
+                        != BulkActionStatus.REQUESTED
+                    ):
                         break
                 tick_sensors(workspace)  # nothing new has landed since
             yield result
@@ -186,7 +191,12 @@ def test_files_dropped_in_s3_become_partitions_once(flow):
     big_size = len(jsonl(BIG_IDS))
     half = big_size // 2 + 1
     assert flow.partition_keys == [
-        f"big@bytes=0-{half}", f"big@bytes={half}-{big_size}", "doc-0", "doc-1", "doc-2", "doc-3"
+        f"big@bytes=0-{half}",
+        f"big@bytes={half}-{big_size}",
+        "doc-0",
+        "doc-1",
+        "doc-2",
+        "doc-3",
     ]
     assert len(flow.instance.get_backfills(filters=BulkActionsFilter())) == 1
 

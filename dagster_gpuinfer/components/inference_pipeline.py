@@ -93,7 +93,9 @@ class ArrivalSensorSettings(dg.Model):
 # class, where it stays intact (the component tests load YAML through it), so the warning
 # pydantic raises at class creation is silenced here and nowhere else.
 warnings.filterwarnings(
-    "ignore", message='Field name "model" in "InferencePipelineComponent" shadows', category=UserWarning
+    "ignore",
+    message='Field name "model" in "InferencePipelineComponent" shadows',
+    category=UserWarning,
 )
 
 
@@ -144,7 +146,12 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, dg.Model):
     def problems(self) -> list[str]:
         """Attribute values out of range, each naming the attribute (empty when sound)."""
         found = []
-        for field_name in ("tensor_parallel_size", "replicas", "chunk_size", "max_partitions_per_run"):
+        for field_name in (
+            "tensor_parallel_size",
+            "replicas",
+            "chunk_size",
+            "max_partitions_per_run",
+        ):
             if getattr(self, field_name) < 1:
                 found.append(f"{field_name} must be at least 1 (got {getattr(self, field_name)})")
         if not 0 <= self.max_error_rate <= 1:
@@ -156,7 +163,9 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, dg.Model):
         sensor = self.arrival_sensor
         if sensor is not None:
             for field_name in (
-                "max_new_files_per_tick", "minimum_interval_seconds", "jsonl_bytes_per_partition",
+                "max_new_files_per_tick",
+                "minimum_interval_seconds",
+                "jsonl_bytes_per_partition",
                 "parquet_rows_per_partition",
             ):
                 if getattr(sensor, field_name) < 1:
@@ -249,7 +258,10 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, dg.Model):
                     resource_key=self.effective_resource_key(),
                 )
             )
-        if isinstance(self.partitioning, DailyPartitioning) and self.partitioning.schedule_hour is not None:
+        if (
+            isinstance(self.partitioning, DailyPartitioning)
+            and self.partitioning.schedule_hour is not None
+        ):
             job = dg.define_asset_job(
                 f"{self.name}_daily",
                 selection=[pipeline.output_asset.key],

@@ -214,7 +214,8 @@ class ShardReader:
                     first_row = group_start
             group_start = group_end
         first_row = self.range.start if first_row is None else first_row
-        return groups, self.range.start, self.range.start - first_row, self.range.end - self.range.start
+        start, end = self.range.start, self.range.end
+        return groups, start, start - first_row, end - start
 
     def _parquet_chunk(
         self, index: int, first_row: int, table: pa.Table, id_column: str | None
