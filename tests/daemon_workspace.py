@@ -7,6 +7,9 @@ the loop is driven by the test, the way Dagster's own daemon tests drive it.
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,16 +32,22 @@ LOGGER = logging.getLogger("gpuinfer-test-daemon")
 
 @contextmanager
 def daemon_workspace(instance: dg.DagsterInstance) -> Iterator[WorkspaceProcessContext]:
-    origin = InProcessCodeLocationOrigin(
-        LoadableTargetOrigin(
-            python_file=str(DEFS_FILE), attribute="defs", working_directory=str(REPO_ROOT)
-        ),
-        location_name="gpuinfer_test",
-    )
-    with create_test_daemon_workspace_context(
-        InProcessTestWorkspaceLoadTarget(origin), instance
-    ) as context:
-        yield context
+    """A workspace over a fresh copy of `daemon_defs.py`: an in-process code location keeps
+    the module it loaded, so a copy under a new name is what makes it read the environment
+    of this test instead of an earlier one's."""
+    with tempfile.TemporaryDirectory() as directory:
+        defs_file = Path(directory) / f"daemon_defs_{uuid.uuid4().hex}.py"
+        shutil.copyfile(DEFS_FILE, defs_file)
+        origin = InProcessCodeLocationOrigin(
+            LoadableTargetOrigin(
+                python_file=str(defs_file), attribute="defs", working_directory=str(REPO_ROOT)
+            ),
+            location_name="gpuinfer_test",
+        )
+        with create_test_daemon_workspace_context(
+            InProcessTestWorkspaceLoadTarget(origin), instance
+        ) as context:
+            yield context
 
 
 def _raise_errors(results) -> None:
