@@ -12,7 +12,10 @@ import os
 
 import dagster as dg
 
+from assets.daily import daily_embeddings_job, daily_embeddings_schedule, daily_note_embeddings
+from assets.downstream import embedding_stats_asset
 from assets.paths import embedding_model_dir, generation_model_dir, input_root, output_root
+from assets.yaml_pipelines import load_yaml_pipelines
 from dagster_gpuinfer import EngineArgs, InputSpec, SamplingParams, inference_assets
 from resources import resources_for_environment
 
@@ -76,8 +79,22 @@ complete_prompts_job = dg.define_asset_job(
 
 JOBS = {"doc_embeddings": embed_docs_job, "prompt_completions": complete_prompts_job}
 
-defs = dg.Definitions(
-    assets=[*doc_embeddings.assets, *prompt_completions.assets],
-    jobs=[embed_docs_job, complete_prompts_job],
-    resources=resources_for_environment(),
+# Per-partition polars statistics of the embeddings, materialized by the automation daemon
+# whenever a partition of doc_embeddings updates (AutomationCondition.eager()).
+doc_embedding_stats = embedding_stats_asset(doc_embeddings)
+
+defs = dg.Definitions.merge(
+    dg.Definitions(
+        assets=[
+            *doc_embeddings.assets,
+            *prompt_completions.assets,
+            *daily_note_embeddings.assets,
+            doc_embedding_stats,
+        ],
+        jobs=[embed_docs_job, complete_prompts_job, daily_embeddings_job],
+        schedules=[daily_embeddings_schedule],
+        resources=resources_for_environment(),
+    ),
+    # ticket_embeddings: declared in YAML (assets/defs/ticket_embeddings/defs.yaml).
+    load_yaml_pipelines(),
 )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -23,6 +24,13 @@ InputFormat = Literal["parquet", "jsonl", "openai_batch"]
 OutputFormat = Literal["parquet", "openai_batch"]
 
 PARTITION_KEY_PLACEHOLDER = "{partition_key}"
+
+# A large file split into several partitions: `<file key>@rows=<start>-<end>` (Parquet rows,
+# or JSONL lines) or `<file key>@bytes=<start>-<end>` (JSONL bytes; a line belongs to the
+# range holding its first byte). Ranges are half-open: `@rows=0-1000` is rows 0..999.
+RANGE_KEY_PATTERN = re.compile(
+    r"^(?P<file>.+)@(?P<unit>rows|bytes)=(?P<start>\d+)-(?P<end>\d+)$"
+)
 
 
 class _Strict(BaseModel):
@@ -107,10 +115,47 @@ class StorageOptions(_Strict):
     allow_http: bool = Field(False, description="Allow plain-http endpoints (tests, MinIO).")
 
 
+class ShardRange(_Strict):
+    """The part of a file one partition covers: rows or bytes `[start, end)`."""
+
+    unit: Literal["rows", "bytes"]
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> ShardRange:
+        if self.end <= self.start:
+            raise ValueError(
+                f"range {self.unit}={self.start}-{self.end} is empty; end must exceed start"
+            )
+        return self
+
+    def suffix(self) -> str:
+        return f"@{self.unit}={self.start}-{self.end}"
+
+
+def split_partition_key(partition_key: str) -> tuple[str, ShardRange | None]:
+    """`big@rows=0-1000` -> (`big`, rows [0, 1000)); a key without a range -> (key, None)."""
+    match = RANGE_KEY_PATTERN.match(partition_key)
+    if match is None:
+        return partition_key, None
+    start, end = int(match["start"]), int(match["end"])
+    if end <= start:  # not a range this package writes: part of a file's name
+        return partition_key, None
+    unit = "rows" if match["unit"] == "rows" else "bytes"
+    return match["file"], ShardRange(unit=unit, start=start, end=end)
+
+
+def range_partition_key(file_key: str, unit: Literal["rows", "bytes"], start: int, end: int) -> str:
+    """The partition key of part `[start, end)` of the file whose key is `file_key`."""
+    return file_key + ShardRange(unit=unit, start=start, end=end).suffix()
+
+
 class InputSpec(_Strict):
     """Where a shard's rows come from and which columns carry what.
 
-    `uri` is a template with `{partition_key}`: one file per partition (shard).
+    `uri` is a template with `{partition_key}`: one file per partition (shard), or one part
+    of a large file when the key ends in a range (`big@rows=0-100000`, `big@bytes=0-67108864`).
     """
 
     uri: str = Field(
@@ -153,7 +198,13 @@ class InputSpec(_Strict):
         )
 
     def shard_uri(self, partition_key: str) -> str:
-        return self.uri.replace(PARTITION_KEY_PLACEHOLDER, partition_key)
+        """The file a partition reads; a range suffix in the key is not part of the name."""
+        file_key, _ = split_partition_key(partition_key)
+        return self.uri.replace(PARTITION_KEY_PLACEHOLDER, file_key)
+
+    def shard_range(self, partition_key: str) -> ShardRange | None:
+        """The rows or bytes of the file the partition covers; None for the whole file."""
+        return split_partition_key(partition_key)[1]
 
 
 class OutputSpec(_Strict):
@@ -209,7 +260,15 @@ class InferenceSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_task_columns(self) -> InferenceSpec:
-        self.input.resolved_format()
+        input_format = self.input.resolved_format()
+        for key in self.partition_keys:
+            shard_range = self.input.shard_range(key)
+            in_bytes = shard_range is not None and shard_range.unit == "bytes"
+            if in_bytes and input_format == "parquet":
+                raise ValueError(
+                    f"partition {key!r} asks for a byte range of a Parquet file; Parquet shards "
+                    "split by rows (`@rows=<start>-<end>`), byte ranges are for JSONL"
+                )
         if self.task == "embed" and self.sampling != SamplingParams():
             raise ValueError("sampling parameters are set but task 'embed' does not sample")
         return self

@@ -60,8 +60,11 @@ ERRORS_SCHEMA = pa.schema(
 def filesystem_for(uri: str, storage: StorageOptions | None = None) -> tuple[pafs.FileSystem, str]:
     """The pyarrow filesystem and the path within it for a local path or an `s3://` URI.
 
-    S3 credentials come from the standard AWS chain (environment, profile, instance role);
-    only the endpoint and region travel in the spec.
+    S3 credentials come from the standard AWS chain (environment, profile, instance role,
+    web identity); only the endpoint and region travel in the spec.
+
+    Raises:
+        ValueError: the endpoint is plain `http://` and `storage.allow_http` is not set.
     """
     storage = storage or StorageOptions()
     if uri.startswith("s3://"):
@@ -69,6 +72,12 @@ def filesystem_for(uri: str, storage: StorageOptions | None = None) -> tuple[paf
         if storage.endpoint_url:
             endpoint = storage.endpoint_url
             if endpoint.startswith("http://"):
+                if not storage.allow_http:
+                    raise ValueError(
+                        f"S3 endpoint {endpoint} for {uri} is plain http, which sends data and "
+                        "signatures unencrypted. Use an https endpoint, or set allow_http "
+                        "(GpuInferenceResource(s3_allow_http=True)) for a local test server"
+                    )
                 kwargs["scheme"] = "http"
                 endpoint = endpoint[len("http://") :]
             elif endpoint.startswith("https://"):

@@ -1,4 +1,4 @@
-"""Shared fixtures: real models, real Dagster instances, helpers to write shards and run.
+"""Shared fixtures: real models, real Dagster instances, a loopback S3 server.
 
 Tests marked `engine` start the real vLLM CPU engine (about 25 s a start on 2 cores); they
 share runs through module-scoped fixtures so the suite stays within its time budget.
@@ -6,8 +6,12 @@ share runs through module-scoped fixtures so the suite stays within its time bud
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -35,3 +39,67 @@ def tiny_llama_dir() -> str:
 def instance() -> Iterator[dg.DagsterInstance]:
     with dg.instance_for_test() as test_instance:
         yield test_instance
+
+# --------------------------------------------------------------------------- loopback S3
+# A real S3 wire protocol on 127.0.0.1 (moto's server, as dagster-aws tests use): boto3,
+# pyarrow and the worker subprocess all talk HTTP to it; nothing is patched.
+
+S3_TEST_ENV = {
+    "AWS_ACCESS_KEY_ID": "gpuinfer-test-key",
+    "AWS_SECRET_ACCESS_KEY": "gpuinfer-test-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_REGION": "us-east-1",
+    # No instance-metadata lookups: credentials come from the environment above.
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+@dataclass
+class LoopbackS3:
+    endpoint_url: str
+    region: str
+    client: Any
+    _buckets: Iterator[int]
+
+    def new_bucket(self, stem: str = "gpuinfer") -> str:
+        """A fresh, empty bucket, so tests sharing the server never see each other's keys."""
+        name = f"{stem}-{next(self._buckets):04d}"
+        self.client.create_bucket(Bucket=name)
+        return name
+
+    def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        return [
+            item["Key"]
+            for page in paginator.paginate(Bucket=bucket, Prefix=prefix)
+            for item in page.get("Contents", ())
+        ]
+
+    def read(self, bucket: str, key: str) -> bytes:
+        return self.client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[LoopbackS3]:
+    """A moto S3 server on a free loopback port, with test credentials in the environment
+    (which worker subprocesses inherit, like a pod's mounted secret)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    saved = {name: os.environ.get(name) for name in S3_TEST_ENV}
+    os.environ.update(S3_TEST_ENV)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        yield LoopbackS3(endpoint, "us-east-1", client, itertools.count())
+    finally:
+        server.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

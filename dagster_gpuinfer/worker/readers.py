@@ -4,6 +4,11 @@ A reader yields `RawChunk`s of exactly `chunk_size` input rows (the last one sho
 chunk boundaries depend only on the file and the chunk size: a restarted worker cuts the
 same chunks and can skip the committed ones. Memory is bounded by one chunk, never the shard.
 
+A partition whose key ends in a range (`big@rows=0-100000`, `big@bytes=0-67108864`; see
+`dagster_gpuinfer.spec.ShardRange`) reads only that part of its file: Parquet rows through the
+row groups that overlap the range, JSONL lines by number, or JSONL lines whose first byte lies
+in the byte range (so consecutive byte ranges cover every line exactly once).
+
 Rows that cannot even be parsed (a JSONL line that is not JSON, not UTF-8, or an OpenAI
 batch line for an endpoint the task does not serve) are returned as errors of their chunk,
 never raised: one bad row does not fail the shard. A shard that cannot be read at all, or
@@ -12,6 +17,7 @@ lacks a required column, raises `ShardError`, which fails the partition fast.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -57,8 +63,9 @@ class ShardReader:
         self.partition_key = partition_key
         self.uri = spec.input.shard_uri(partition_key)
         self.format = spec.input.resolved_format()
+        self.range = spec.input.shard_range(partition_key)
         self.fs, self.path = filesystem_for(self.uri, spec.storage)
-        self.source = display_uri(self.fs, self.path)
+        self.source = display_uri(self.fs, self.path) + (self.range.suffix() if self.range else "")
         self.payload_column = (
             spec.input.messages_column if spec.task == "chat" else spec.input.text_column
         )
@@ -80,6 +87,13 @@ class ShardReader:
                 f"shard {self.source} of partition {self.partition_key!r} does not exist. "
                 f"Check input.uri ({self.spec.input.uri!r}) or register only partitions whose "
                 "files exist",
+                partition_key=self.partition_key,
+            )
+        if self.range is not None and self.range.unit == "bytes" and self.range.end > info.size:
+            raise ShardError(
+                f"shard {self.source} of partition {self.partition_key!r} asks for bytes up to "
+                f"{self.range.end} but the file holds {info.size}: it changed after it was split. "
+                "Register the file's partitions again (delete them and let the sensor re-add them)",
                 partition_key=self.partition_key,
             )
         if self.format == "parquet":
@@ -105,12 +119,21 @@ class ShardReader:
     def _preflight_parquet(self) -> None:
         try:
             with self.fs.open_input_file(self.path) as handle:
-                schema = pq.ParquetFile(handle).schema_arrow
+                parquet = pq.ParquetFile(handle)
+                schema = parquet.schema_arrow
+                num_rows = parquet.metadata.num_rows
         except (pa.ArrowInvalid, OSError) as exc:
             raise ShardError(
                 f"shard {self.source} is not a readable Parquet file: {exc}",
                 partition_key=self.partition_key,
             ) from exc
+        if self.range is not None and self.range.end > num_rows:
+            raise ShardError(
+                f"shard {self.source} of partition {self.partition_key!r} asks for rows up to "
+                f"{self.range.end} but the file holds {num_rows}: it changed after it was split. "
+                "Register the file's partitions again (delete them and let the sensor re-add them)",
+                partition_key=self.partition_key,
+            )
         missing = [c for c in self._required_columns() if c not in schema.names]
         if missing:
             raise self._missing_column_error(missing, schema.names)
@@ -146,8 +169,19 @@ class ShardReader:
             pending: list[pa.RecordBatch] = []
             pending_rows = 0
             index = 0
-            row = 0
-            for batch in parquet.iter_batches(batch_size=chunk_size, columns=columns):
+            row_groups, row, skip, take = self._row_groups_in_range(parquet)
+            for batch in parquet.iter_batches(
+                batch_size=chunk_size, columns=columns, row_groups=row_groups
+            ):
+                if skip:
+                    dropped = min(skip, batch.num_rows)
+                    batch, skip = batch.slice(dropped), skip - dropped
+                if take is not None:
+                    batch, take = batch.slice(0, take), take - min(take, batch.num_rows)
+                if batch.num_rows == 0:
+                    if take == 0:
+                        break
+                    continue
                 pending.append(batch)
                 pending_rows += batch.num_rows
                 while pending_rows >= chunk_size:
@@ -160,6 +194,28 @@ class ShardReader:
                     pending_rows = tail.num_rows
             if pending_rows:
                 yield self._parquet_chunk(index, row, pa.Table.from_batches(pending), id_column)
+
+    def _row_groups_in_range(
+        self, parquet: pq.ParquetFile
+    ) -> tuple[list[int], int, int, int | None]:
+        """The row groups holding this partition's rows, the number of its first row, how
+        many leading rows of those groups to drop, and how many rows to keep (None: all)."""
+        metadata = parquet.metadata
+        if self.range is None:
+            return list(range(metadata.num_row_groups)), 0, 0, None
+        groups: list[int] = []
+        first_row = None
+        group_start = 0
+        for group in range(metadata.num_row_groups):
+            group_end = group_start + metadata.row_group(group).num_rows
+            if group_end > self.range.start and group_start < self.range.end:
+                groups.append(group)
+                if first_row is None:
+                    first_row = group_start
+            group_start = group_end
+        first_row = self.range.start if first_row is None else first_row
+        start, end = self.range.start, self.range.end
+        return groups, start, start - first_row, end - start
 
     def _parquet_chunk(
         self, index: int, first_row: int, table: pa.Table, id_column: str | None
@@ -176,7 +232,52 @@ class ShardReader:
         return f"{self.partition_key}:{row}"
 
     def _lines(self) -> Iterator[bytes]:
-        """Non-blank lines of the file, streamed in blocks."""
+        """Non-blank lines of this partition's part of the file, streamed in blocks."""
+        if self.range is None:
+            yield from self._all_lines()
+        elif self.range.unit == "rows":
+            yield from itertools.islice(self._all_lines(), self.range.start, self.range.end)
+        else:
+            yield from self._lines_in_bytes(self.range.start, self.range.end)
+
+    def _lines_in_bytes(self, start: int, end: int, block_size: int = 1 << 20) -> Iterator[bytes]:
+        """Non-blank lines whose first byte lies in `[start, end)`.
+
+        A line that begins before `start` belongs to the previous range, however far it
+        reaches; the last line that begins before `end` is read to its newline. Consecutive
+        ranges therefore cover every line of the file exactly once.
+        """
+        with self.fs.open_input_file(self.path) as handle:
+            offset = max(start - 1, 0)  # file offset of buffer[0]
+            handle.seek(offset)
+            buffer = b""
+            pos = 0
+            if start > 0:  # skip the end of the line that began before `start`
+                while True:
+                    block = handle.read(block_size)
+                    if not block:
+                        return
+                    newline = block.find(b"\n")
+                    if newline >= 0:
+                        buffer, offset = block[newline + 1 :], offset + newline + 1
+                        break
+                    offset += len(block)
+            while offset + pos < end:
+                newline = buffer.find(b"\n", pos)
+                if newline < 0:
+                    block = handle.read(block_size)
+                    if not block:
+                        if buffer[pos:].strip():
+                            yield buffer[pos:]
+                        return
+                    buffer, offset, pos = buffer[pos:] + block, offset + pos, 0
+                    continue
+                line = buffer[pos:newline]
+                pos = newline + 1
+                if line.strip():
+                    yield line
+
+    def _all_lines(self) -> Iterator[bytes]:
         with self.fs.open_input_stream(self.path) as stream:
             rest = b""
             while True:
@@ -193,7 +294,10 @@ class ShardReader:
 
     def _jsonl_chunks(self, chunk_size: int) -> Iterator[RawChunk]:
         chunk = RawChunk(index=0, source=self.source)
-        for row, line in enumerate(self._lines()):
+        # Row numbers count from the file's first line, except in a byte range, where they
+        # count from the range's first line (the source names the range).
+        first_row = self.range.start if self.range and self.range.unit == "rows" else 0
+        for row, line in enumerate(self._lines(), start=first_row):
             if chunk.rows_in == chunk_size:
                 yield chunk
                 chunk = RawChunk(index=chunk.index + 1, source=self.source)

@@ -1,0 +1,198 @@
+"""Outputs, errors and manifests on S3, through the same pyarrow layer as local files,
+against a real S3 wire protocol on loopback (moto's server). The end-to-end run of the
+worker on S3 (upload shards, backfill, read back with boto3) is in
+tests/test_schedules_backfills.py, which shares its engine starts with the backfill."""
+
+from __future__ import annotations
+
+import io
+import json
+import posixpath
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from dagster_aws.s3 import S3Resource
+
+from dagster_gpuinfer import (
+    GpuInferenceResource,
+    InferenceSpec,
+    InputSpec,
+    Manifest,
+    StorageOptions,
+    inference_assets,
+)
+from dagster_gpuinfer.aws import gpu_settings_from_s3_resource
+from dagster_gpuinfer.sensors import arrival_sensor
+from dagster_gpuinfer.storage import (
+    ERRORS_SCHEMA,
+    FileEntry,
+    commit_partition,
+    committed_manifest,
+    filesystem_for,
+    partition_dir,
+    read_errors,
+    read_partition,
+    table_to_parquet_bytes,
+    verify_manifest,
+    write_file_entry,
+)
+
+
+@pytest.fixture
+def bucket(s3_server):
+    return s3_server.new_bucket("storage")
+
+
+@pytest.fixture
+def storage(s3_server) -> StorageOptions:
+    return StorageOptions(
+        endpoint_url=s3_server.endpoint_url, region=s3_server.region, allow_http=True
+    )
+
+
+def make_spec(bucket: str, storage: StorageOptions, model: str = "/models/minilm") -> InferenceSpec:
+    return InferenceSpec(
+        model=model,
+        task="embed",
+        input=InputSpec(uri=f"s3://{bucket}/in/{{partition_key}}.jsonl"),
+        output={"root": f"s3://{bucket}/out", "asset_name": "vectors"},
+        storage=storage,
+        partition_keys=["day/1"],
+    )
+
+
+def commit_example(spec: InferenceSpec, key: str) -> Manifest:
+    """Commit a partition the way the worker does: part file, errors, then the manifest."""
+    fs, path = filesystem_for(partition_dir(spec.output, key), spec.storage)
+    part = pa.table({"id": ["a", "b", "c"], "embedding": [[0.0, 1.0], [1.0, 0.0], [0.6, 0.8]]})
+    entry = write_file_entry(
+        fs, path, f"part-{spec.spec_hash()}-00000.parquet", table_to_parquet_bytes(part), 3
+    )
+    # A leftover of an earlier attempt that the commit must clear.
+    write_file_entry(fs, posixpath.join(path, "_chunks", spec.spec_hash()), "00000.json", b"{}", 0)
+    errors = pa.Table.from_pylist(
+        [
+            {
+                "id": "d",
+                "source": "s3://x",
+                "row": 3,
+                "error_type": "empty",
+                "message": "row 4 is empty; the row was quarantined",
+                "prompt_tokens": None,
+            }
+        ],
+        schema=ERRORS_SCHEMA,
+    )
+    manifest = Manifest(
+        partition_key=key,
+        spec_hash=spec.spec_hash(),
+        model=spec.model,
+        task=spec.task,
+        output_format="parquet",
+        rows_in=4,
+        rows_out=3,
+        rows_errored=1,
+        parts=[entry],
+        errors=FileEntry(name="errors.parquet", rows=0, bytes=0, sha256=""),
+        error_types={"empty": 1},
+    )
+    return commit_partition(fs, path, manifest, [errors])
+
+
+def test_committed_partition_on_s3_reads_back_with_boto3_and_through_its_manifest(
+    s3_server, bucket, storage
+):
+    spec = make_spec(bucket, storage)
+    commit_example(spec, "day/1")
+
+    keys = s3_server.keys(bucket, "out/")
+    prefix = "out/vectors/day%2F1/"  # "/" in a key never adds a folder level
+    files = sorted(k[len(prefix) :] for k in keys if not k.endswith("/"))
+    assert files == ["_SUCCESS", "errors.parquet", f"part-{spec.spec_hash()}-00000.parquet"]
+    assert not [k for k in keys if "_chunks/" in k or ".tmp-" in k]
+
+    manifest = Manifest.model_validate_json(s3_server.read(bucket, prefix + "_SUCCESS"))
+    assert (manifest.rows_in, manifest.rows_out, manifest.rows_errored) == (4, 3, 1)
+    part = pq.read_table(io.BytesIO(s3_server.read(bucket, prefix + manifest.parts[0].name)))
+    assert part.column("id").to_pylist() == ["a", "b", "c"]
+    errors = pq.read_table(io.BytesIO(s3_server.read(bucket, prefix + "errors.parquet")))
+    assert errors.column("error_type").to_pylist() == ["empty"]
+
+    assert read_partition(spec.output, "day/1", storage).column("id").to_pylist() == ["a", "b", "c"]
+    assert read_errors(spec.output, "day/1", storage).num_rows == 1
+    fs, path = filesystem_for(partition_dir(spec.output, "day/1"), storage)
+    assert verify_manifest(fs, path, manifest) == []
+    assert committed_manifest(spec, "day/1") == manifest
+    assert committed_manifest(make_spec(bucket, storage, model="/models/other"), "day/1") is None
+
+
+def test_a_tampered_part_file_on_s3_fails_verification(s3_server, bucket, storage):
+    spec = make_spec(bucket, storage)
+    manifest = commit_example(spec, "day/1")
+    short = table_to_parquet_bytes(pa.table({"id": ["a"], "embedding": [[0.0, 1.0]]}))
+    s3_server.client.put_object(
+        Bucket=bucket, Key=f"out/vectors/day%2F1/{manifest.parts[0].name}", Body=short
+    )
+    fs, path = filesystem_for(partition_dir(spec.output, "day/1"), storage)
+    problems = verify_manifest(fs, path, manifest)
+    assert any("holds 1 rows, the manifest says 3" in p for p in problems)
+
+
+def test_reading_an_uncommitted_partition_on_s3_says_to_materialize_it(bucket, storage):
+    spec = make_spec(bucket, storage)
+    with pytest.raises(
+        FileNotFoundError, match=rf"no _SUCCESS in s3://{bucket}/out/vectors/day%2F9.*materialize"
+    ):
+        read_partition(spec.output, "day/9", storage)
+
+
+def test_plain_http_endpoint_is_refused_unless_allowed(s3_server, bucket):
+    storage = StorageOptions(endpoint_url=s3_server.endpoint_url, region=s3_server.region)
+    with pytest.raises(ValueError, match="plain http.*s3_allow_http=True"):
+        filesystem_for(f"s3://{bucket}/out", storage)
+
+
+def test_the_job_spec_never_carries_credentials(s3_server, bucket):
+    with pytest.raises(ValueError, match="aws_secret_access_key"):
+        StorageOptions(endpoint_url=s3_server.endpoint_url, aws_secret_access_key="x")  # type: ignore[call-arg]
+    s3 = S3Resource(
+        endpoint_url=s3_server.endpoint_url,
+        region_name=s3_server.region,
+        aws_access_key_id="AKIA-FROM-RESOURCE",
+        aws_secret_access_key="secret-from-resource",
+    )
+    settings = gpu_settings_from_s3_resource(s3)
+    assert settings["env"]["AWS_SECRET_ACCESS_KEY"] == "secret-from-resource"
+    assert settings["s3_allow_http"] is True
+    gpu = GpuInferenceResource(**settings)
+    spec = gpu.prepare_spec(make_spec(bucket, StorageOptions()))
+    sent = json.dumps({"spec": spec.model_dump(mode="json")})  # what Pipes extras carry
+    assert spec.storage.endpoint_url == s3_server.endpoint_url
+    assert "secret-from-resource" not in sent and "AKIA-FROM-RESOURCE" not in sent
+
+
+def test_sensor_lists_s3_with_the_client_of_an_s3_resource(s3_server, bucket):
+    s3_server.client.put_object(Bucket=bucket, Key="in/a.jsonl", Body=b"{}\n")
+    pipeline = inference_assets(
+        name="listed",
+        model="/models/x",
+        task="embed",
+        input=InputSpec(uri=f"s3://{bucket}/in/{{partition_key}}.jsonl"),
+        output_root=f"s3://{bucket}/out",
+        partitions_def=dg.DynamicPartitionsDefinition(name="listed_files"),
+    )
+    sensor = arrival_sensor(pipeline, s3_resource_key="s3")
+    s3 = S3Resource(endpoint_url=s3_server.endpoint_url, region_name=s3_server.region)
+    with dg.instance_for_test() as instance:
+        context = dg.build_sensor_context(
+            instance=instance,
+            # The gpu resource points nowhere useful: listing must use the S3Resource.
+            resources={
+                "gpu": GpuInferenceResource(s3_endpoint_url="https://unused.invalid"),
+                "s3": s3,
+            },
+        )
+        result = sensor(context)
+    assert [k for r in result.dynamic_partitions_requests for k in r.partition_keys] == ["a"]
