@@ -29,6 +29,10 @@ _EXPORTS = {
     "SecretEnvRef": "dagster_gpuinfer.pod_builder",
     "Toleration": "dagster_gpuinfer.pod_builder",
     "build_worker_pod": "dagster_gpuinfer.pod_builder",
+    "arrival_sensor": "dagster_gpuinfer.sensors",
+    "SplitLargeFiles": "dagster_gpuinfer.arrivals",
+    "InferencePipelineComponent": "dagster_gpuinfer.components.inference_pipeline",
+    "gpu_settings_from_s3_resource": "dagster_gpuinfer.aws",
     "Manifest": "dagster_gpuinfer.storage",
     "read_partition": "dagster_gpuinfer.storage",
     "read_errors": "dagster_gpuinfer.storage",
@@ -37,16 +41,22 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from dagster_gpuinfer.arrivals import SplitLargeFiles as SplitLargeFiles
     from dagster_gpuinfer.asset_factory import InferencePipeline as InferencePipeline
     from dagster_gpuinfer.asset_factory import InferenceRunConfig as InferenceRunConfig
     from dagster_gpuinfer.asset_factory import default_backfill_policy as default_backfill_policy
     from dagster_gpuinfer.asset_factory import inference_assets as inference_assets
+    from dagster_gpuinfer.aws import gpu_settings_from_s3_resource as gpu_settings_from_s3_resource
+    from dagster_gpuinfer.components.inference_pipeline import (
+        InferencePipelineComponent as InferencePipelineComponent,
+    )
     from dagster_gpuinfer.pod_builder import K8sLauncherConfig as K8sLauncherConfig
     from dagster_gpuinfer.pod_builder import SecretEnvRef as SecretEnvRef
     from dagster_gpuinfer.pod_builder import Toleration as Toleration
     from dagster_gpuinfer.pod_builder import build_worker_pod as build_worker_pod
     from dagster_gpuinfer.resource import GpuInferenceResource as GpuInferenceResource
     from dagster_gpuinfer.resource import InvalidInferenceSpec as InvalidInferenceSpec
+    from dagster_gpuinfer.sensors import arrival_sensor as arrival_sensor
     from dagster_gpuinfer.spec import EngineArgs as EngineArgs
     from dagster_gpuinfer.spec import InferenceSpec as InferenceSpec
     from dagster_gpuinfer.spec import InputSpec as InputSpec

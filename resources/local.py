@@ -21,5 +21,10 @@ def local_resources() -> dict[str, GpuInferenceResource]:
                 "enforce_eager": True,
             },
             env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+            # Inputs and outputs on S3 or MinIO from a laptop: credentials come from the AWS
+            # chain of the environment (never from here).
+            s3_endpoint_url=os.environ.get("GPUINFER_S3_ENDPOINT") or None,
+            s3_region=os.environ.get("GPUINFER_S3_REGION") or None,
+            s3_allow_http=(os.environ.get("GPUINFER_S3_ENDPOINT") or "").startswith("http://"),
         )
     }
