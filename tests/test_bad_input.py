@@ -94,3 +94,29 @@ def test_unknown_task_never_reaches_a_worker():
             input={"uri": "/d/{partition_key}.parquet"}, output_root="/o",
             partitions_def=dg.StaticPartitionsDefinition(["a"]),
         )
+
+
+def test_worker_command_line_reports_a_bad_shard_as_a_fatal_message(tmp_path):
+    """`python -m dagster_gpuinfer.worker --spec FILE` runs a spec by hand, outside Dagster."""
+    import json
+    import subprocess
+    import sys
+
+    spec = {
+        "model": str(tmp_path),  # exists; the missing shard is found first
+        "task": "embed",
+        "input": {"uri": str(tmp_path / "{partition_key}.parquet")},
+        "output": {"root": str(tmp_path / "out"), "asset_name": "a"},
+        "partition_keys": ["missing"],
+    }
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    done = subprocess.run(
+        [sys.executable, "-m", "dagster_gpuinfer.worker", "--spec", str(tmp_path / "spec.json")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    messages = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert messages[-1]["type"] == "fatal"
+    assert messages[-1]["error_type"] == "bad_shard"
+    assert "missing.parquet of partition 'missing' does not exist" in messages[-1]["message"]
