@@ -11,7 +11,7 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dagster_gpuinfer import GpuInferenceResource
+from dagster_gpuinfer import GpuInferenceResource, InputSpec, inference_assets
 
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
@@ -98,3 +98,22 @@ def failure_message(result: dg.ExecuteInProcessResult) -> str:
 
 def step_attempts(result: dg.ExecuteInProcessResult) -> int:
     return 1 + sum(1 for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY")
+
+
+def gen_pipeline(root: Path, model: str, *, chunk_size: int, retries: int, partitions=("p0",)):
+    return inference_assets(
+        name="gen",
+        model=model,
+        task="generate",
+        input=InputSpec(uri=str(root / "in" / "{partition_key}.jsonl"), text_column="prompt"),
+        output_root=str(root / "out"),
+        partitions_def=dg.StaticPartitionsDefinition(list(partitions)),
+        engine={"max_model_len": 256},
+        sampling={"max_tokens": 16},
+        chunk_size=chunk_size,
+        retry_policy=dg.RetryPolicy(max_retries=retries),
+    )
+
+
+def write_prompts(path: Path, rows: int) -> None:
+    write_jsonl(path, [{"id": f"id-{i}", "prompt": f"Question {i}: what is {i} plus {i}?"} for i in range(rows)])

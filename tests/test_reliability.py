@@ -9,6 +9,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,11 +21,12 @@ import pyarrow as pa
 import pytest
 from support import (
     cpu_resource,
+    gen_pipeline,
+    write_prompts,
     materialize_partitions,
     model_loads,
     partition_metadata,
     step_attempts,
-    write_jsonl,
 )
 
 from dagster_gpuinfer import InferenceSpec, InputSpec, OutputSpec, inference_assets, read_partition
@@ -169,29 +172,10 @@ def _kill_worker_tree() -> int:
     return killed
 
 
-def _gen_pipeline(root: Path, model: str, *, chunk_size: int, retries: int, partitions=("p0",)):
-    return inference_assets(
-        name="gen",
-        model=model,
-        task="generate",
-        input=InputSpec(uri=str(root / "in" / "{partition_key}.jsonl"), text_column="prompt"),
-        output_root=str(root / "out"),
-        partitions_def=dg.StaticPartitionsDefinition(list(partitions)),
-        engine={"max_model_len": 256},
-        sampling={"max_tokens": 16},
-        chunk_size=chunk_size,
-        retry_policy=dg.RetryPolicy(max_retries=retries),
-    )
-
-
-def _prompts(path: Path, rows: int) -> None:
-    write_jsonl(path, [{"id": f"id-{i}", "prompt": f"Question {i}: what is {i} plus {i}?"} for i in range(rows)])
-
-
 @pytest.mark.engine
 def test_killed_worker_resumes_without_recomputing_committed_chunks(tmp_path, tiny_llama_dir):
-    _prompts(tmp_path / "in" / "p0.jsonl", 600)
-    pipeline = _gen_pipeline(tmp_path, tiny_llama_dir, chunk_size=10, retries=1)
+    write_prompts(tmp_path / "in" / "p0.jsonl", 600)
+    pipeline = gen_pipeline(tmp_path, tiny_llama_dir, chunk_size=10, retries=1)
     spec_hash = InferenceSpec.model_validate(pipeline.spec).spec_hash()
     markers_dir = tmp_path / "out" / "gen" / "p0" / "_chunks" / spec_hash
     load_log = tmp_path / "loads.log"
@@ -245,23 +229,14 @@ def test_killed_worker_resumes_without_recomputing_committed_chunks(tmp_path, ti
 
 @pytest.mark.engine
 def test_two_concurrent_runs_of_one_partition_commit_it_exactly_once(tmp_path, tiny_llama_dir):
-    _prompts(tmp_path / "in" / "p0.jsonl", 400)
-    pipeline = _gen_pipeline(tmp_path, tiny_llama_dir, chunk_size=20, retries=0)
-    results: dict[str, dg.ExecuteInProcessResult] = {}
+    write_prompts(tmp_path / "in" / "p0.jsonl", 400)
+    script = Path(__file__).with_name("concurrent_run.py")
+    runs = [
+        subprocess.Popen([sys.executable, str(script), str(tmp_path), tiny_llama_dir])
+        for _ in range(2)
+    ]
+    assert [run.wait(timeout=900) for run in runs] == [0, 0], "both runs must succeed"
 
-    def run(name: str) -> None:
-        with dg.instance_for_test() as instance:
-            results[name] = materialize_partitions(
-                pipeline, ["p0"], resource=cpu_resource(), instance=instance, raise_on_error=False
-            )
-
-    threads = [threading.Thread(target=run, args=(name,)) for name in ("a", "b")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(900)
-
-    assert results["a"].success and results["b"].success
     fs, path = storage.filesystem_for(str(tmp_path / "out" / "gen" / "p0"))
     manifest = storage.read_manifest(fs, path)
     assert verify_manifest(fs, path, manifest) == []
