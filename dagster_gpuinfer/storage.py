@@ -294,26 +294,98 @@ def committed_manifest(spec: InferenceSpec, partition_key: str) -> Manifest | No
     return manifest
 
 
+class CommitConflict(Exception):
+    """Another worker committed this partition for the same spec first."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        super().__init__(f"partition {manifest.partition_key!r} was committed by another worker")
+        self.manifest = manifest
+
+
+def create_exclusive(
+    fs: pafs.FileSystem, path: str, data: bytes, storage: StorageOptions | None = None
+) -> bool:
+    """Create `path` holding `data` only if no file is there; False if one is.
+
+    Local disk: a fully written temporary file is hard-linked to `path` (atomic, fails if it
+    exists). S3: a conditional PUT (`If-None-Match: *`) through boto3. Without boto3 an S3
+    PUT is unconditional: two workers racing on one partition then both commit, and the last
+    manifest wins.
+    """
+    if isinstance(fs, pafs.LocalFileSystem):
+        parent = posixpath.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = posixpath.join(parent, f".tmp-{uuid.uuid4().hex}-{posixpath.basename(path)}")
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+    try:
+        import boto3
+        from botocore.exceptions import ClientError
+    except ImportError:
+        write_bytes_atomic(fs, path, data)
+        return True
+    storage = storage or StorageOptions()
+    client = boto3.client(
+        "s3", endpoint_url=storage.endpoint_url, region_name=storage.region or None
+    )
+    bucket, key = path.split("/", 1)
+    try:
+        client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+        return True
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
+            return False
+        raise
+
+
 def commit_partition(
     fs: pafs.FileSystem,
     partition_path: str,
     manifest: Manifest,
     error_tables: list[pa.Table],
+    storage: StorageOptions | None = None,
 ) -> Manifest:
     """Write `errors.parquet`, then the manifest (the commit point), then clear leftovers.
 
-    Files that the manifest does not name (chunks of an older spec, temporary files of a
-    killed attempt, chunk markers) are deleted only after the manifest is in place, so a
-    crash at any point leaves either the old committed state or the new one.
+    The manifest is created exclusively: of two workers racing on one partition exactly one
+    commits, and the other gets `CommitConflict` with the winner's manifest. A manifest of an
+    older spec is replaced. Files that the new manifest does not name (chunks of an older
+    spec or of the losing worker, temporary files of a killed attempt, chunk markers) are
+    deleted only by the winner and only after its manifest is in place, so a crash at any
+    point leaves either the old committed state or the new one.
+
+    Raises:
+        CommitConflict: another worker committed the partition for the same spec first.
     """
     errors = pa.concat_tables(error_tables) if error_tables else ERRORS_SCHEMA.empty_table()
     errors_entry = write_file_entry(
         fs, partition_path, ERRORS_NAME, table_to_parquet_bytes(errors), errors.num_rows
     )
     manifest = manifest.model_copy(update={"errors": errors_entry})
-    write_bytes_atomic(
-        fs, manifest_path(partition_path), manifest.model_dump_json(indent=2).encode()
-    )
+    data = manifest.model_dump_json(indent=2).encode()
+    target = manifest_path(partition_path)
+    for _ in range(2):
+        if create_exclusive(fs, target, data, storage):
+            break
+        existing = read_manifest(fs, partition_path)
+        if existing is not None and existing.spec_hash == manifest.spec_hash:
+            raise CommitConflict(existing)
+        # The manifest of an older spec: its outputs no longer count; replace it.
+        delete_quietly(fs, [target])
+    else:
+        existing = read_manifest(fs, partition_path)
+        if existing is not None and existing.spec_hash == manifest.spec_hash:
+            raise CommitConflict(existing)
+        raise OSError(f"could not create {display_uri(fs, target)}: it keeps reappearing")
     keep = {MANIFEST_NAME, ERRORS_NAME, *(part.name for part in manifest.parts)}
     stale = [
         posixpath.join(partition_path, name)

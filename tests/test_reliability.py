@@ -93,14 +93,19 @@ def _crash_during_commit(root: str, crash_at: int, torn: bool) -> None:
     spec, where = _spec(Path(root)), ShardLocation.of(_spec(Path(root)), "p")
     calls = {"n": 0}
     real_write, real_delete = storage.write_bytes_atomic, storage.delete_quietly
+    real_create = storage.create_exclusive
 
-    def write(fs, path, data):
-        if calls["n"] == crash_at:
-            if torn:
-                Path(path).with_name(".tmp-torn-" + Path(path).name).write_bytes(data[: len(data) // 2])
-            os._exit(137)
-        calls["n"] += 1
-        real_write(fs, path, data)
+    def dying(real):
+        def write(fs, path, data, *args):
+            if calls["n"] == crash_at:
+                if torn:
+                    torn_name = ".tmp-torn-" + Path(path).name
+                    Path(path).with_name(torn_name).write_bytes(data[: len(data) // 2])
+                os._exit(137)
+            calls["n"] += 1
+            return real(fs, path, data, *args)
+
+        return write
 
     def delete(fs, paths):
         paths = list(paths)
@@ -110,7 +115,8 @@ def _crash_during_commit(root: str, crash_at: int, torn: bool) -> None:
         calls["n"] += 1
         real_delete(fs, paths)
 
-    storage.write_bytes_atomic = write
+    storage.write_bytes_atomic = dying(real_write)
+    storage.create_exclusive = dying(real_create)
     storage.delete_quietly = delete
     _commit(spec, where)
     os._exit(0)
@@ -268,3 +274,46 @@ def test_local_instance_config_enables_run_retries_for_lost_run_workers(tmp_path
         assert instance.run_monitoring_enabled
     finally:
         instance.dispose()
+
+
+def _write_attempt(where: ShardLocation, attempt: str, chunks: int = 2) -> dict[int, ChunkMarker]:
+    markers = {}
+    for index in range(chunks):
+        table = pa.table({"id": [f"r{index}-{i}" for i in range(3)], "text": [attempt] * 3})
+        part = write_file_entry(
+            where.fs, where.path,
+            storage.chunk_part_name(where.spec_hash, index, attempt, ".parquet"),
+            table_to_parquet_bytes(table), 3,
+        )
+        markers[index] = ChunkMarker(index=index, spec_hash=where.spec_hash, rows_in=3,
+                                     rows_out=3, rows_errored=0, part=part)
+    return markers
+
+
+def test_of_two_workers_committing_one_partition_exactly_one_wins(tmp_path):
+    spec = _spec(tmp_path)
+    where = ShardLocation.of(spec, "p")
+    winner, loser = _write_attempt(where, "aaaa1111"), _write_attempt(where, "bbbb2222")
+    args = dict(rows_resumed=0, wall_seconds=0.0, model_load_seconds=0.0, worker={})
+    committed = commit_chunks(where, spec, winner, **args)
+    with pytest.raises(storage.CommitConflict) as conflict:
+        commit_chunks(where, spec, loser, **args)
+    assert conflict.value.manifest == committed
+    # The loser stops and removes only its own files; the winner's commit stays intact.
+    where.yield_to(conflict.value.manifest, "bbbb2222")
+    assert verify_manifest(where.fs, where.path, where.committed()) == []
+    assert not [n for n in os.listdir(where.path) if "bbbb2222" in n]
+    assert set(read_partition(spec.output, "p").column("text").to_pylist()) == {"aaaa1111"}
+
+
+def test_a_new_spec_replaces_the_manifest_of_an_old_one(tmp_path):
+    spec = _spec(tmp_path)
+    where = ShardLocation.of(spec, "p")
+    args = dict(rows_resumed=0, wall_seconds=0.0, model_load_seconds=0.0, worker={})
+    commit_chunks(where, spec, _write_attempt(where, "old00000"), **args)
+    new_spec = spec.model_copy(update={"chunk_size": 3})
+    new_where = ShardLocation.of(new_spec, "p")
+    assert new_where.committed() is None
+    manifest = commit_chunks(new_where, new_spec, _write_attempt(new_where, "new00000"), **args)
+    assert new_where.committed() == manifest
+    assert not [n for n in os.listdir(where.path) if spec.spec_hash() in n]

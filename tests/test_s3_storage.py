@@ -98,7 +98,7 @@ def commit_example(spec: InferenceSpec, key: str) -> Manifest:
         errors=FileEntry(name="errors.parquet", rows=0, bytes=0, sha256=""),
         error_types={"empty": 1},
     )
-    return commit_partition(fs, path, manifest, [errors])
+    return commit_partition(fs, path, manifest, [errors], spec.storage)
 
 
 def test_committed_partition_on_s3_reads_back_with_boto3_and_through_its_manifest(
@@ -196,3 +196,15 @@ def test_sensor_lists_s3_with_the_client_of_an_s3_resource(s3_server, bucket):
         )
         result = sensor(context)
     assert [k for r in result.dynamic_partitions_requests for k in r.partition_keys] == ["a"]
+
+
+def test_manifest_creation_on_s3_is_exclusive(s3_server, bucket):
+    """The conditional PUT (If-None-Match) that lets exactly one racing worker commit."""
+    from dagster_gpuinfer.spec import StorageOptions
+    from dagster_gpuinfer.storage import create_exclusive, filesystem_for
+
+    options = StorageOptions(endpoint_url=s3_server.endpoint_url, region=s3_server.region, allow_http=True)
+    fs, path = filesystem_for(f"s3://{bucket}/out/p/_SUCCESS", options)
+    assert create_exclusive(fs, path, b"first", options) is True
+    assert create_exclusive(fs, path, b"second", options) is False
+    assert s3_server.read(bucket, "out/p/_SUCCESS") == b"first"

@@ -30,10 +30,11 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
 from dagster_gpuinfer.storage import (
     CHUNKS_DIR,
     ERRORS_NAME,
+    CommitConflict,
     ChunkMarker,
     FileEntry,
     Manifest,
@@ -52,7 +53,7 @@ from dagster_gpuinfer.storage import (
     write_file_entry,
 )
 from dagster_gpuinfer.worker.engine import InferenceEngine
-from dagster_gpuinfer.worker.readers import ShardReader
+from dagster_gpuinfer.worker.readers import RawChunk, ShardReader
 from dagster_gpuinfer.worker.validate import RowValidator
 from dagster_gpuinfer.worker.writers import encode_openai_batch, errors_table, output_table
 
@@ -67,11 +68,13 @@ class ShardLocation:
     path: str
     spec_hash: str
     partition_key: str
+    storage: StorageOptions | None = None
 
     @classmethod
     def of(cls, spec: InferenceSpec, partition_key: str) -> ShardLocation:
         fs, path = filesystem_for(partition_dir(spec.output, partition_key), spec.storage)
-        return cls(fs=fs, path=path, spec_hash=spec.spec_hash(), partition_key=partition_key)
+        return cls(fs=fs, path=path, spec_hash=spec.spec_hash(), partition_key=partition_key,
+                   storage=spec.storage)
 
     def committed(self) -> Manifest | None:
         """The manifest if the partition is committed for this spec (by anyone), else None."""
@@ -115,68 +118,89 @@ def process_shard(
         max_model_len=engine.max_model_len,
         seen_ids=committed_ids(where, markers),
     )
-    suffix = ".jsonl" if spec.output.format == "openai_batch" else ".parquet"
     resumed = {index: marker.rows_in for index, marker in markers.items()}
-    for chunk in ShardReader(spec, partition_key).chunks(spec.chunk_size):
-        if chunk.index in markers:
-            continue
+    try:
+        for chunk in ShardReader(spec, partition_key).chunks(spec.chunk_size):
+            if chunk.index in markers:
+                continue
+            concurrent = where.committed()
+            if concurrent is not None:
+                return where.yield_to(concurrent, attempt), False
+            markers[chunk.index] = commit_chunk(engine, spec, where, validator, chunk, attempt)
         concurrent = where.committed()
         if concurrent is not None:
             return where.yield_to(concurrent, attempt), False
-        valid = validator.validate(chunk)
-        result = engine.run(valid.token_ids)
-        part = None
-        if valid.ids:
-            table = output_table(spec.task, valid.ids, result)
-            data = (
-                encode_openai_batch(spec.task, spec.model, where.spec_hash, table)
-                if spec.output.format == "openai_batch"
-                else table_to_parquet_bytes(table)
-            )
-            name = chunk_part_name(where.spec_hash, chunk.index, attempt, suffix)
-            part = write_file_entry(where.fs, where.path, name, data, table.num_rows)
-        errors = None
-        if valid.errors:
-            errors = write_file_entry(
-                where.fs,
-                chunk_dir(where.path, where.spec_hash),
-                f"errors-{chunk.index:05d}-{attempt}.parquet",
-                table_to_parquet_bytes(errors_table(valid.errors)),
-                len(valid.errors),
-            )
-        marker = ChunkMarker(
-            index=chunk.index,
-            spec_hash=where.spec_hash,
-            rows_in=chunk.rows_in,
-            rows_out=len(valid.ids),
-            rows_errored=len(valid.errors),
-            prompt_tokens=sum(result.prompt_tokens or ()),
-            generated_tokens=sum(result.generated_tokens or ()),
-            inference_seconds=result.seconds,
-            part=part,
-            errors=errors,
+        manifest = commit_chunks(
+            where,
+            spec,
+            markers,
+            rows_resumed=sum(resumed.values()),
+            wall_seconds=time.perf_counter() - started,
+            model_load_seconds=engine.load_seconds,
+            worker={"host": socket.gethostname(), "pid": os.getpid(), "replica": replica,
+                    "attempt": attempt},
         )
-        write_chunk_marker(where.fs, where.path, marker)
-        markers[chunk.index] = marker
-        log.info(
-            "partition %s chunk %d committed: %d rows out, %d quarantined",
-            partition_key, chunk.index, marker.rows_out, marker.rows_errored,
-        )
-
-    concurrent = where.committed()
-    if concurrent is not None:
+    except CommitConflict as conflict:
+        return where.yield_to(conflict.manifest, attempt), False
+    except OSError:
+        # A concurrent worker that commits first removes the chunk files it does not need,
+        # which can pull a file from under this one: then this one stops, as above.
+        concurrent = where.committed()
+        if concurrent is None:
+            raise
         return where.yield_to(concurrent, attempt), False
-    manifest = commit_chunks(
-        where,
-        spec,
-        markers,
-        rows_resumed=sum(resumed.values()),
-        wall_seconds=time.perf_counter() - started,
-        model_load_seconds=engine.load_seconds,
-        worker={"host": socket.gethostname(), "pid": os.getpid(), "replica": replica,
-                "attempt": attempt},
-    )
     return manifest, True
+
+
+def commit_chunk(
+    engine: InferenceEngine,
+    spec: InferenceSpec,
+    where: ShardLocation,
+    validator: RowValidator,
+    chunk: RawChunk,
+    attempt: str,
+) -> ChunkMarker:
+    """Validate, infer and write one chunk; its marker, written last, commits it."""
+    valid = validator.validate(chunk)
+    result = engine.run(valid.token_ids)
+    part = None
+    if valid.ids:
+        table = output_table(spec.task, valid.ids, result)
+        if spec.output.format == "openai_batch":
+            data = encode_openai_batch(spec.task, spec.model, where.spec_hash, table)
+            suffix = ".jsonl"
+        else:
+            data = table_to_parquet_bytes(table)
+            suffix = ".parquet"
+        name = chunk_part_name(where.spec_hash, chunk.index, attempt, suffix)
+        part = write_file_entry(where.fs, where.path, name, data, table.num_rows)
+    errors = None
+    if valid.errors:
+        errors = write_file_entry(
+            where.fs,
+            chunk_dir(where.path, where.spec_hash),
+            f"errors-{chunk.index:05d}-{attempt}.parquet",
+            table_to_parquet_bytes(errors_table(valid.errors)),
+            len(valid.errors),
+        )
+    marker = ChunkMarker(
+        index=chunk.index,
+        spec_hash=where.spec_hash,
+        rows_in=chunk.rows_in,
+        rows_out=len(valid.ids),
+        rows_errored=len(valid.errors),
+        prompt_tokens=sum(result.prompt_tokens or ()),
+        generated_tokens=sum(result.generated_tokens or ()),
+        inference_seconds=result.seconds,
+        part=part,
+        errors=errors,
+    )
+    write_chunk_marker(where.fs, where.path, marker)
+    log.info(
+        "partition %s chunk %d committed: %d rows out, %d quarantined",
+        where.partition_key, chunk.index, marker.rows_out, marker.rows_errored,
+    )
+    return marker
 
 
 def commit_chunks(
@@ -215,7 +239,7 @@ def commit_chunks(
         model_load_seconds=model_load_seconds,
         worker=worker,
     )
-    return commit_partition(where.fs, where.path, manifest, error_tables)
+    return commit_partition(where.fs, where.path, manifest, error_tables, where.storage)
 
 
 def read_chunk_errors(where: ShardLocation, marker: ChunkMarker) -> pa.Table:
