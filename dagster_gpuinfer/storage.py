@@ -126,18 +126,23 @@ def write_bytes_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
     Local disk: write a temporary sibling, fsync, rename over the target. S3: one PUT, which
     is atomic (readers see the old object or the new one, never a mix).
     """
-    parent = posixpath.dirname(path)
     if isinstance(fs, pafs.LocalFileSystem):
-        os.makedirs(parent, exist_ok=True)
-        tmp = posixpath.join(parent, f".tmp-{uuid.uuid4().hex}-{posixpath.basename(path)}")
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        os.replace(_local_temporary_copy(path, data), path)
         return
     with fs.open_output_stream(path) as out:
         out.write(data)
+
+
+def _local_temporary_copy(path: str, data: bytes) -> str:
+    """`data` written and fsynced to a temporary sibling of `path`; returns its path."""
+    parent = posixpath.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = posixpath.join(parent, f".tmp-{uuid.uuid4().hex}-{posixpath.basename(path)}")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return tmp
 
 
 def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
@@ -313,13 +318,7 @@ def create_exclusive(
     manifest wins.
     """
     if isinstance(fs, pafs.LocalFileSystem):
-        parent = posixpath.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = posixpath.join(parent, f".tmp-{uuid.uuid4().hex}-{posixpath.basename(path)}")
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        tmp = _local_temporary_copy(path, data)
         try:
             os.link(tmp, path)
             return True
