@@ -55,9 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
-    for name in ("dagster", "vllm"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stdout)
+    log.setLevel(logging.INFO)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -87,6 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     elif "throughput" in only:
         results["skipped"].append("Ray Data contestant: --no-ray")
 
+    def save() -> Path:
+        """Write what is done so far: a failure later keeps the sections before it."""
+        from bench.report import update_readme_headline, write_report
+
+        results["finished"] = dt.datetime.now().isoformat(timespec="seconds")
+        write_json(results_dir / "results.json", results)
+        report = write_report(results, results_dir)
+        if results_dir == (REPO_ROOT / "bench" / "results").resolve():
+            update_readme_headline(results, REPO_ROOT / "bench" / "README.md")
+        return report
+
     def section(name: str, module: str, func: str, *fargs: Any) -> Any:
         started = time.perf_counter()
         log.info("== %s", name)
@@ -97,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             log.error("section %s failed:\n%s", name, results["errors"][name])
             return None
         log.info("== %s done in %.0fs", name, time.perf_counter() - started)
+        results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - started)
         return value
 
     if "throughput" in only:
@@ -105,28 +116,28 @@ def main(argv: list[str] | None = None) -> int:
             value = section(f"throughput-{task}", "bench.throughput", "run_throughput", ctx, task)
             if value is not None:
                 results["throughput"][task] = value
+            save()
     if "prefix" in only:
         value = section("prefix", "bench.prefix_cache", "run_prefix_cache", ctx)
         if value is not None:
             results["prefix_cache"] = value
+        save()
     if "amortization" in only:
         value = section("amortization", "bench.amortization", "run_amortization", ctx)
         if value is not None:
             results["amortization"] = value
+        save()
     if "memory" in only:
         value = section("memory", "bench.memory", "run_memory", ctx)
         if value is not None:
             results["memory"] = value
+        save()
     if "control-plane" in only:
         if importlib.util.find_spec("bench.control_plane") is None:
             results["skipped"].append("control plane: bench/control_plane.py is not there yet")
         else:
             _control_plane(ctx, results)
-    results["finished"] = dt.datetime.now().isoformat(timespec="seconds")
-    from bench.report import write_report
-
-    write_json(results_dir / "results.json", results)
-    report = write_report(results, results_dir)
+    report = save()
     log.info("results: %s", report)
     return 1 if results["errors"] else 0
 

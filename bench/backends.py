@@ -107,6 +107,8 @@ class TransformersBackend:
             for i in range(0, len(texts), self.batch_size):
                 batch = texts[i : i + self.batch_size]
                 enc = self.tokenizer(batch, padding=True, truncation=True, return_tensors="pt")
+                if self.task != "embed":
+                    enc.pop("token_type_ids", None)  # a BERT tokenizer's; Llama takes none
                 mask = enc["attention_mask"]
                 prompt_tokens += int(mask.sum())
                 if self.task == "embed":

@@ -36,12 +36,12 @@ class RssSampler(threading.Thread):
         self.interval = interval
         self.samples: list[dict[str, float]] = []
         self.ready_at: float | None = None
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self.started = time.perf_counter()
 
     def run(self) -> None:
         me = psutil.Process()
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             worker_rss = engine_rss = 0
             try:
                 for proc in me.children(recursive=True):
@@ -61,10 +61,10 @@ class RssSampler(threading.Thread):
             if worker_rss:
                 self.samples.append({"t": now, "worker_mib": worker_rss / MIB,
                                      "engine_mib": engine_rss / MIB})
-            self._stop.wait(self.interval)
+            self._halt.wait(self.interval)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=5)
 
 

@@ -98,7 +98,9 @@ class PlatformPipeline:
         )
         home = root / "dagster_home"
         home.mkdir(parents=True, exist_ok=True)
-        self.instance = dg.DagsterInstance.local_temp(str(home))
+        self.instance = dg.DagsterInstance.local_temp(
+            str(home), overrides={"telemetry": {"enabled": False}}
+        )
 
     def worker_spec(self) -> InferenceSpec:
         """The spec the worker gets (resource overrides applied): raw contestants copy its
@@ -119,6 +121,7 @@ class PlatformPipeline:
         started = time.perf_counter()
         result = job.execute_in_process(
             instance=self.instance, tags={RANGE_START: keys[0], RANGE_END: keys[-1]},
+            run_config={"loggers": {"console": {"config": {"log_level": "WARNING"}}}},
             raise_on_error=True,
         )
         run_seconds = time.perf_counter() - started

@@ -45,6 +45,19 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
     return path
 
 
+def update_readme_headline(results: dict[str, Any], readme: Path) -> None:
+    """Put the headline table into the README between its markers."""
+    start, end = "<!-- headline:start -->", "<!-- headline:end -->"
+    text = readme.read_text()
+    if start not in text or end not in text:
+        return
+    block = "\n".join([f"From `{results['command']}` on {results['started']}; all tables in "
+                       "[results/RESULTS.md](results/RESULTS.md).", "", *_headline(results)])
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{block}\n{end}{tail}")
+
+
 def _headline(results: dict[str, Any]) -> list[str]:
     rows = []
     for task, res in results.get("throughput", {}).items():
@@ -70,7 +83,7 @@ def _throughput(throughput: dict[str, Any]) -> list[str]:
     lines = ["## Throughput: platform, raw engine, alternatives", ""]
     for task, res in throughput.items():
         unit = "prompt tokens/s" if task == "embed" else "generated tokens/s"
-        lines += [f"### {task}: {res['rows']} rows, {Path(res['model']).name}", "",
+        lines += [f"### {task}: {res['rows']} rows, {res.get('model_name', Path(res['model']).name)}", "",
                   f"| contestant | rows/s | {unit} | model load s |", "|---|---|---|---|"]
         for name, c in res["contestants"].items():
             load = c.get("model_load_seconds")
