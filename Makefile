@@ -33,8 +33,9 @@ prepare: install $(DAGSTER_HOME)/dagster.yaml
 demo: prepare
 	$(PY) -W ignore -m assets.demo
 
+# The suite includes a Dagster instance on a real PostgreSQL server: start a throwaway one.
 test: prepare
-	$(PY) -m pytest tests
+	GPUINFER_TEST_POSTGRES_URL=$$(bash deploy/local/test-postgres.sh) $(PY) -m pytest tests
 
 test-fast: install
 	$(PY) -m pytest tests -m "not engine"

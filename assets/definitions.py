@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import os
+
 import dagster as dg
 
 from assets.paths import embedding_model_dir, generation_model_dir, input_root, output_root
@@ -23,6 +25,10 @@ TRANSIENT_RETRIES = dg.RetryPolicy(
     max_retries=2, delay=5, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS
 )
 
+# The Dagster concurrency pool that caps GPU pods in use (deploy/ sets its limit). Unset
+# locally: one laptop runs what it is asked to.
+GPU_POOL = os.environ.get("GPUINFER_GPU_POOL") or None
+
 doc_embeddings = inference_assets(
     name="doc_embeddings",
     model=embedding_model_dir(),
@@ -35,6 +41,7 @@ doc_embeddings = inference_assets(
     engine=EngineArgs(dtype="float32"),
     chunk_size=256,
     retry_policy=TRANSIENT_RETRIES,
+    pool=GPU_POOL,
     group_name="embeddings",
     description="all-MiniLM-L6-v2 embeddings (384-d, L2-normalised) of every document shard",
 )
@@ -53,6 +60,7 @@ prompt_completions = inference_assets(
     sampling=SamplingParams(temperature=0.0, max_tokens=32),
     chunk_size=128,
     retry_policy=TRANSIENT_RETRIES,
+    pool=GPU_POOL,
     group_name="generation",
     description="Greedy completions of every prompt shard by the local test Llama",
 )

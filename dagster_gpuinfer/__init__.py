@@ -25,6 +25,10 @@ _EXPORTS = {
     "EngineArgs": "dagster_gpuinfer.spec",
     "SamplingParams": "dagster_gpuinfer.spec",
     "StorageOptions": "dagster_gpuinfer.spec",
+    "K8sLauncherConfig": "dagster_gpuinfer.pod_builder",
+    "SecretEnvRef": "dagster_gpuinfer.pod_builder",
+    "Toleration": "dagster_gpuinfer.pod_builder",
+    "build_worker_pod": "dagster_gpuinfer.pod_builder",
     "Manifest": "dagster_gpuinfer.storage",
     "read_partition": "dagster_gpuinfer.storage",
     "read_errors": "dagster_gpuinfer.storage",
@@ -37,6 +41,10 @@ if TYPE_CHECKING:
     from dagster_gpuinfer.asset_factory import InferenceRunConfig as InferenceRunConfig
     from dagster_gpuinfer.asset_factory import default_backfill_policy as default_backfill_policy
     from dagster_gpuinfer.asset_factory import inference_assets as inference_assets
+    from dagster_gpuinfer.pod_builder import K8sLauncherConfig as K8sLauncherConfig
+    from dagster_gpuinfer.pod_builder import SecretEnvRef as SecretEnvRef
+    from dagster_gpuinfer.pod_builder import Toleration as Toleration
+    from dagster_gpuinfer.pod_builder import build_worker_pod as build_worker_pod
     from dagster_gpuinfer.resource import GpuInferenceResource as GpuInferenceResource
     from dagster_gpuinfer.resource import InvalidInferenceSpec as InvalidInferenceSpec
     from dagster_gpuinfer.spec import EngineArgs as EngineArgs

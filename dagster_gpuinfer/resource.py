@@ -14,10 +14,9 @@ from typing import Any, Literal
 import dagster as dg
 from pydantic import Field, ValidationError
 
+from dagster_gpuinfer.pod_builder import K8sLauncherConfig
 from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
 from dagster_gpuinfer.storage import Manifest, committed_manifest
-
-
 
 
 class InvalidInferenceSpec(ValueError):
@@ -52,6 +51,9 @@ class InferenceRunResult:
     computed: set[str] = field(default_factory=set)
     summary: dict[str, Any] = field(default_factory=dict)
     spec: InferenceSpec | None = None
+    # k8s launcher: set when the worker ran out of memory and was relaunched with smaller
+    # vLLM batches ({field: {"from": old, "to": new}, "first_failure": ...}).
+    memory_step_down: dict[str, Any] | None = None
 
 
 class GpuInferenceResource(dg.ConfigurableResource):
@@ -86,6 +88,11 @@ class GpuInferenceResource(dg.ConfigurableResource):
     )
     s3_region: str | None = Field(None, description="S3 region.")
     s3_allow_http: bool = Field(False, description="Allow a plain-http S3 endpoint.")
+    k8s: K8sLauncherConfig | None = Field(
+        None,
+        description="Worker pods for launcher='k8s': image, namespace, GPU type, Kueue queue, "
+        "model cache volume, resources, secret references, timeouts (K8sLauncherConfig).",
+    )
 
     # ------------------------------------------------------------------ spec
 
@@ -135,8 +142,14 @@ class GpuInferenceResource(dg.ConfigurableResource):
             result.summary = {"model_loads": 0, "partitions_computed": 0}
             return result
         worker_spec = spec.model_copy(update={"partition_keys": todo})
-        messages = self._launch(context=context, spec=worker_spec)
+        messages = self._launch_stepping_down_memory(context=context, spec=worker_spec, result=result)
         self._collect(messages, result)
+        if result.memory_step_down is not None:
+            for key in todo:
+                context.add_asset_metadata(
+                    {"memory_step_down": dg.MetadataValue.json(result.memory_step_down)},
+                    partition_key=key,
+                )
         missing = [key for key in spec.partition_keys if key not in result.manifests]
         if missing:
             raise dg.Failure(
@@ -146,7 +159,9 @@ class GpuInferenceResource(dg.ConfigurableResource):
             )
         return result
 
-    def _launch(self, *, context: dg.AssetExecutionContext, spec: InferenceSpec) -> list[Any]:
+    def _launch(
+        self, *, context: dg.AssetExecutionContext, spec: InferenceSpec, launch_attempt: int = 0
+    ) -> list[Any]:
         extras = {"spec": spec.model_dump(mode="json")}
         if self.launcher == "local":
             from dagster_gpuinfer.launchers.local import run_local_worker
@@ -157,10 +172,77 @@ class GpuInferenceResource(dg.ConfigurableResource):
                 python_executable=self.python_executable or sys.executable,
                 env=self.env,
             )
-        raise dg.Failure(
-            description="launcher 'k8s' is not configured in this resource; use launcher='local'",
-            allow_retries=False,
+        if self.k8s is None:
+            raise dg.Failure(
+                description="launcher='k8s' needs the pod configuration: set "
+                "k8s=K8sLauncherConfig(image=..., namespace=...) on GpuInferenceResource "
+                "(see resources/k8s.py), or use launcher='local'",
+                allow_retries=False,
+            )
+        from dagster_gpuinfer.launchers.k8s import run_k8s_worker
+
+        return run_k8s_worker(
+            context=context,
+            spec=spec,
+            extras=extras,
+            config=self.k8s,
+            env=self.env,
+            kubernetes_client=self.kubernetes_client,
+            launch_attempt=launch_attempt,
         )
+
+    # ------------------------------------------------------------------ k8s launcher
+
+    def kubernetes_client(self) -> Any:
+        """The `dagster_k8s.client.DagsterKubernetesClient` worker pods are launched with.
+
+        Loads the in-cluster config or the kubeconfig of `k8s`. Override it in a subclass to
+        inject a client (tests use a fake Kubernetes API, as dagster-k8s's own tests do).
+        """
+        from dagster_gpuinfer.launchers.k8s import production_kubernetes_client
+
+        assert self.k8s is not None
+        return production_kubernetes_client(self.k8s)
+
+    def _launch_stepping_down_memory(
+        self, *, context: dg.AssetExecutionContext, spec: InferenceSpec, result: InferenceRunResult
+    ) -> list[Any]:
+        """`_launch`, relaunched once with smaller vLLM batches when the worker runs out of
+        memory (`max_num_seqs` and `gpu_memory_utilization`, left out of the spec hash, so
+        committed chunks stay valid). A second out-of-memory is a non-retryable Failure."""
+        from dagster_gpuinfer.pod_failures import (
+            WorkerOutOfMemory,
+            out_of_memory_hint,
+            step_down_memory,
+        )
+
+        try:
+            return self._launch(context=context, spec=spec)
+        except WorkerOutOfMemory as exc:
+            first = exc.failure
+        stepped, change = step_down_memory(spec)
+        context.log.warning(
+            f"{first.message.splitlines()[0]} Relaunching once with "
+            f"max_num_seqs={change['max_num_seqs']['to']} and gpu_memory_utilization="
+            f"{change['gpu_memory_utilization']['to']} (spec hash unchanged, committed "
+            "chunks are kept)."
+        )
+        try:
+            messages = self._launch(context=context, spec=stepped, launch_attempt=1)
+        except WorkerOutOfMemory as second:
+            raise dg.Failure(
+                description=out_of_memory_hint(first, second.failure, change),
+                allow_retries=False,
+                metadata={"memory_step_down": dg.MetadataValue.json(change)},
+            ) from None
+        if result.spec is not None:
+            result.spec = result.spec.model_copy(update={"engine": stepped.engine})
+        result.memory_step_down = {
+            **change,
+            "first_failure": first.message.splitlines()[0],
+            "first_pod": first.pod_name,
+        }
+        return messages
 
     @staticmethod
     def _collect(messages: list[Any], result: InferenceRunResult) -> None:

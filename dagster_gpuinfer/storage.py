@@ -6,11 +6,11 @@ finished partitions and to check row counts). Imports pyarrow and pydantic only.
 Layout of one output partition::
 
     <root>/<asset>/<partition dir>/
-        part-<spec hash>-00000.parquet     one file per committed chunk
-        errors.parquet                     quarantined rows, with a reason
-        _SUCCESS                           the manifest, written last
-        _chunks/<spec hash>/00000.json     chunk commit markers (deleted at commit)
-        _chunks/<spec hash>/errors-00000.parquet
+        part-<spec hash>-<chunk>-<attempt>.parquet   one file per committed chunk
+        errors.parquet                               quarantined rows, with a reason
+        _SUCCESS                                     the manifest, written last
+        _chunks/<spec hash>/<chunk>.json             chunk markers (deleted at commit)
+        _chunks/<spec hash>/errors-<chunk>-<attempt>.parquet
 
 A partition is done only when `_SUCCESS` exists and names the current spec hash. Every file
 is written under a temporary name and renamed (local disk) or written in one PUT (S3), so a
@@ -204,8 +204,10 @@ def chunk_dir(partition_path: str, spec_hash: str) -> str:
     return posixpath.join(partition_path, CHUNKS_DIR, spec_hash)
 
 
-def chunk_part_name(spec_hash: str, index: int, suffix: str) -> str:
-    return f"part-{spec_hash}-{index:05d}{suffix}"
+def chunk_part_name(spec_hash: str, index: int, attempt: str, suffix: str) -> str:
+    """A chunk's part file name, unique to the attempt that wrote it: two workers racing on a
+    partition never overwrite each other's files; the chunk marker says which one counts."""
+    return f"part-{spec_hash}-{index:05d}-{attempt}{suffix}"
 
 
 def write_chunk_marker(fs: pafs.FileSystem, partition_path: str, marker: ChunkMarker) -> None:

@@ -1,11 +1,17 @@
 """One shard, end to end: stream chunks, validate, infer, write, commit.
 
-Chunk i covers input rows [i * chunk_size, (i + 1) * chunk_size). When a chunk is done its
-part file and its errors file are written, then its marker: a chunk counts as committed only
-once its marker exists. A worker that restarts (after SIGKILL, eviction, a retry) reads the
-markers of the current spec hash, skips those chunks, and rebuilds the set of ids already
-taken from their files, so no row is computed twice and no id lands twice. When every chunk
-is committed, the partition is committed: `errors.parquet`, then the `_SUCCESS` manifest.
+Chunk i covers input rows [i * chunk_size, (i + 1) * chunk_size). When a chunk is done, its
+part file and its errors file are written under names unique to this attempt, then its
+marker, which names those files: a chunk counts as committed only once its marker exists.
+A worker that restarts (after SIGKILL, eviction, a retry) reads the markers of the current
+spec hash, skips those chunks, and rebuilds the set of ids already taken from their files,
+so no row is computed twice and no id lands twice. When every chunk is committed, the
+partition is committed: `errors.parquet`, then the `_SUCCESS` manifest.
+
+Two workers racing on one partition never write the same file (attempt-unique names), and
+each checks before every chunk and before committing whether the partition has been
+committed for this spec meanwhile: the later one then stops and reports the committed
+manifest, leaving the committed files alone.
 """
 
 from __future__ import annotations
@@ -16,20 +22,27 @@ import os
 import posixpath
 import socket
 import time
+import uuid
 from collections import Counter
+from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import (
+    CHUNKS_DIR,
+    ERRORS_NAME,
     ChunkMarker,
     FileEntry,
     Manifest,
     chunk_dir,
     chunk_part_name,
     commit_partition,
+    delete_quietly,
     filesystem_for,
+    list_names,
     partition_dir,
     read_bytes,
     read_chunk_markers,
@@ -46,61 +59,94 @@ from dagster_gpuinfer.worker.writers import encode_openai_batch, errors_table, o
 log = logging.getLogger("dagster_gpuinfer.worker")
 
 
+@dataclass
+class ShardLocation:
+    """Where one partition's files live, and the spec hash they must carry."""
+
+    fs: pafs.FileSystem
+    path: str
+    spec_hash: str
+    partition_key: str
+
+    @classmethod
+    def of(cls, spec: InferenceSpec, partition_key: str) -> ShardLocation:
+        fs, path = filesystem_for(partition_dir(spec.output, partition_key), spec.storage)
+        return cls(fs=fs, path=path, spec_hash=spec.spec_hash(), partition_key=partition_key)
+
+    def committed(self) -> Manifest | None:
+        """The manifest if the partition is committed for this spec (by anyone), else None."""
+        manifest = read_manifest(self.fs, self.path)
+        return manifest if manifest is not None and manifest.spec_hash == self.spec_hash else None
+
+    def yield_to(self, manifest: Manifest, attempt: str) -> Manifest:
+        """Another worker committed this partition while this one ran: remove this attempt's
+        own files that the manifest does not name, and leave everything else alone."""
+        log.info("partition %s was committed by another worker; stopping", self.partition_key)
+        named = {part.name for part in manifest.parts}
+        own = [
+            posixpath.join(self.path, name)
+            for name in list_names(self.fs, self.path)
+            if f"-{attempt}." in name and name not in named
+        ]
+        delete_quietly(self.fs, [*own, posixpath.join(self.path, CHUNKS_DIR)])
+        return manifest
+
+
 def process_shard(
     engine: InferenceEngine, spec: InferenceSpec, partition_key: str, *, replica: int = 0
 ) -> tuple[Manifest, bool]:
     """Make partition `partition_key` committed for `spec`.
 
     Returns:
-        The manifest, and whether this call did the work (False: it was already committed).
+        The manifest, and whether this call committed it (False: it was committed already,
+        before this call or by a concurrent worker while this one ran).
     """
     started = time.perf_counter()
-    spec_hash = spec.spec_hash()
-    fs, path = filesystem_for(partition_dir(spec.output, partition_key), spec.storage)
-    existing = read_manifest(fs, path)
-    if existing is not None and existing.spec_hash == spec_hash:
+    where = ShardLocation.of(spec, partition_key)
+    existing = where.committed()
+    if existing is not None:
         return existing, False
 
-    markers = read_chunk_markers(fs, path, spec_hash)
-    seen_ids = _committed_ids(fs, path, spec_hash, markers)
+    attempt = uuid.uuid4().hex[:8]
+    markers = read_chunk_markers(where.fs, where.path, where.spec_hash)
     validator = RowValidator(
         task=spec.task,
         tokenizer=engine.tokenizer,
         max_model_len=engine.max_model_len,
-        seen_ids=seen_ids,
+        seen_ids=committed_ids(where, markers),
     )
     suffix = ".jsonl" if spec.output.format == "openai_batch" else ".parquet"
-    reader = ShardReader(spec, partition_key)
-    resumed_rows = 0
-    for chunk in reader.chunks(spec.chunk_size):
+    resumed = {index: marker.rows_in for index, marker in markers.items()}
+    for chunk in ShardReader(spec, partition_key).chunks(spec.chunk_size):
         if chunk.index in markers:
-            resumed_rows += markers[chunk.index].rows_in
             continue
+        concurrent = where.committed()
+        if concurrent is not None:
+            return where.yield_to(concurrent, attempt), False
         valid = validator.validate(chunk)
         result = engine.run(valid.token_ids)
         part = None
         if valid.ids:
             table = output_table(spec.task, valid.ids, result)
             data = (
-                encode_openai_batch(spec.task, spec.model, spec_hash, table)
+                encode_openai_batch(spec.task, spec.model, where.spec_hash, table)
                 if spec.output.format == "openai_batch"
                 else table_to_parquet_bytes(table)
             )
-            part = write_file_entry(
-                fs, path, chunk_part_name(spec_hash, chunk.index, suffix), data, table.num_rows
-            )
+            name = chunk_part_name(where.spec_hash, chunk.index, attempt, suffix)
+            part = write_file_entry(where.fs, where.path, name, data, table.num_rows)
         errors = None
         if valid.errors:
             errors = write_file_entry(
-                fs,
-                chunk_dir(path, spec_hash),
-                f"errors-{chunk.index:05d}.parquet",
+                where.fs,
+                chunk_dir(where.path, where.spec_hash),
+                f"errors-{chunk.index:05d}-{attempt}.parquet",
                 table_to_parquet_bytes(errors_table(valid.errors)),
                 len(valid.errors),
             )
         marker = ChunkMarker(
             index=chunk.index,
-            spec_hash=spec_hash,
+            spec_hash=where.spec_hash,
             rows_in=chunk.rows_in,
             rows_out=len(valid.ids),
             rows_errored=len(valid.errors),
@@ -110,61 +156,89 @@ def process_shard(
             part=part,
             errors=errors,
         )
-        write_chunk_marker(fs, path, marker)
+        write_chunk_marker(where.fs, where.path, marker)
         markers[chunk.index] = marker
         log.info(
             "partition %s chunk %d committed: %d rows out, %d quarantined",
             partition_key, chunk.index, marker.rows_out, marker.rows_errored,
         )
 
+    concurrent = where.committed()
+    if concurrent is not None:
+        return where.yield_to(concurrent, attempt), False
+    manifest = commit_chunks(
+        where,
+        spec,
+        markers,
+        rows_resumed=sum(resumed.values()),
+        wall_seconds=time.perf_counter() - started,
+        model_load_seconds=engine.load_seconds,
+        worker={"host": socket.gethostname(), "pid": os.getpid(), "replica": replica,
+                "attempt": attempt},
+    )
+    return manifest, True
+
+
+def commit_chunks(
+    where: ShardLocation,
+    spec: InferenceSpec,
+    markers: dict[int, ChunkMarker],
+    *,
+    rows_resumed: int,
+    wall_seconds: float,
+    model_load_seconds: float,
+    worker: dict[str, object],
+) -> Manifest:
+    """Commit a partition from its chunk markers: gather the errors, then write the manifest."""
     ordered = [markers[i] for i in sorted(markers)]
-    error_tables = [_read_chunk_errors(fs, path, spec_hash, m) for m in ordered if m.errors]
+    error_tables = [read_chunk_errors(where, m) for m in ordered if m.errors]
     error_types: Counter[str] = Counter()
     for table in error_tables:
         error_types.update(table.column("error_type").to_pylist())
     manifest = Manifest(
-        partition_key=partition_key,
-        spec_hash=spec_hash,
+        partition_key=where.partition_key,
+        spec_hash=where.spec_hash,
         model=spec.model,
         task=spec.task,
         output_format=spec.output.format,
         rows_in=sum(m.rows_in for m in ordered),
         rows_out=sum(m.rows_out for m in ordered),
         rows_errored=sum(m.rows_errored for m in ordered),
-        rows_resumed=resumed_rows,
+        rows_resumed=rows_resumed,
         prompt_tokens=sum(m.prompt_tokens for m in ordered),
         generated_tokens=sum(m.generated_tokens for m in ordered),
         parts=[m.part for m in ordered if m.part is not None],
-        errors=FileEntry(name="errors.parquet", rows=0, bytes=0, sha256=""),
+        errors=FileEntry(name=ERRORS_NAME, rows=0, bytes=0, sha256=""),
         error_types=dict(error_types),
         inference_seconds=sum(m.inference_seconds for m in ordered),
-        wall_seconds=time.perf_counter() - started,
-        model_load_seconds=engine.load_seconds,
-        worker={"host": socket.gethostname(), "pid": os.getpid(), "replica": replica},
+        wall_seconds=wall_seconds,
+        model_load_seconds=model_load_seconds,
+        worker=worker,
     )
-    return commit_partition(fs, path, manifest, error_tables), True
+    return commit_partition(where.fs, where.path, manifest, error_tables)
 
 
-def _read_chunk_errors(fs, path: str, spec_hash: str, marker: ChunkMarker) -> pa.Table:
+def read_chunk_errors(where: ShardLocation, marker: ChunkMarker) -> pa.Table:
     assert marker.errors is not None
-    with fs.open_input_file(posixpath.join(chunk_dir(path, spec_hash), marker.errors.name)) as f:
-        return pq.read_table(f)
+    path = posixpath.join(chunk_dir(where.path, where.spec_hash), marker.errors.name)
+    with where.fs.open_input_file(path) as handle:
+        return pq.read_table(handle)
 
 
-def _committed_ids(fs, path: str, spec_hash: str, markers: dict[int, ChunkMarker]) -> set[str]:
+def committed_ids(where: ShardLocation, markers: dict[int, ChunkMarker]) -> set[str]:
     """Ids already taken by committed chunks: resume must not let a later duplicate in."""
     ids: set[str] = set()
     for marker in markers.values():
         if marker.part is not None:
-            part_path = posixpath.join(path, marker.part.name)
+            part_path = posixpath.join(where.path, marker.part.name)
             if marker.part.name.endswith(".parquet"):
-                with fs.open_input_file(part_path) as f:
-                    ids.update(pq.read_table(f, columns=["id"]).column("id").to_pylist())
+                with where.fs.open_input_file(part_path) as handle:
+                    ids.update(pq.read_table(handle, columns=["id"]).column("id").to_pylist())
             else:
-                for line in read_bytes(fs, part_path).splitlines():
+                for line in read_bytes(where.fs, part_path).splitlines():
                     if line.strip():
                         ids.add(json.loads(line)["custom_id"])
         if marker.errors is not None:
-            table = _read_chunk_errors(fs, path, spec_hash, marker)
+            table = read_chunk_errors(where, marker)
             ids.update(i for i in table.column("id").to_pylist() if i is not None)
     return ids

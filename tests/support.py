@@ -1,0 +1,100 @@
+"""Helpers shared by the tests: resources, shard writers, runs, event queries."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dagster_gpuinfer import GpuInferenceResource
+
+RANGE_START = "dagster/asset_partition_range_start"
+RANGE_END = "dagster/asset_partition_range_end"
+
+
+
+def cpu_resource(load_log: Path | None = None, **kwargs: Any) -> GpuInferenceResource:
+    """The local launcher configured for vLLM's CPU build, as resources/local.py does."""
+    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
+    if load_log is not None:
+        env["GPUINFER_MODEL_LOAD_LOG"] = str(load_log)
+    env.update(kwargs.pop("env", {}))
+    overrides = {"gpu_memory_utilization": 0.2, "enforce_eager": True}
+    overrides.update(kwargs.pop("engine_overrides", {}))
+    return GpuInferenceResource(launcher="local", env=env, engine_overrides=overrides, **kwargs)
+
+
+def model_loads(load_log: Path) -> int:
+    return len(load_log.read_text().splitlines()) if load_log.exists() else 0
+
+
+def write_parquet(path: Path, columns: dict[str, list[Any]], row_group_size: int | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+    return path
+
+
+def write_jsonl(path: Path, records: Sequence[Any]) -> Path:
+    """Each record is a dict (dumped as JSON) or bytes/str (written verbatim, for bad lines)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as handle:
+        for record in records:
+            if isinstance(record, bytes):
+                line = record
+            elif isinstance(record, str):
+                line = record.encode()
+            else:
+                line = json.dumps(record).encode()
+            handle.write(line + b"\n")
+    return path
+
+
+def materialize_partitions(
+    pipeline: Any,
+    keys: Sequence[str],
+    *,
+    resource: GpuInferenceResource,
+    instance: dg.DagsterInstance,
+    raise_on_error: bool = True,
+    run_config: dict[str, Any] | None = None,
+) -> dg.ExecuteInProcessResult:
+    """One Dagster run over `keys` (a partition range), as a backfill run would be."""
+    return dg.materialize(
+        pipeline.assets,
+        selection=[pipeline.output_asset.key],
+        instance=instance,
+        resources={"gpu": resource},
+        tags={RANGE_START: keys[0], RANGE_END: keys[-1]},
+        raise_on_error=raise_on_error,
+        run_config=run_config,
+    )
+
+
+def partition_metadata(
+    instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str
+) -> dict[str, Any]:
+    """The metadata of the latest materialization of one partition, as plain values."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[partition]), limit=1
+    ).records
+    assert records, f"partition {partition} of {asset_key.to_user_string()} was never materialized"
+    return {k: v.value for k, v in records[0].asset_materialization.metadata.items()}
+
+
+def failure_message(result: dg.ExecuteInProcessResult) -> str:
+    """The text of the step failure(s) of a failed run."""
+    texts = []
+    for event in result.all_events:
+        if event.is_step_failure:
+            error = event.step_failure_data.error
+            texts.append(error.to_string() if error else "")
+    return "\n".join(texts)
+
+
+def step_attempts(result: dg.ExecuteInProcessResult) -> int:
+    return 1 + sum(1 for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY")

@@ -1,0 +1,38 @@
+"""The control plane never imports torch/vllm; the worker never imports Dagster's control plane.
+
+Checked in fresh interpreters, the way dagster-sling checks its import time.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+HEAVY = ("torch", "vllm", "transformers")
+
+
+def modules_after_import(statement: str) -> set[str]:
+    code = f"import sys\n{statement}\nprint('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return set(out.stdout.split())
+
+
+def test_control_plane_imports_no_torch_or_vllm():
+    loaded = modules_after_import(
+        "import dagster_gpuinfer\n"
+        "from dagster_gpuinfer import inference_assets, GpuInferenceResource\n"
+        "import dagster_gpuinfer.asset_factory, dagster_gpuinfer.checks, dagster_gpuinfer.metadata\n"
+        "import dagster_gpuinfer.launchers.local\n"
+        "import assets.definitions"
+    )
+    heavy = sorted(m for m in loaded if m.split(".")[0] in HEAVY)
+    assert not heavy, f"control plane imported {heavy[:5]}"
+
+
+def test_worker_imports_no_dagster_control_plane():
+    loaded = modules_after_import(
+        "import dagster_gpuinfer.worker.__main__, dagster_gpuinfer.worker.job\n"
+        "import dagster_gpuinfer.worker.shard, dagster_gpuinfer.worker.validate"
+    )
+    assert "dagster" not in loaded
+    assert not any(m.startswith("dagster.") for m in loaded)

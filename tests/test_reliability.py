@@ -1,0 +1,295 @@
+"""Faults on purpose: crashes in the commit window, SIGKILL mid-shard, racing runs.
+
+Nothing is lost and nothing is written twice: every input id ends up exactly once in the
+output or the errors file, and a committed partition always verifies against its files.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import dagster as dg
+import psutil
+import pyarrow as pa
+import pytest
+from support import (
+    cpu_resource,
+    materialize_partitions,
+    model_loads,
+    partition_metadata,
+    step_attempts,
+    write_jsonl,
+)
+
+from dagster_gpuinfer import InferenceSpec, InputSpec, OutputSpec, inference_assets, read_partition
+from dagster_gpuinfer import storage
+from dagster_gpuinfer.storage import (
+    ChunkMarker,
+    read_chunk_markers,
+    table_to_parquet_bytes,
+    verify_manifest,
+    write_chunk_marker,
+    write_file_entry,
+)
+from dagster_gpuinfer.worker.shard import ShardLocation, commit_chunks
+from dagster_gpuinfer.worker.writers import errors_table
+from dagster_gpuinfer.worker.errors import RowError
+
+# --------------------------------------------------------------------------- commit window
+
+
+def _spec(root: Path) -> InferenceSpec:
+    return InferenceSpec.model_validate(
+        {
+            "model": "/m",
+            "task": "generate",
+            "input": {"uri": str(root / "in" / "{partition_key}.jsonl")},
+            "output": {"root": str(root / "out"), "asset_name": "gen"},
+        }
+    )
+
+
+def _chunks_ready_to_commit(root: Path) -> tuple[InferenceSpec, ShardLocation]:
+    """A partition whose three chunks are committed (markers written), not yet the partition."""
+    spec = _spec(root)
+    where = ShardLocation.of(spec, "p")
+    for index in range(3):
+        ids = [f"r{index}-{i}" for i in range(4)]
+        table = pa.table({"id": ids, "text": ["t"] * 4})
+        part = write_file_entry(
+            where.fs, where.path, storage.chunk_part_name(where.spec_hash, index, "a1", ".parquet"),
+            table_to_parquet_bytes(table), 4,
+        )
+        bad = errors_table([RowError(f"bad{index}", "s", 99, "empty_input", "empty")])
+        errors = write_file_entry(
+            where.fs, storage.chunk_dir(where.path, where.spec_hash),
+            f"errors-{index:05d}-a1.parquet", table_to_parquet_bytes(bad), 1,
+        )
+        write_chunk_marker(
+            where.fs, where.path,
+            ChunkMarker(index=index, spec_hash=where.spec_hash, rows_in=5, rows_out=4,
+                        rows_errored=1, part=part, errors=errors),
+        )
+    return spec, where
+
+
+def _commit(spec: InferenceSpec, where: ShardLocation):
+    markers = read_chunk_markers(where.fs, where.path, where.spec_hash)
+    return commit_chunks(where, spec, markers, rows_resumed=0, wall_seconds=0.0,
+                         model_load_seconds=0.0, worker={})
+
+
+def _crash_during_commit(root: str, crash_at: int, torn: bool) -> None:
+    """Child process: commit, dying (like SIGKILL: no cleanup) at storage operation `crash_at`.
+    With `torn`, the dying write leaves half a temporary file behind first."""
+    spec, where = _spec(Path(root)), ShardLocation.of(_spec(Path(root)), "p")
+    calls = {"n": 0}
+    real_write, real_delete = storage.write_bytes_atomic, storage.delete_quietly
+
+    def write(fs, path, data):
+        if calls["n"] == crash_at:
+            if torn:
+                Path(path).with_name(".tmp-torn-" + Path(path).name).write_bytes(data[: len(data) // 2])
+            os._exit(137)
+        calls["n"] += 1
+        real_write(fs, path, data)
+
+    def delete(fs, paths):
+        paths = list(paths)
+        if calls["n"] == crash_at:
+            real_delete(fs, paths[:1])
+            os._exit(137)
+        calls["n"] += 1
+        real_delete(fs, paths)
+
+    storage.write_bytes_atomic = write
+    storage.delete_quietly = delete
+    _commit(spec, where)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("crash_at", [0, 1, 2])
+@pytest.mark.parametrize("torn", [False, True])
+def test_crash_in_commit_window_leaves_partition_all_or_nothing(tmp_path, crash_at, torn):
+    spec, where = _chunks_ready_to_commit(tmp_path)
+    child = multiprocessing.get_context("fork").Process(
+        target=_crash_during_commit, args=(str(tmp_path), crash_at, torn)
+    )
+    child.start()
+    child.join(30)
+    assert child.exitcode == 137, "the injected crash did not happen"
+
+    after_crash = where.committed()
+    if after_crash is not None:  # crashed after the manifest: it must already verify
+        assert verify_manifest(where.fs, where.path, after_crash) == []
+    # The retry: a worker finds it committed, or commits from the surviving chunk markers.
+    manifest = where.committed() or _commit(spec, where)
+    assert verify_manifest(where.fs, where.path, manifest) == []
+    assert (manifest.rows_in, manifest.rows_out, manifest.rows_errored) == (15, 12, 3)
+    ids = read_partition(spec.output, "p").column("id").to_pylist()
+    assert sorted(ids) == sorted(f"r{c}-{i}" for c in range(3) for i in range(4))
+    errors = storage.read_errors(spec.output, "p").column("id").to_pylist()
+    assert sorted(errors) == ["bad0", "bad1", "bad2"]
+    leftovers = {n for n in os.listdir(where.path) if not n.startswith(".tmp-")}
+    assert leftovers == {"_SUCCESS", "errors.parquet", *(p.name for p in manifest.parts)}
+
+
+# --------------------------------------------------------------------------- SIGKILL
+
+
+def _worker_processes() -> list[psutil.Process]:
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "dagster_gpuinfer.worker" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def _kill_worker_tree() -> int:
+    killed = 0
+    for worker in _worker_processes():
+        try:
+            family = [worker, *worker.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for process in family:
+            try:
+                process.send_signal(signal.SIGKILL)
+                killed += 1
+            except psutil.NoSuchProcess:
+                pass
+    return killed
+
+
+def _gen_pipeline(root: Path, model: str, *, chunk_size: int, retries: int, partitions=("p0",)):
+    return inference_assets(
+        name="gen",
+        model=model,
+        task="generate",
+        input=InputSpec(uri=str(root / "in" / "{partition_key}.jsonl"), text_column="prompt"),
+        output_root=str(root / "out"),
+        partitions_def=dg.StaticPartitionsDefinition(list(partitions)),
+        engine={"max_model_len": 256},
+        sampling={"max_tokens": 16},
+        chunk_size=chunk_size,
+        retry_policy=dg.RetryPolicy(max_retries=retries),
+    )
+
+
+def _prompts(path: Path, rows: int) -> None:
+    write_jsonl(path, [{"id": f"id-{i}", "prompt": f"Question {i}: what is {i} plus {i}?"} for i in range(rows)])
+
+
+@pytest.mark.engine
+def test_killed_worker_resumes_without_recomputing_committed_chunks(tmp_path, tiny_llama_dir):
+    _prompts(tmp_path / "in" / "p0.jsonl", 600)
+    pipeline = _gen_pipeline(tmp_path, tiny_llama_dir, chunk_size=10, retries=1)
+    spec_hash = InferenceSpec.model_validate(pipeline.spec).spec_hash()
+    markers_dir = tmp_path / "out" / "gen" / "p0" / "_chunks" / spec_hash
+    load_log = tmp_path / "loads.log"
+    killed: dict[str, object] = {}
+
+    def killer():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if markers_dir.exists() and any(markers_dir.glob("[0-9]*.json")):
+                killed["processes"] = _kill_worker_tree()
+                time.sleep(0.5)  # let the last marker write (if any) settle before reading
+                where = ShardLocation(*storage.filesystem_for(str(tmp_path / "out" / "gen" / "p0")),
+                                      spec_hash=spec_hash, partition_key="p0")
+                killed["markers"] = read_chunk_markers(where.fs, where.path, spec_hash)
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    with dg.instance_for_test() as instance:
+        result = materialize_partitions(
+            pipeline, ["p0"], resource=cpu_resource(load_log), instance=instance
+        )
+        metadata = partition_metadata(instance, pipeline.output_asset.key, "p0")
+    thread.join(5)
+
+    assert killed.get("processes"), "the worker was never killed"
+    committed_before_kill: dict[int, ChunkMarker] = killed["markers"]  # type: ignore[assignment]
+    assert 1 <= len(committed_before_kill) < 60, "kill must land mid-shard"
+    assert result.success and step_attempts(result) == 2
+    assert model_loads(load_log) == 2
+
+    output = OutputSpec(root=str(tmp_path / "out"), asset_name="gen")
+    fs, path = storage.filesystem_for(str(tmp_path / "out" / "gen" / "p0"))
+    manifest = storage.read_manifest(fs, path)
+    assert verify_manifest(fs, path, manifest) == []
+    # Chunks committed before the kill are the very files of the first attempt: not recomputed.
+    final_parts = {p.name for p in manifest.parts}
+    first_attempt_parts = {m.part.name for m in committed_before_kill.values()}
+    assert first_attempt_parts <= final_parts
+    resumed_rows = sum(m.rows_in for m in committed_before_kill.values())
+    assert manifest.rows_resumed == resumed_rows == metadata["rows_resumed"]
+    second_attempt_rows = sum(p.rows for p in manifest.parts if p.name not in first_attempt_parts)
+    assert second_attempt_rows == 600 - resumed_rows
+    ids = read_partition(output, "p0").column("id").to_pylist()
+    assert len(ids) == 600 and set(ids) == {f"id-{i}" for i in range(600)}
+
+
+# --------------------------------------------------------------------------- racing runs
+
+
+@pytest.mark.engine
+def test_two_concurrent_runs_of_one_partition_commit_it_exactly_once(tmp_path, tiny_llama_dir):
+    _prompts(tmp_path / "in" / "p0.jsonl", 400)
+    pipeline = _gen_pipeline(tmp_path, tiny_llama_dir, chunk_size=20, retries=0)
+    results: dict[str, dg.ExecuteInProcessResult] = {}
+
+    def run(name: str) -> None:
+        with dg.instance_for_test() as instance:
+            results[name] = materialize_partitions(
+                pipeline, ["p0"], resource=cpu_resource(), instance=instance, raise_on_error=False
+            )
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(900)
+
+    assert results["a"].success and results["b"].success
+    fs, path = storage.filesystem_for(str(tmp_path / "out" / "gen" / "p0"))
+    manifest = storage.read_manifest(fs, path)
+    assert verify_manifest(fs, path, manifest) == []
+    output = OutputSpec(root=str(tmp_path / "out"), asset_name="gen")
+    ids = read_partition(output, "p0").column("id").to_pylist()
+    assert len(ids) == 400 and len(set(ids)) == 400
+    # One part per chunk, whichever worker wrote it.
+    chunk_indexes = [p.name.split("-")[2] for p in manifest.parts]
+    assert sorted(chunk_indexes) == [f"{i:05d}" for i in range(20)]
+    # Nothing but the committed files remains (once both workers are gone).
+    names = {n for n in os.listdir(path) if not n.startswith(".tmp-")}
+    assert names == {"_SUCCESS", "errors.parquet", *(p.name for p in manifest.parts)}
+
+
+# --------------------------------------------------------------------------- instance config
+
+
+def test_local_instance_config_enables_run_retries_for_lost_run_workers(tmp_path):
+    import shutil
+
+    repo = Path(__file__).resolve().parent.parent
+    shutil.copy(repo / "deploy" / "local" / "dagster.yaml", tmp_path / "dagster.yaml")
+    instance = dg.DagsterInstance.from_config(str(tmp_path))
+    try:
+        assert instance.run_retries_enabled and instance.run_retries_max_retries == 2
+        # Step failures are left to RetryPolicy (which a non-retryable Failure stops), so a
+        # bad shard is not retried by the daemon as a whole run.
+        assert instance.run_retries_retry_on_asset_or_op_failure is False
+        assert instance.run_monitoring_enabled
+    finally:
+        instance.dispose()

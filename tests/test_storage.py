@@ -1,0 +1,100 @@
+"""Output layout and commit rules, on the local filesystem."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from dagster_gpuinfer import OutputSpec
+from dagster_gpuinfer.storage import (
+    ERRORS_NAME,
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    commit_partition,
+    filesystem_for,
+    partition_dir,
+    partition_dir_name,
+    read_manifest,
+    read_partition,
+    table_to_parquet_bytes,
+    verify_manifest,
+    write_bytes_atomic,
+    write_file_entry,
+)
+
+
+@pytest.mark.parametrize(
+    "key", ["../../etc", "..", ".", "a/b", "/abs/path", "with space", "ünïcødé-ключ", "_SUCCESS", "a\\b", "%2F"]
+)
+def test_partition_keys_never_escape_the_output_root(tmp_path, key):
+    output = OutputSpec(root=str(tmp_path / "root"), asset_name="asset")
+    path = Path(partition_dir(output, key))
+    assert path.parent == tmp_path / "root" / "asset"
+    assert os.path.realpath(path).startswith(str(tmp_path / "root" / "asset") + os.sep)
+    assert path.name not in {".", "..", MANIFEST_NAME, "_chunks"}
+    assert "/" not in partition_dir_name(key)
+
+
+def test_distinct_partition_keys_get_distinct_folders():
+    keys = ["a/b", "a%2Fb", "a b", "a+b", "..", "%2E%2E", ".a", "%2Ea"]
+    assert len({partition_dir_name(k) for k in keys}) == len(keys)
+
+
+def test_atomic_write_leaves_no_temporary_files(tmp_path):
+    fs, path = filesystem_for(str(tmp_path / "x" / "file.bin"))
+    write_bytes_atomic(fs, path, b"one")
+    write_bytes_atomic(fs, path, b"two")
+    assert (tmp_path / "x" / "file.bin").read_bytes() == b"two"
+    assert os.listdir(tmp_path / "x") == ["file.bin"]
+
+
+def _committed_partition(tmp_path: Path, rows: int = 3) -> tuple[OutputSpec, str, Manifest]:
+    output = OutputSpec(root=str(tmp_path), asset_name="asset")
+    fs, path = filesystem_for(partition_dir(output, "p"))
+    table = pa.table({"id": [str(i) for i in range(rows)], "text": ["x"] * rows})
+    part = write_file_entry(fs, path, "part-h-00000.parquet", table_to_parquet_bytes(table), rows)
+    manifest = Manifest(
+        partition_key="p", spec_hash="h", model="m", task="generate", output_format="parquet",
+        rows_in=rows, rows_out=rows, rows_errored=0, parts=[part],
+        errors=FileEntry(name=ERRORS_NAME, rows=0, bytes=0, sha256=""),
+    )
+    return output, path, commit_partition(fs, path, manifest, [])
+
+
+def test_commit_writes_errors_then_manifest_and_removes_unlisted_files(tmp_path):
+    output = OutputSpec(root=str(tmp_path), asset_name="asset")
+    fs, path = filesystem_for(partition_dir(output, "p"))
+    os.makedirs(path)
+    Path(path, "part-oldspec-00000.parquet").write_bytes(b"stale")
+    Path(path, ".tmp-dead-part.parquet").write_bytes(b"half")
+    _, path, manifest = _committed_partition(tmp_path)
+    assert sorted(os.listdir(path)) == sorted([MANIFEST_NAME, ERRORS_NAME, "part-h-00000.parquet"])
+    assert read_manifest(fs, path) == manifest
+    assert verify_manifest(fs, path, manifest) == []
+    assert read_partition(output, "p").column("id").to_pylist() == ["0", "1", "2"]
+
+
+def test_verify_manifest_catches_a_part_file_that_lost_rows(tmp_path):
+    _, path, manifest = _committed_partition(tmp_path)
+    fs, _ = filesystem_for(path)
+    short = pa.table({"id": ["0"], "text": ["x"]})
+    write_bytes_atomic(fs, f"{path}/part-h-00000.parquet", table_to_parquet_bytes(short))
+    problems = verify_manifest(fs, path, manifest)
+    assert any("holds 1 rows, the manifest says 3" in p for p in problems)
+
+
+def test_verify_manifest_catches_unbalanced_counts(tmp_path):
+    _, path, manifest = _committed_partition(tmp_path)
+    fs, _ = filesystem_for(path)
+    bad = manifest.model_copy(update={"rows_in": 5})
+    assert any("rows_in=5" in p for p in verify_manifest(fs, path, bad))
+
+
+def test_reading_an_uncommitted_partition_says_what_to_do(tmp_path):
+    output = OutputSpec(root=str(tmp_path), asset_name="asset")
+    with pytest.raises(FileNotFoundError, match="not committed.*materialize it first"):
+        read_partition(output, "never")

@@ -1,0 +1,90 @@
+"""Row validation with the real tokenizers of the test models (no engine needed)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from dagster_gpuinfer.worker.readers import RawChunk
+from dagster_gpuinfer.worker.validate import RowValidator, parse_messages
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tiny_llama_dir):
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+def chunk(rows, index=0):
+    return RawChunk(index=index, source="s.jsonl", rows=rows, rows_in=len(rows))
+
+
+def test_bad_rows_are_quarantined_with_their_reason(chat_tokenizer):
+    validator = RowValidator(task="generate", tokenizer=chat_tokenizer, max_model_len=16)
+    out = validator.validate(
+        chunk(
+            [
+                (0, "a", "a fine prompt"),
+                (1, "b", ""),
+                (2, "c", None),
+                (3, "a", "same id again"),
+                (4, None, "no id"),
+                (5, "d", "word " * 40),
+                (6, "e", 42),
+            ]
+        )
+    )
+    assert out.ids == ["a"]
+    reasons = {e.row: e.error_type for e in out.errors}
+    assert reasons == {
+        1: "empty_input", 2: "empty_input", 3: "duplicate_id", 4: "missing_id",
+        5: "prompt_too_long", 6: "wrong_type",
+    }
+    too_long = next(e for e in out.errors if e.row == 5)
+    assert too_long.prompt_tokens and too_long.prompt_tokens > 16
+    assert "max_model_len=16" in too_long.message
+
+
+def test_duplicate_ids_are_caught_across_chunks_and_from_resumed_state(chat_tokenizer):
+    validator = RowValidator(
+        task="generate", tokenizer=chat_tokenizer, max_model_len=64, seen_ids={"old"}
+    )
+    first = validator.validate(chunk([(0, "x", "one"), (1, "old", "two")]))
+    second = validator.validate(chunk([(2, "x", "three")], index=1))
+    assert first.ids == ["x"] and [e.error_type for e in first.errors] == ["duplicate_id"]
+    assert second.ids == [] and second.errors[0].error_type == "duplicate_id"
+
+
+def test_tokens_match_the_tokenizer_with_special_tokens(chat_tokenizer):
+    validator = RowValidator(task="generate", tokenizer=chat_tokenizer, max_model_len=64)
+    out = validator.validate(chunk([(0, "a", "hello world")]))
+    assert out.token_ids == [chat_tokenizer("hello world")["input_ids"]]
+
+
+def test_chat_rows_render_the_model_template(chat_tokenizer):
+    validator = RowValidator(task="chat", tokenizer=chat_tokenizer, max_model_len=64)
+    messages = [{"role": "user", "content": "hi there"}]
+    out = validator.validate(chunk([(0, "a", messages), (1, "b", '[{"role": "user", "content": "x"}]')]))
+    rendered = chat_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out.ids == ["a", "b"]
+    assert out.token_ids[0] == chat_tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        ("not json", "not valid JSON"),
+        ([], "non-empty list"),
+        ([{"role": "wizard", "content": "x"}], "role 'wizard'"),
+        ([{"role": "user", "content": 3}], "content must be a string"),
+        (["hi"], "not an object"),
+    ],
+)
+def test_invalid_messages_are_named(value, problem):
+    messages, found = parse_messages(value)
+    assert messages == [] and problem in found
+
+
+def test_invalid_chat_rows_are_quarantined(chat_tokenizer):
+    validator = RowValidator(task="chat", tokenizer=chat_tokenizer, max_model_len=64)
+    out = validator.validate(chunk([(0, "a", [{"role": "wizard", "content": "x"}])]))
+    assert out.ids == [] and out.errors[0].error_type == "invalid_messages"
