@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ray-python", help="a Python with ray[data] and vllm for the Ray "
                         "contestant (default: GPUINFER_BENCH_RAY_PYTHON, else this one)")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray Data contestant")
+    parser.add_argument("--memory-rows", type=int, help="rows of the memory shard "
+                        "(default 1,000,000 full, 2,000 smoke)")
     return parser.parse_args(argv)
 
 
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SMOKE if args.smoke else FULL
     if args.rounds:
         sizes = replace(sizes, rounds=args.rounds)
+    if args.memory_rows:
+        sizes = replace(sizes, memory_rows=args.memory_rows)
     suffix = "bench-smoke" if args.smoke else "bench"
     work = (args.work or REPO_ROOT / ".data" / suffix).resolve()
     results_dir = (args.results or (REPO_ROOT / ".data" / suffix / "results" if args.smoke

@@ -37,7 +37,7 @@ class Sizes:
 
 
 FULL = Sizes(
-    rounds=3, embed_rows=2000, generate_rows=1000, max_tokens=32, chunk_size=512,
+    rounds=3, embed_rows=1000, generate_rows=800, max_tokens=32, chunk_size=512,
     amortization_partitions=32, amortization_rows=32, amortization_per_run=(1, 4, 8, 32),
     memory_rows=1_000_000, memory_chunk_sizes=(512,),
     prefix_rows=512, prefix_headers=64, prefix_header_examples=12, prefix_max_tokens=8,
