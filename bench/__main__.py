@@ -33,6 +33,8 @@ from typing import Any
 from bench.context import FULL, REPO_ROOT, SMOKE, BenchContext, find_ray_python, write_json
 
 SECTIONS = ("throughput", "prefix", "amortization", "memory", "control-plane")
+RESULT_KEYS = {"throughput": "throughput", "prefix": "prefix_cache", "amortization": "amortization",
+               "memory": "memory", "control-plane": "control_plane"}
 log = logging.getLogger("bench")
 
 
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": args.smoke, "rounds": sizes.rounds, "sizes": sizes.__dict__,
         "skipped": [], "notes": ctx.notes, "errors": {},
     }
+    _keep_earlier_sections(results, results_dir / "results.json", only)
     if "throughput" in only and not args.no_ray:
         ctx.ray_python, why = find_ray_python(args.ray_python)
         (ctx.notes if ctx.ray_python else results["skipped"]).append(why)
@@ -144,6 +147,22 @@ def main(argv: list[str] | None = None) -> int:
     report = save()
     log.info("results: %s", report)
     return 1 if results["errors"] else 0
+
+
+def _keep_earlier_sections(results: dict[str, Any], path: Path, only: set[str]) -> None:
+    """A run of some sections keeps the other sections' latest results, saying so."""
+    if not path.exists() or only >= set(SECTIONS):
+        return
+    import json
+
+    earlier = json.loads(path.read_text())
+    if earlier.get("smoke") != results["smoke"]:
+        return
+    for section, key in RESULT_KEYS.items():
+        if section not in only and key in earlier:
+            results[key] = earlier[key]
+            results["notes"].append(f"{section}: kept from `{earlier.get('command')}` "
+                                    f"of {earlier.get('started')}")
 
 
 def _control_plane(ctx: BenchContext, results: dict[str, Any]) -> None:
