@@ -6,7 +6,8 @@
 
 Sections: throughput (platform vs raw vLLM vs transformers vs Ray Data, embed and
 generate), prefix (prefix-cache ordering), amortization (partitions per run), memory
-(worker RSS over a large shard), control-plane (from `bench/control_plane.py` when present).
+(worker RSS over a large shard), control-plane (from `bench/control_plane.py` when present),
+and, only when asked for (`--only knobs`), knobs (embedding engine settings one by one).
 
 Control-plane hook: a module `bench/control_plane.py` that defines
 `run(*, smoke: bool, work_dir: pathlib.Path) -> dict` is run as the `control-plane`
@@ -32,9 +33,10 @@ from typing import Any
 
 from bench.context import FULL, REPO_ROOT, SMOKE, BenchContext, find_ray_python, write_json
 
-SECTIONS = ("throughput", "prefix", "amortization", "memory", "control-plane")
+SECTIONS = ("throughput", "prefix", "amortization", "memory", "control-plane", "knobs")
+DEFAULT_SECTIONS = SECTIONS[:-1]  # `knobs` (engine settings, one start each) only on request
 RESULT_KEYS = {"throughput": "throughput", "prefix": "prefix_cache", "amortization": "amortization",
-               "memory": "memory", "control-plane": "control_plane"}
+               "memory": "memory", "control-plane": "control_plane", "knobs": "knobs"}
 log = logging.getLogger("bench")
 
 
@@ -42,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the suite runs")
-    parser.add_argument("--only", default=",".join(SECTIONS),
+    parser.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
                         help=f"comma-separated sections among {', '.join(SECTIONS)}")
     parser.add_argument("--tasks", default="embed,generate", help="throughput tasks")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default: 3 full, 2 smoke)")
@@ -139,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None:
             results["memory"] = value
         save()
+    if "knobs" in only:
+        value = section("knobs", "bench.knobs", "run_knobs", ctx)
+        if value is not None:
+            results["knobs"] = value
+        save()
     if "control-plane" in only:
         if importlib.util.find_spec("bench.control_plane") is None:
             results["skipped"].append("control plane: bench/control_plane.py is not there yet")
@@ -151,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _keep_earlier_sections(results: dict[str, Any], path: Path, only: set[str]) -> None:
     """A run of some sections keeps the other sections' latest results, saying so."""
-    if not path.exists() or only >= set(SECTIONS):
+    if not path.exists() or only == set(SECTIONS):
         return
     import json
 

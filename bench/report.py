@@ -31,7 +31,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
     lines += _headline(results)
     for section, writer in (("throughput", _throughput), ("prefix_cache", _prefix),
                             ("amortization", _amortization), ("memory", _memory),
-                            ("control_plane", _control_plane)):
+                            ("knobs", _knobs), ("control_plane", _control_plane)):
         if section in results:
             lines += writer(results[section])
     if results.get("skipped"):
@@ -138,6 +138,17 @@ def _memory(mem: dict[str, Any]) -> list[str]:
                      f"{s['worker_growth_mib']:.0f} | {s['engine_peak_mib']:.0f} | "
                      f"{s['partition_seconds']:.0f} |")
     return lines + ["", "Target: worker growth over the shard under 3 GiB (3072 MiB).", ""]
+
+
+def _knobs(knobs: dict[str, Any]) -> list[str]:
+    lines = ["## Embedding engine knobs (raw engines, `--only knobs`)", "",
+             f"{knobs['rows']} MiniLM rows, {knobs['cores']} cores.", "",
+             "| variant | rows/s | ratio to transformers float32 | engine build s |",
+             "|---|---|---|---|"]
+    for name, v in knobs["variants"].items():
+        lines.append(f"| {name} | {_fmt(v['rows_per_s_summary'], 1)} | "
+                     f"{_fmt(v['over_transformers_fp32'])} | {v['engine_seconds']:.1f} |")
+    return lines + [""]
 
 
 def _control_plane(cp: dict[str, Any]) -> list[str]:
