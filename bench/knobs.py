@@ -1,11 +1,11 @@
 """Why vLLM's CPU engine trailed a plain transformers loop on embeddings, knob by knob.
 
-Raw engines on the same embedding rows, interleaved: vLLM with its own CPU layout (executor
-"mp", `VLLM_CPU_OMP_THREADS_BIND=auto`: the model gets all cores but one, pinned), the
-platform's layout (`engine_kwargs`/`engine_env`: the model inside the engine-core process,
-all cores but one), the same with every core, the platform's layout in bfloat16 (the AMX
-path of recent Xeons; changes the numbers slightly), a larger `max_num_batched_tokens`,
-and the transformers loop in float32 and bfloat16. Not part of the default run (`--only
+Raw engines on the same embedding rows, interleaved: vLLM's CPU defaults (executor "mp",
+`VLLM_CPU_OMP_THREADS_BIND=auto`: the model gets all cores but one, pinned), every core
+pinned, the model inside the engine-core process (`distributed_executor_backend="uni"`, one
+process fewer) with all cores but one, a larger `max_num_batched_tokens`, bfloat16 (the AMX
+path of recent Xeons; changes the numbers slightly), and the transformers loop in float32
+and bfloat16. Not part of the default run (`--only
 knobs`): each variant is one more engine start.
 """
 
@@ -33,12 +33,11 @@ def run_knobs(ctx: BenchContext) -> dict[str, Any]:
     uni = {**base, "distributed_executor_backend": "uni"}
     spare = {"OMP_NUM_THREADS": str(max(1, cores - 1))}
     variants: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
-        "vLLM CPU layout (mp, auto bind)": ("vllm", base, {}),
-        "platform layout (uni, cores-1 threads)": ("vllm", uni, spare),
-        "uni, all cores": ("vllm", uni, {"OMP_NUM_THREADS": str(cores)}),
-        "platform layout, max_num_batched_tokens 16384": (
-            "vllm", {**uni, "max_num_batched_tokens": 16384}, spare),
-        "platform layout, bfloat16": ("vllm", {**uni, "dtype": "bfloat16"}, spare),
+        "vLLM defaults (mp, auto bind: cores-1)": ("vllm", base, {}),
+        "mp, all cores bound": ("vllm", base, {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}"}),
+        "uni executor, cores-1 threads": ("vllm", uni, spare),
+        "max_num_batched_tokens 16384": ("vllm", {**base, "max_num_batched_tokens": 16384}, {}),
+        "bfloat16": ("vllm", {**base, "dtype": "bfloat16"}, {}),
         "transformers float32": ("hf", {"dtype": "float32"}, {}),
         "transformers bfloat16": ("hf", {"dtype": "bfloat16"}, {}),
     }

@@ -10,8 +10,6 @@ Per task (embed with MiniLM, generate with the tiny Llama), the same shard goes 
   one `.embed(texts)` / `.generate(texts, ...)` call;
 - transformers: a plain batched Hugging Face loop;
 - ray-data: Ray Data `map_batches` with a vLLM actor (when Ray is installed);
-- raw-vllm (vLLM CPU layout): raw vLLM with vLLM's own CPU process layout instead of the
-  platform's (`engine_kwargs(..., platform_defaults=False)`): what that default gains.
 
 Rounds interleave the contestants in rotating order; the headline is the per-round ratio.
 """
@@ -34,7 +32,6 @@ PLATFORM = "platform"
 RAW = "raw-vllm"
 HF = "transformers"
 RAY = "ray-data"
-VLLM_LAYOUT = "raw-vllm (vLLM CPU layout)"
 
 
 def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
@@ -59,18 +56,17 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
         chunk_size=sizes.chunk_size,
     )
     spec = platform.worker_spec()
-    from dagster_gpuinfer.worker.engine import engine_env, engine_kwargs
+    from dagster_gpuinfer.worker.engine import engine_kwargs
 
     kwargs = engine_kwargs(spec)
-    vllm_layout_kwargs = engine_kwargs(spec, platform_defaults=False)
     sampling_kwargs = spec.sampling.to_vllm_kwargs() if task != "embed" else None
-    env = {**resource.env, **engine_env(spec)}
+    env = dict(resource.env)
     contestants: dict[str, ContestantProcess] = {}
     loads: dict[str, float] = {}
     result: dict[str, Any] = {
         "task": task, "model": model, "rows": len(texts), "rounds": sizes.rounds,
         "model_name": "all-MiniLM-L6-v2" if task == "embed" else "tiny Llama (2 layers, random)",
-        "engine_kwargs": kwargs, "engine_env": engine_env(spec), "sampling": sampling_kwargs,
+        "engine_kwargs": kwargs, "sampling": sampling_kwargs,
         "chunk_size": sizes.chunk_size,
     }
     try:
@@ -88,15 +84,6 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
             env=env, log_dir=ctx.log_dir,
         )
         loads[HF] = contestants[HF].info["engine_seconds"]
-        if vllm_layout_kwargs != kwargs and not ctx.smoke:  # CI time: one engine fewer
-            log.info("%s: starting raw vLLM with vLLM's CPU layout", task)
-            contestants[VLLM_LAYOUT] = ContestantProcess(
-                f"{task}-raw-vllm-cpu-layout", "bench.backends:VllmBackend",
-                dict(model=model, task=task, engine_kwargs=vllm_layout_kwargs,
-                     sampling=sampling_kwargs),
-                env=dict(resource.env), log_dir=ctx.log_dir,
-            )
-            loads[VLLM_LAYOUT] = contestants[VLLM_LAYOUT].info["engine_seconds"]
         if ctx.ray_python:
             log.info("%s: starting Ray", task)
             contestants[RAY] = ContestantProcess(
@@ -105,7 +92,7 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
                      batch_size=max(sizes.chunk_size, 1)),
                 env=env, python=ctx.ray_python, log_dir=ctx.log_dir,
             )
-        names = [PLATFORM, RAW, HF] + [n for n in (RAY, VLLM_LAYOUT) if n in contestants]
+        names = [PLATFORM, RAW, HF] + ([RAY] if RAY in contestants else [])
         rows_per_s: dict[str, list[float]] = {n: [] for n in names}
         tokens_per_s: dict[str, list[float]] = {n: [] for n in names}
         platform_runs: list[dict[str, Any]] = []
@@ -167,11 +154,6 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
             "rows_per_s": paired_ratios(rows_per_s[RAW], rows_per_s[HF]).__dict__,
             "tokens_per_s": paired_ratios(tokens_per_s[RAW], tokens_per_s[HF]).__dict__,
         }
-        if VLLM_LAYOUT in names:
-            result["ratios"][f"{RAW}/{VLLM_LAYOUT}"] = {
-                "rows_per_s": paired_ratios(rows_per_s[RAW], rows_per_s[VLLM_LAYOUT]).__dict__,
-                "tokens_per_s": paired_ratios(tokens_per_s[RAW], tokens_per_s[VLLM_LAYOUT]).__dict__,
-            }
         end_to_end = [r["end_to_end_rows_per_s"] for r in platform_runs]
         result["ratios"][f"{PLATFORM} end-to-end/{RAW}"] = {
             "rows_per_s": paired_ratios(end_to_end, rows_per_s[RAW]).__dict__,

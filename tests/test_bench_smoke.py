@@ -54,18 +54,8 @@ def test_bench_smoke_runs_every_section_and_writes_the_report(tmp_path: Path) ->
         assert (results / plot).stat().st_size > 0
 
 
-# The engine knobs the benchmark measures (dagster_gpuinfer/worker/engine.py): pure
-# functions, no engine started.
-
-
-def _spec(task: str = "generate", **engine):
-    from dagster_gpuinfer import EngineArgs, InputSpec
-    from dagster_gpuinfer.spec import InferenceSpec, OutputSpec
-
-    return InferenceSpec(
-        model="/models/m", task=task, engine=EngineArgs(**engine),
-        input=InputSpec(uri="in/{partition_key}.parquet"), output=OutputSpec(root="o", asset_name="a"),
-    )
+# The row order the benchmark measures (dagster_gpuinfer/worker/engine.py): a pure
+# function, no engine started.
 
 
 def test_prefix_order_groups_rows_sharing_a_prefix_and_is_a_permutation() -> None:
@@ -78,32 +68,3 @@ def test_prefix_order_groups_rows_sharing_a_prefix_and_is_a_permutation() -> Non
     heads = [tuple(rows[i][:4]) for i in order]
     assert heads == sorted(heads)  # each header's rows are contiguous
     assert order[:3] == [2, 0, 4]
-
-
-def test_cpu_engine_runs_the_model_in_the_engine_core_process_with_a_core_spare(monkeypatch) -> None:
-    from dagster_gpuinfer.worker.engine import engine_env, engine_kwargs
-
-    monkeypatch.setenv("GPUINFER_DEVICE", "cpu")
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    spec = _spec()
-    assert engine_kwargs(spec)["distributed_executor_backend"] == "uni"
-    assert "distributed_executor_backend" not in engine_kwargs(spec, platform_defaults=False)
-    import os
-
-    cores = len(os.sched_getaffinity(0))
-    assert engine_env(spec) == {"OMP_NUM_THREADS": str(max(1, cores - 1))}
-
-
-def test_pinned_replicas_gpus_and_explicit_choices_keep_vllms_layout(monkeypatch) -> None:
-    from dagster_gpuinfer.worker.engine import engine_env, engine_kwargs
-
-    monkeypatch.setenv("GPUINFER_DEVICE", "cpu")
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # a CPU replica pinned by the worker
-    assert "distributed_executor_backend" not in engine_kwargs(_spec())
-    assert engine_env(_spec()) == {}
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
-    explicit = _spec(extra={"distributed_executor_backend": "mp"})
-    assert engine_kwargs(explicit)["distributed_executor_backend"] == "mp"
-    monkeypatch.setenv("GPUINFER_DEVICE", "cuda")
-    assert "distributed_executor_backend" not in engine_kwargs(_spec())

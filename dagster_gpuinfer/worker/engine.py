@@ -9,8 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,62 +54,14 @@ def check_model_dir(spec: InferenceSpec) -> None:
         )
 
 
-# Set by the worker for CPU replicas (`job.plan_replica_env`) or by a user who pins cores
-# themselves: then vLLM's own CPU process layout and pinning are kept as they are.
-CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-
-
-def _on_cpu() -> bool:
-    forced = os.environ.get("GPUINFER_DEVICE")
-    if forced:
-        return forced == "cpu"
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
-def _single_process_cpu_engine(spec: InferenceSpec, kwargs: dict[str, Any]) -> bool:
-    """Whether the engine gets the platform's CPU layout (see `engine_kwargs`)."""
-    return (
-        spec.tensor_parallel_size == 1
-        and "distributed_executor_backend" not in kwargs
-        and CPU_BIND_ENV not in os.environ
-        and _on_cpu()
-    )
-
-
-def engine_kwargs(spec: InferenceSpec, *, platform_defaults: bool = True) -> dict[str, Any]:
-    """The keyword arguments `vllm.LLM` gets for `spec` (besides `model`).
-
-    On a CPU with one rank, the platform runs the model inside vLLM's engine-core process
-    (`distributed_executor_backend="uni"`) instead of vLLM's CPU default of a third process
-    (executor "mp") pinned to all cores but one: one process fewer to spawn and import
-    (engine start about 5-20 s shorter on 2 cores) and no hop between scheduler and model
-    (measured in bench/results). `engine_env` keeps vLLM's one core for the frontend.
-    `platform_defaults=False` gives vLLM's own defaults (the benchmark compares both).
-    """
+def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
+    """The keyword arguments `vllm.LLM` gets for `spec` (besides `model`); the benchmark
+    gives the raw engine the very same ones."""
     kwargs = spec.engine.to_vllm_kwargs()
     kwargs["tensor_parallel_size"] = spec.tensor_parallel_size
     if spec.task == "embed":
         kwargs["runner"] = "pooling"
-    if platform_defaults and _single_process_cpu_engine(spec, kwargs):
-        kwargs["distributed_executor_backend"] = "uni"
     return kwargs
-
-
-def engine_env(spec: InferenceSpec, *, platform_defaults: bool = True) -> dict[str, str]:
-    """Environment variables the engine's processes start with (set while it is built).
-
-    With the CPU layout of `engine_kwargs`, the model's OpenMP threads are all cores but one
-    (what vLLM's own `auto` binding gives the model; the spare core runs the frontend and
-    tokenization), unless `OMP_NUM_THREADS` is already set.
-    """
-    kwargs = spec.engine.to_vllm_kwargs()
-    if not platform_defaults or "OMP_NUM_THREADS" in os.environ:
-        return {}
-    if not _single_process_cpu_engine(spec, kwargs):
-        return {}
-    return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) - 1))}
 
 
 def prefix_order(token_ids: list[list[int]]) -> list[int]:
@@ -137,13 +87,9 @@ class InferenceEngine:
 
         self.spec = spec
         kwargs = engine_kwargs(spec)
-        env = engine_env(spec)
         started = time.perf_counter()
         try:
-            with _environment(env):  # inherited by the engine processes vLLM spawns
-                self.llm = LLM(
-                    model=os.path.expanduser(spec.model.removeprefix("file://")), **kwargs
-                )
+            self.llm = LLM(model=os.path.expanduser(spec.model.removeprefix("file://")), **kwargs)
         except (OSError, ValueError) as exc:
             message = str(exc)
             if _is_memory_error(message):
@@ -203,20 +149,6 @@ class InferenceEngine:
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()
-
-
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _is_memory_error(message: str) -> bool:
