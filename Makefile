@@ -43,7 +43,9 @@ test-fast: install
 dev: prepare
 	$(VENV)/bin/dagster dev -w workspace.yaml
 
+# The suite's Ray Data contestant comes from the optional `bench` extra, installed here only.
 bench: prepare
+	$(PY) -m pip install -q -c $(LOCK) -e ".[$(EXTRAS),bench]"
 	$(PY) -m bench
 
 # Regenerate the lock after changing dependencies: pins every package of a fresh install.

@@ -1,0 +1,190 @@
+"""`python -m bench` (`make bench`): run the benchmark suite and rewrite `bench/results/`.
+
+    python -m bench                       # full sizes, results in bench/results/
+    python -m bench --smoke --results DIR # tiny sizes (the CI test), results in DIR
+    python -m bench --only throughput,prefix --rounds 5
+
+Sections: throughput (platform vs raw vLLM vs transformers vs Ray Data, embed and
+generate), prefix (prefix-cache ordering), amortization (partitions per run), memory
+(worker RSS over a large shard), control-plane (from `bench/control_plane.py` when present),
+and, only when asked for (`--only knobs`), knobs (embedding engine settings one by one).
+
+Control-plane hook: a module `bench/control_plane.py` that defines
+`run(*, smoke: bool, work_dir: pathlib.Path) -> dict` is run as the `control-plane`
+section; its result is stored as is in results.json, and a `rows` list of flat dicts in it
+(e.g. `{"measure": ..., "value": ..., "unit": ...}`) is rendered as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import importlib.util
+import logging
+import os
+import platform
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench.context import FULL, REPO_ROOT, SMOKE, BenchContext, find_ray_python, write_json
+
+SECTIONS = ("throughput", "prefix", "amortization", "memory", "control-plane", "knobs")
+DEFAULT_SECTIONS = SECTIONS[:-1]  # `knobs` (engine settings, one start each) only on request
+RESULT_KEYS = {"throughput": "throughput", "prefix": "prefix_cache", "amortization": "amortization",
+               "memory": "memory", "control-plane": "control_plane", "knobs": "knobs"}
+log = logging.getLogger("bench")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the suite runs")
+    parser.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
+                        help=f"comma-separated sections among {', '.join(SECTIONS)}")
+    parser.add_argument("--tasks", default="embed,generate", help="throughput tasks")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default: 3 full, 2 smoke)")
+    parser.add_argument("--results", type=Path, help="results folder (default bench/results; "
+                        "smoke: .data/bench-smoke/results)")
+    parser.add_argument("--work", type=Path, help="scratch folder (default .data/bench[-smoke])")
+    parser.add_argument("--ray-python", help="a Python with ray[data] and vllm for the Ray "
+                        "contestant (default: GPUINFER_BENCH_RAY_PYTHON, else this one)")
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray Data contestant")
+    parser.add_argument("--memory-rows", type=int, help="rows of the memory shard "
+                        "(default 1,000,000 full, 2,000 smoke)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stdout)
+    log.setLevel(logging.INFO)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    sizes = SMOKE if args.smoke else FULL
+    if args.rounds:
+        sizes = replace(sizes, rounds=args.rounds)
+    if args.memory_rows:
+        sizes = replace(sizes, memory_rows=args.memory_rows)
+    suffix = "bench-smoke" if args.smoke else "bench"
+    work = (args.work or REPO_ROOT / ".data" / suffix).resolve()
+    results_dir = (args.results or (REPO_ROOT / ".data" / suffix / "results" if args.smoke
+                                    else REPO_ROOT / "bench" / "results")).resolve()
+    ctx = BenchContext(sizes=sizes, work_dir=work, results_dir=results_dir, smoke=args.smoke)
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    unknown = only - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown sections {sorted(unknown)}; choose among {SECTIONS}")
+    results: dict[str, Any] = {
+        "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "started": dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+                   f"load average at start {os.getloadavg()[0]:.1f}",
+        "smoke": args.smoke, "rounds": sizes.rounds, "sizes": sizes.__dict__,
+        "skipped": [], "notes": ctx.notes, "errors": {},
+    }
+    _keep_earlier_sections(results, results_dir / "results.json", only)
+    if "throughput" in only and not args.no_ray:
+        ctx.ray_python, why = find_ray_python(args.ray_python)
+        (ctx.notes if ctx.ray_python else results["skipped"]).append(why)
+    elif "throughput" in only:
+        results["skipped"].append("Ray Data contestant: --no-ray")
+
+    def save() -> Path:
+        """Write what is done so far: a failure later keeps the sections before it."""
+        from bench.report import update_readme_headline, write_report
+
+        results["finished"] = dt.datetime.now().isoformat(timespec="seconds")
+        write_json(results_dir / "results.json", results)
+        report = write_report(results, results_dir)
+        if results_dir == (REPO_ROOT / "bench" / "results").resolve():
+            update_readme_headline(results, REPO_ROOT / "bench" / "README.md")
+        return report
+
+    def section(name: str, module: str, func: str, *fargs: Any) -> Any:
+        started = time.perf_counter()
+        log.info("== %s", name)
+        try:
+            value = getattr(importlib.import_module(module), func)(*fargs)
+        except Exception:
+            results["errors"][name] = traceback.format_exc()
+            log.error("section %s failed:\n%s", name, results["errors"][name])
+            return None
+        log.info("== %s done in %.0fs", name, time.perf_counter() - started)
+        results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - started)
+        return value
+
+    if "throughput" in only:
+        results["throughput"] = {}
+        for task in [t.strip() for t in args.tasks.split(",") if t.strip()]:
+            value = section(f"throughput-{task}", "bench.throughput", "run_throughput", ctx, task)
+            if value is not None:
+                results["throughput"][task] = value
+            save()
+    if "prefix" in only:
+        value = section("prefix", "bench.prefix_cache", "run_prefix_cache", ctx)
+        if value is not None:
+            results["prefix_cache"] = value
+        save()
+    if "amortization" in only:
+        value = section("amortization", "bench.amortization", "run_amortization", ctx)
+        if value is not None:
+            results["amortization"] = value
+        save()
+    if "memory" in only:
+        value = section("memory", "bench.memory", "run_memory", ctx)
+        if value is not None:
+            results["memory"] = value
+        save()
+    if "knobs" in only:
+        value = section("knobs", "bench.knobs", "run_knobs", ctx)
+        if value is not None:
+            results["knobs"] = value
+        save()
+    if "control-plane" in only:
+        if importlib.util.find_spec("bench.control_plane") is None:
+            results["skipped"].append("control plane: bench/control_plane.py is not there yet")
+        else:
+            _control_plane(ctx, results)
+    report = save()
+    log.info("results: %s", report)
+    return 1 if results["errors"] else 0
+
+
+def _keep_earlier_sections(results: dict[str, Any], path: Path, only: set[str]) -> None:
+    """A run of some sections keeps the other sections' latest results, saying so."""
+    if not path.exists() or only == set(SECTIONS):
+        return
+    import json
+
+    earlier = json.loads(path.read_text())
+    if earlier.get("smoke") != results["smoke"]:
+        return
+    for section, key in RESULT_KEYS.items():
+        if section not in only and key in earlier:
+            results[key] = earlier[key]
+            results["notes"].append(f"{section}: kept from `{earlier.get('command')}` "
+                                    f"of {earlier.get('started')}")
+
+
+def _control_plane(ctx: BenchContext, results: dict[str, Any]) -> None:
+    """The hook for `bench/control_plane.py` (written beside this suite)."""
+    started = time.perf_counter()
+    log.info("== control-plane")
+    try:
+        module = importlib.import_module("bench.control_plane")
+        value = module.run(smoke=ctx.smoke, work_dir=ctx.fresh_dir("control-plane"))
+    except Exception:
+        results["errors"]["control-plane"] = traceback.format_exc()
+        return
+    log.info("== control-plane done in %.0fs", time.perf_counter() - started)
+    results["control_plane"] = value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

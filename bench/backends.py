@@ -1,0 +1,255 @@
+"""What runs inside a contestant process: each backend loads its model in `__init__` (timed
+apart by the parent) and does the work in `run(...)`, which returns its own timing.
+
+- `VllmBackend`: the raw engine, `vllm.LLM(...).embed / .generate` on the texts, as a user
+  who knows vLLM would call it.
+- `TransformersBackend`: what a user would write without vLLM: a batched loop over a
+  Hugging Face model (mean pooling like sentence-transformers; `generate` with left padding).
+- `RayDataBackend`: Ray Data `map_batches` with an actor that runs vLLM (needs `ray[data]`).
+- `EngineBackend`: the platform's own `InferenceEngine`, to compare row orders inside a chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+
+def _fingerprint(values: list[Any]) -> str:
+    digest = hashlib.sha256()
+    for value in values:
+        digest.update(repr(value).encode())
+    return digest.hexdigest()[:12]
+
+
+def _shutdown_llm(llm: Any) -> None:
+    engine_core = getattr(llm.llm_engine, "engine_core", None)
+    if engine_core is not None and hasattr(engine_core, "shutdown"):
+        engine_core.shutdown()
+
+
+class VllmBackend:
+    """The raw vLLM engine with the given engine arguments."""
+
+    def __init__(self, *, model: str, task: str, engine_kwargs: dict[str, Any],
+                 sampling: dict[str, Any] | None = None) -> None:
+        from vllm import LLM, SamplingParams
+
+        self.task = task
+        started = time.perf_counter()
+        self.llm = LLM(model=model, **engine_kwargs)
+        self.info = {"engine_seconds": time.perf_counter() - started, "pid": os.getpid()}
+        self.sampling = SamplingParams(**(sampling or {})) if task != "embed" else None
+
+    def run(self, texts: list[str]) -> dict[str, Any]:
+        started = time.perf_counter()
+        if self.task == "embed":
+            outputs = self.llm.embed(texts, use_tqdm=False)
+            seconds = time.perf_counter() - started
+            prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+            return {"seconds": seconds, "rows": len(outputs), "prompt_tokens": prompt_tokens,
+                    "generated_tokens": 0, "dim": len(outputs[0].outputs.embedding)}
+        outputs = self.llm.generate(texts, self.sampling, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        return {
+            "seconds": seconds,
+            "rows": len(outputs),
+            "prompt_tokens": sum(len(o.prompt_token_ids or ()) for o in outputs),
+            "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+            "cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
+            "fingerprint": _fingerprint([o.outputs[0].token_ids for o in outputs]),
+        }
+
+    def close(self) -> None:
+        _shutdown_llm(self.llm)
+
+
+class TransformersBackend:
+    """A plain batched transformers loop, the way a user writes it without an engine.
+
+    embed: tokenizer with padding, `AutoModel`, attention-masked mean pooling, L2 normalise
+    (what sentence-transformers does for all-MiniLM-L6-v2). generate: `AutoModelForCausalLM`
+    with left padding and greedy `generate(max_new_tokens=...)`, batch by batch.
+    """
+
+    def __init__(self, *, model: str, task: str, batch_size: int = 64, max_tokens: int = 32,
+                 dtype: str = "float32", threads: int | None = None) -> None:
+        import torch
+        from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+        if threads:
+            torch.set_num_threads(threads)
+        started = time.perf_counter()
+        self.torch = torch
+        self.task = task
+        self.batch_size = batch_size
+        self.max_tokens = max_tokens
+        torch_dtype = getattr(torch, dtype)
+        if task == "embed":
+            self.tokenizer = AutoTokenizer.from_pretrained(model)
+            self.model = AutoModel.from_pretrained(model, dtype=torch_dtype).eval()
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
+            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval()
+        self.info = {"engine_seconds": time.perf_counter() - started, "pid": os.getpid(),
+                     "threads": torch.get_num_threads()}
+
+    def run(self, texts: list[str]) -> dict[str, Any]:
+        torch = self.torch
+        started = time.perf_counter()
+        prompt_tokens = generated = 0
+        sequences: list[list[int]] = []
+        with torch.inference_mode():
+            for i in range(0, len(texts), self.batch_size):
+                batch = texts[i : i + self.batch_size]
+                enc = self.tokenizer(batch, padding=True, truncation=True, return_tensors="pt")
+                if self.task != "embed":
+                    enc.pop("token_type_ids", None)  # a BERT tokenizer's; Llama takes none
+                mask = enc["attention_mask"]
+                prompt_tokens += int(mask.sum())
+                if self.task == "embed":
+                    hidden = self.model(**enc).last_hidden_state
+                    weights = mask.unsqueeze(-1).to(hidden.dtype)
+                    pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+                    torch.nn.functional.normalize(pooled.float(), dim=-1).numpy()
+                    continue
+                out = self.model.generate(
+                    **enc, max_new_tokens=self.max_tokens, do_sample=False,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    eos_token_id=self.model.config.eos_token_id,
+                )
+                new = out[:, enc["input_ids"].shape[1]:]
+                for row in new.tolist():
+                    # tokens up to and including the first end-of-sequence
+                    eos = self.model.config.eos_token_id
+                    kept = row[: row.index(eos) + 1] if eos in row else row
+                    kept = [t for t in kept if t != self.tokenizer.pad_token_id or t == eos]
+                    sequences.append(kept)
+                    generated += len(kept)
+        result = {"seconds": time.perf_counter() - started, "rows": len(texts),
+                  "prompt_tokens": prompt_tokens, "generated_tokens": generated}
+        if sequences:
+            result["fingerprint"] = _fingerprint(sequences)
+        return result
+
+    def close(self) -> None:
+        pass
+
+
+class RayDataBackend:
+    """Ray Data: `ds.map_batches(VllmActor, concurrency=1)`, an actor that builds vLLM.
+
+    The actor is built anew for each dataset execution, so each `run` loads the model; the
+    actor reports when its engine was ready, and throughput counts from then to the end, the
+    same way the platform's partition time starts after its engine is built.
+    """
+
+    def __init__(self, *, model: str, task: str, engine_kwargs: dict[str, Any],
+                 sampling: dict[str, Any] | None = None, batch_size: int = 256,
+                 num_cpus: int = 2) -> None:
+        import ray
+
+        started = time.perf_counter()
+        ray.init(num_cpus=num_cpus, num_gpus=1, include_dashboard=False,
+                 log_to_driver=False, ignore_reinit_error=True)
+        self.ray = ray
+        self.model, self.task = model, task
+        self.engine_kwargs, self.sampling = engine_kwargs, sampling or {}
+        self.batch_size = batch_size
+        self.info = {"engine_seconds": time.perf_counter() - started, "pid": os.getpid(),
+                     "ray": ray.__version__}
+
+    def run(self, texts: list[str]) -> dict[str, Any]:
+        import ray.data
+
+        actor = _make_ray_actor(self.model, self.task, self.engine_kwargs, self.sampling)
+        started = time.perf_counter()
+        ds = ray.data.from_items([{"text": t} for t in texts])
+        ds = ds.map_batches(actor, batch_size=self.batch_size, concurrency=1, num_gpus=1,
+                            batch_format="pandas")
+        rows = ds.to_pandas()
+        wall = time.perf_counter() - started
+        ready = float(rows["ready_at"].iloc[0])
+        done = float(rows["done_at"].max())
+        return {
+            "seconds": done - ready,
+            "wall_seconds": wall,
+            "load_seconds": float(rows["load_seconds"].iloc[0]),
+            "rows": len(rows),
+            "prompt_tokens": int(rows["prompt_tokens"].sum()),
+            "generated_tokens": int(rows["generated_tokens"].sum()),
+        }
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+
+def _make_ray_actor(model: str, task: str, engine_kwargs: dict[str, Any],
+                    sampling: dict[str, Any]) -> type:
+    class VllmActor:
+        def __init__(self) -> None:
+            from vllm import LLM, SamplingParams
+
+            started = time.perf_counter()
+            self.llm = LLM(model=model, **engine_kwargs)
+            self.sampling = SamplingParams(**sampling) if task != "embed" else None
+            self.ready_at = time.time()
+            self.load_seconds = time.perf_counter() - started
+
+        def __call__(self, batch: Any) -> Any:
+            texts = batch["text"].tolist()
+            if task == "embed":
+                outputs = self.llm.embed(texts, use_tqdm=False)
+                batch["embedding"] = [np.asarray(o.outputs.embedding, np.float32) for o in outputs]
+                batch["generated_tokens"] = 0
+            else:
+                outputs = self.llm.generate(texts, self.sampling, use_tqdm=False)
+                batch["generated_text"] = [o.outputs[0].text for o in outputs]
+                batch["generated_tokens"] = [len(o.outputs[0].token_ids) for o in outputs]
+            batch["prompt_tokens"] = [len(o.prompt_token_ids or ()) for o in outputs]
+            batch["ready_at"] = self.ready_at
+            batch["done_at"] = time.time()
+            batch["load_seconds"] = self.load_seconds
+            return batch
+
+        def __del__(self) -> None:
+            try:
+                _shutdown_llm(self.llm)
+            except Exception:
+                pass
+
+    return VllmActor
+
+
+class EngineBackend:
+    """The platform's `InferenceEngine` on pre-tokenized rows (the worker's own call)."""
+
+    def __init__(self, *, spec_json: str) -> None:
+        from dagster_gpuinfer.spec import InferenceSpec
+        from dagster_gpuinfer.worker.engine import InferenceEngine
+
+        self.engine = InferenceEngine(InferenceSpec.model_validate_json(spec_json))
+        self.info = {"engine_seconds": self.engine.load_seconds, "pid": os.getpid()}
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return [list(ids) for ids in self.engine.tokenizer(texts)["input_ids"]]
+
+    def run(self, token_ids: list[list[int]], *, group_prefixes: bool) -> dict[str, Any]:
+        self.engine.group_prefixes = group_prefixes
+        self.engine.llm.reset_prefix_cache()  # each run starts cold, whatever ran before
+        result = self.engine.run(token_ids)
+        return {
+            "seconds": result.seconds,
+            "rows": len(token_ids),
+            "prompt_tokens": sum(result.prompt_tokens or ()),
+            "generated_tokens": sum(result.generated_tokens or ()),
+            "cached_tokens": sum(getattr(result, "cached_tokens", None) or ()),
+            "fingerprint": _fingerprint(result.texts or []),
+        }
+
+    def close(self) -> None:
+        self.engine.shutdown()

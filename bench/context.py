@@ -1,0 +1,112 @@
+"""What every benchmark shares: sizes (full or smoke), folders, models, optional Ray."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Each engine reserves this much memory for its KV cache instead of a share of the node
+# (`gpu_memory_utilization`): several engines wait side by side in one benchmark.
+KV_CACHE_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each benchmark is. `full` is `make bench`; `smoke` is the CI test."""
+
+    rounds: int
+    embed_rows: int
+    generate_rows: int
+    max_tokens: int
+    chunk_size: int
+    amortization_partitions: int
+    amortization_rows: int
+    amortization_per_run: tuple[int, ...]
+    memory_rows: int
+    memory_chunk_sizes: tuple[int, ...]
+    prefix_rows: int
+    prefix_headers: int
+    prefix_header_examples: int
+    prefix_max_tokens: int
+    prefix_kv_cache_bytes: int
+
+
+FULL = Sizes(
+    rounds=3, embed_rows=1000, generate_rows=800, max_tokens=32, chunk_size=512,
+    amortization_partitions=32, amortization_rows=32, amortization_per_run=(1, 4, 8, 32),
+    memory_rows=1_000_000, memory_chunk_sizes=(512,),
+    prefix_rows=512, prefix_headers=64, prefix_header_examples=12, prefix_max_tokens=8,
+    prefix_kv_cache_bytes=24 << 20,
+)
+SMOKE = Sizes(
+    rounds=1, embed_rows=24, generate_rows=12, max_tokens=4, chunk_size=8,
+    amortization_partitions=2, amortization_rows=4, amortization_per_run=(1, 2),
+    memory_rows=2_000, memory_chunk_sizes=(256,),
+    prefix_rows=24, prefix_headers=3, prefix_header_examples=4, prefix_max_tokens=2,
+    prefix_kv_cache_bytes=64 << 20,
+)
+
+
+@dataclass
+class BenchContext:
+    sizes: Sizes
+    work_dir: Path
+    results_dir: Path
+    smoke: bool
+    ray_python: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def log_dir(self) -> Path:
+        return self.work_dir / "logs"
+
+    def fresh_dir(self, name: str) -> Path:
+        path = self.work_dir / name
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return path
+
+    def embed_model(self) -> str:
+        from assets.models import minilm_path
+
+        return minilm_path()
+
+    def generate_model(self) -> str:
+        from assets.models import make_tiny_llama
+
+        return make_tiny_llama(self.work_dir / "models" / "tiny-llama")
+
+    def engine_env(self) -> dict[str, str]:
+        return {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def find_ray_python(explicit: str | None) -> tuple[str | None, str]:
+    """A Python that imports `ray.data` and `vllm`: the given one, `GPUINFER_BENCH_RAY_PYTHON`,
+    or this one. Returns it (or None) and a sentence saying which and why."""
+    import sys
+
+    candidates = [c for c in (explicit, os.environ.get("GPUINFER_BENCH_RAY_PYTHON"), sys.executable) if c]
+    for python in candidates:
+        try:
+            done = subprocess.run(
+                [python, "-c", "import ray, ray.data, vllm; print(ray.__version__)"],
+                capture_output=True, text=True, timeout=180,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if done.returncode == 0:
+            return python, f"Ray {done.stdout.strip()} from {python}"
+    return None, ("Ray Data is not installed (`pip install -e .[bench]` or set "
+                  "GPUINFER_BENCH_RAY_PYTHON): its contestant was skipped")
+
+
+def write_json(path: Path, payload: Any) -> None:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")

@@ -1,0 +1,165 @@
+"""Benchmarks 1 and 2: the platform against the raw engine and against the alternatives.
+
+Per task (embed with MiniLM, generate with the tiny Llama), the same shard goes through:
+
+- platform: a Dagster run of an `inference_assets` pipeline (local launcher, worker over
+  Pipes, Parquet in and out); its rate is rows / the partition's wall time in the worker
+  (read, validate and tokenize, infer, write, commit), which starts after the engine is built;
+  the run's fixed cost (Dagster, worker start, engine build, shutdown) is reported apart;
+- raw-vllm: `vllm.LLM(...)` with the very engine arguments and environment the worker gets,
+  one `.embed(texts)` / `.generate(texts, ...)` call;
+- transformers: a plain batched Hugging Face loop;
+- ray-data: Ray Data `map_batches` with a vLLM actor (when Ray is installed);
+
+Rounds interleave the contestants in rotating order; the headline is the per-round ratio.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from bench.context import KV_CACHE_BYTES, BenchContext
+from bench.platform_run import PlatformPipeline, local_resource
+from bench.server import ContestantProcess
+from bench.stats import paired_ratios, rotations, summarize
+from bench.workloads import embed_texts, generate_texts, write_shard
+from dagster_gpuinfer import EngineArgs, SamplingParams
+
+log = logging.getLogger("bench")
+
+PLATFORM = "platform"
+RAW = "raw-vllm"
+HF = "transformers"
+RAY = "ray-data"
+
+
+def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
+    sizes = ctx.sizes
+    root = ctx.fresh_dir(f"throughput-{task}")
+    if task == "embed":
+        model = ctx.embed_model()
+        texts = embed_texts(sizes.embed_rows)
+        engine = EngineArgs(dtype="float32", extra={"kv_cache_memory_bytes": KV_CACHE_BYTES})
+        sampling = None
+    else:
+        model = ctx.generate_model()
+        texts = generate_texts(sizes.generate_rows)
+        engine = EngineArgs(max_model_len=256, extra={"kv_cache_memory_bytes": KV_CACHE_BYTES})
+        sampling = SamplingParams(temperature=0.0, max_tokens=sizes.max_tokens)
+    write_shard(root / "inputs" / "shard-0.parquet", texts, id_prefix=task)
+    resource = local_resource(env=ctx.engine_env())
+    platform = PlatformPipeline(
+        name=f"bench_{task}", model=model, task=task,
+        input_uri=str(root / "inputs" / "{partition_key}.parquet"), root=root,
+        keys=["shard-0"], resource=resource, engine=engine, sampling=sampling,
+        chunk_size=sizes.chunk_size,
+    )
+    spec = platform.worker_spec()
+    from dagster_gpuinfer.worker.engine import engine_kwargs
+
+    kwargs = engine_kwargs(spec)
+    sampling_kwargs = spec.sampling.to_vllm_kwargs() if task != "embed" else None
+    env = dict(resource.env)
+    contestants: dict[str, ContestantProcess] = {}
+    loads: dict[str, float] = {}
+    result: dict[str, Any] = {
+        "task": task, "model": model, "rows": len(texts), "rounds": sizes.rounds,
+        "model_name": "all-MiniLM-L6-v2" if task == "embed" else "tiny Llama (2 layers, random)",
+        "engine_kwargs": kwargs, "sampling": sampling_kwargs,
+        "chunk_size": sizes.chunk_size,
+    }
+    try:
+        log.info("%s: starting raw vLLM", task)
+        contestants[RAW] = ContestantProcess(
+            f"{task}-{RAW}", "bench.backends:VllmBackend",
+            dict(model=model, task=task, engine_kwargs=kwargs, sampling=sampling_kwargs),
+            env=env, log_dir=ctx.log_dir,
+        )
+        loads[RAW] = contestants[RAW].info["engine_seconds"]
+        log.info("%s: starting transformers", task)
+        contestants[HF] = ContestantProcess(
+            f"{task}-{HF}", "bench.backends:TransformersBackend",
+            dict(model=model, task=task, batch_size=64, max_tokens=sizes.max_tokens),
+            env=env, log_dir=ctx.log_dir,
+        )
+        loads[HF] = contestants[HF].info["engine_seconds"]
+        if ctx.ray_python:
+            log.info("%s: starting Ray", task)
+            contestants[RAY] = ContestantProcess(
+                f"{task}-{RAY}", "bench.backends:RayDataBackend",
+                dict(model=model, task=task, engine_kwargs=kwargs, sampling=sampling_kwargs,
+                     batch_size=max(sizes.chunk_size, 1)),
+                env=env, python=ctx.ray_python, log_dir=ctx.log_dir,
+            )
+        names = [PLATFORM, RAW, HF] + ([RAY] if RAY in contestants else [])
+        rows_per_s: dict[str, list[float]] = {n: [] for n in names}
+        tokens_per_s: dict[str, list[float]] = {n: [] for n in names}
+        platform_runs: list[dict[str, Any]] = []
+        ray_loads: list[float] = []
+        fingerprints: dict[str, set[str]] = {n: set() for n in names}
+        token_key = "prompt_tokens" if task == "embed" else "generated_tokens"
+        for round_index, order in enumerate(rotations(names, sizes.rounds)):
+            for name in order:
+                if name == PLATFORM:
+                    platform.clear_outputs()
+                    timing = platform.run(platform.keys)
+                    seconds = timing.partition_seconds["shard-0"]
+                    tokens = getattr(timing, token_key)
+                    rows = timing.rows
+                    platform_runs.append({
+                        "round": round_index,
+                        "run_seconds": timing.run_seconds,
+                        "model_load_seconds": timing.model_load_seconds,
+                        "partition_seconds": seconds,
+                        "inference_seconds": timing.inference_seconds["shard-0"],
+                        "worker_seconds": timing.worker_seconds,
+                        "fixed_seconds": timing.run_seconds - seconds,
+                        "end_to_end_rows_per_s": rows / max(timing.run_seconds - timing.model_load_seconds, 1e-9),
+                    })
+                else:
+                    out = contestants[name].call("run", texts)
+                    seconds, rows, tokens = out["seconds"], out["rows"], out[token_key]
+                    if name == RAY:
+                        ray_loads.append(out["load_seconds"])
+                    if "fingerprint" in out:
+                        fingerprints[name].add(out["fingerprint"])
+                if rows != len(texts):
+                    raise RuntimeError(f"{task} {name}: {rows} rows out of {len(texts)}")
+                rows_per_s[name].append(rows / seconds)
+                tokens_per_s[name].append(tokens / seconds)
+                log.info("%s round %d %-12s %8.1f rows/s %9.1f tokens/s", task, round_index,
+                         name, rows / seconds, tokens / seconds)
+        if ray_loads:
+            loads[RAY] = summarize(ray_loads).median
+        loads[PLATFORM] = summarize([r["model_load_seconds"] for r in platform_runs]).median
+        result["contestants"] = {
+            name: {
+                "rows_per_s": rows_per_s[name],
+                "tokens_per_s": tokens_per_s[name],
+                "rows_per_s_summary": summarize(rows_per_s[name]).__dict__,
+                "tokens_per_s_summary": summarize(tokens_per_s[name]).__dict__,
+                "model_load_seconds": loads.get(name),
+            }
+            for name in names
+        }
+        result["platform_runs"] = platform_runs
+        result["ratios"] = {}
+        for other in names[1:]:
+            result["ratios"][f"{PLATFORM}/{other}"] = {
+                "rows_per_s": paired_ratios(rows_per_s[PLATFORM], rows_per_s[other]).__dict__,
+                "tokens_per_s": paired_ratios(tokens_per_s[PLATFORM], tokens_per_s[other]).__dict__,
+            }
+        result["ratios"][f"{RAW}/{HF}"] = {
+            "rows_per_s": paired_ratios(rows_per_s[RAW], rows_per_s[HF]).__dict__,
+            "tokens_per_s": paired_ratios(tokens_per_s[RAW], tokens_per_s[HF]).__dict__,
+        }
+        end_to_end = [r["end_to_end_rows_per_s"] for r in platform_runs]
+        result["ratios"][f"{PLATFORM} end-to-end/{RAW}"] = {
+            "rows_per_s": paired_ratios(end_to_end, rows_per_s[RAW]).__dict__,
+        }
+        result["fingerprints"] = {k: sorted(v) for k, v in fingerprints.items() if v}
+    finally:
+        for contestant in contestants.values():
+            contestant.close()
+    return result

@@ -1,0 +1,70 @@
+"""The benchmark suite keeps working: `python -m bench --smoke` runs every section on tiny
+sizes and writes its report. Nothing here looks at a timing: the numbers of a smoke run
+mean nothing, only that each contestant ran and each section produced its table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+@pytest.mark.engine
+def test_bench_smoke_runs_every_section_and_writes_the_report(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(p for p in [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")] if p)}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--results", str(results),
+         "--work", str(tmp_path / "work"), "--no-ray"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=2400,
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
+    data = json.loads((results / "results.json").read_text())
+    assert data["errors"] == {}
+
+    for task, rows in (("embed", 24), ("generate", 12)):
+        res = data["throughput"][task]
+        assert {"platform", "raw-vllm", "transformers"} <= set(res["contestants"])
+        assert res["rows"] == rows
+        assert "platform/raw-vllm" in res["ratios"]
+    # The platform and the raw engine were given the very same engine arguments.
+    assert data["throughput"]["embed"]["engine_kwargs"]["runner"] == "pooling"
+
+    prefix = data["prefix_cache"]
+    assert set(prefix["orders"]) == {"grouped", "input order"}
+    assert prefix["same_outputs_both_orders"] is True
+
+    settings = data["amortization"]["settings"]
+    assert [s["model_loads"] for s in settings] == [s["runs"] for s in settings]
+    assert settings[0]["runs"] == data["amortization"]["partitions"]
+
+    memory = data["memory"]["settings"][0]
+    assert memory["rows"] == data["sizes"]["memory_rows"]
+    assert memory["samples"], "the RSS sampler saw the worker"
+
+    report = (results / "RESULTS.md").read_text()
+    assert "## Headline" in report and "## Model-load amortization" in report
+    for plot in ("throughput.png", "prefix_cache.png", "amortization.png", "memory.png"):
+        assert (results / plot).stat().st_size > 0
+
+
+# The row order the benchmark measures (dagster_gpuinfer/worker/engine.py): a pure
+# function, no engine started.
+
+
+def test_prefix_order_groups_rows_sharing_a_prefix_and_is_a_permutation() -> None:
+    from dagster_gpuinfer.worker.engine import prefix_order
+
+    header_a, header_b = [1, 2, 3, 4], [9, 8, 7, 6]
+    rows = [header_a + [5], header_b + [1], header_a + [2], header_b + [3], header_a + [9]]
+    order = prefix_order(rows)
+    assert sorted(order) == list(range(len(rows)))
+    heads = [tuple(rows[i][:4]) for i in order]
+    assert heads == sorted(heads)  # each header's rows are contiguous
+    assert order[:3] == [2, 0, 4]
