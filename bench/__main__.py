@@ -54,6 +54,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ray-python", help="a Python with ray[data] and vllm for the Ray "
                         "contestant (default: GPUINFER_BENCH_RAY_PYTHON, else this one)")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray Data contestant")
+    parser.add_argument("--amortization-partitions", type=int,
+                        help="partitions of the amortization backfill (default 32 full)")
+    parser.add_argument("--amortization-per-run", help="comma-separated partitions per run "
+                        "(default 1,4,8,32 full)")
     parser.add_argument("--memory-rows", type=int, help="rows of the memory shard "
                         "(default 1,000,000 full, 2,000 smoke)")
     return parser.parse_args(argv)
@@ -69,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SMOKE if args.smoke else FULL
     if args.rounds:
         sizes = replace(sizes, rounds=args.rounds)
+    if args.amortization_partitions:
+        sizes = replace(sizes, amortization_partitions=args.amortization_partitions)
+    if args.amortization_per_run:
+        sizes = replace(sizes, amortization_per_run=tuple(
+            int(k) for k in args.amortization_per_run.split(",")))
     if args.memory_rows:
         sizes = replace(sizes, memory_rows=args.memory_rows)
     suffix = "bench-smoke" if args.smoke else "bench"
@@ -168,8 +177,9 @@ def _keep_earlier_sections(results: dict[str, Any], path: Path, only: set[str]) 
     for section, key in RESULT_KEYS.items():
         if section not in only and key in earlier:
             results[key] = earlier[key]
-            results["notes"].append(f"{section}: kept from `{earlier.get('command')}` "
-                                    f"of {earlier.get('started')}")
+            kept = [n for n in earlier.get("notes", []) if n.startswith(f"{section}: from ")]
+            results["notes"].extend(kept or [f"{section}: from `{earlier.get('command')}` "
+                                             f"of {earlier.get('started')}"])
 
 
 def _control_plane(ctx: BenchContext, results: dict[str, Any]) -> None:
@@ -181,8 +191,10 @@ def _control_plane(ctx: BenchContext, results: dict[str, Any]) -> None:
         value = module.run(smoke=ctx.smoke, work_dir=ctx.fresh_dir("control-plane"))
     except Exception:
         results["errors"]["control-plane"] = traceback.format_exc()
+        log.error("section control-plane failed:\n%s", results["errors"]["control-plane"])
         return
     log.info("== control-plane done in %.0fs", time.perf_counter() - started)
+    results.setdefault("section_seconds", {})["control-plane"] = round(time.perf_counter() - started)
     results["control_plane"] = value
 
 

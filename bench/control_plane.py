@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS: dict[str, float | int] = {}
+UNITS: dict[str, str] = {}  # measurement -> "s" for timings
 PER_RUN = 4  # default_backfill_policy: partitions per run
 
 
@@ -45,6 +46,7 @@ def timed(name: str, fn: Callable[[], Any], note: str = "") -> Any:
     value = fn()
     seconds = time.perf_counter() - started
     RESULTS[name] = round(seconds, 3)
+    UNITS[name] = "s"
     print(f"{name:<58} {seconds:8.2f} s  {note}", flush=True)
     return value
 
@@ -282,19 +284,27 @@ def bench_sensor(instance, context, files: int, endpoint: str, bucket: str) -> N
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.control_plane")
-    parser.add_argument("--partitions", type=int, default=100_000)
-    parser.add_argument("--backfill", type=int, default=10_000)
-    parser.add_argument("--files", type=int, default=10_000)
-    parser.add_argument(
-        "--submit-sample",
-        type=int,
-        default=200,
-        help="partitions of the backfill whose runs are really submitted (storage bound)",
-    )
-    parser.add_argument("--json", help="also write the numbers to this JSON file")
-    args = parser.parse_args(argv)
+SMOKE_SIZES = {"partitions": 500, "backfill": 40, "files": 40, "submit_sample": 8}
+FULL_SIZES = {"partitions": 100_000, "backfill": 10_000, "files": 10_000, "submit_sample": 200}
+
+
+def run(*, smoke: bool, work_dir: Path) -> dict[str, Any]:
+    """The `control-plane` section of `python -m bench`: the issue's sizes, or tiny ones."""
+    sizes = SMOKE_SIZES if smoke else FULL_SIZES
+    measured = measure(work_dir=work_dir, **sizes)
+    rows = [
+        {"measurement": name, "value": f"{value:.2f} s" if UNITS.get(name) == "s" else value}
+        for name, value in measured.items()
+        if name != "submit_seconds_per_run"
+    ]
+    return {"sizes": sizes, "rows": rows, "values": measured}
+
+
+def measure(
+    *, partitions: int, backfill: int, files: int, submit_sample: int, work_dir: Path | None = None
+) -> dict[str, float | int]:
+    """Every measurement of this module, on fresh instances; returns name -> value."""
+    RESULTS.clear()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     os.environ.update(
         {
@@ -313,44 +323,72 @@ def main(argv: list[str] | None = None) -> int:
     from moto.server import ThreadedMotoServer
 
     print(f"control plane at scale (python {sys.version.split()[0]}, {os.cpu_count()} cpus)\n")
-    bench_definitions(args.partitions)
+    bench_definitions(partitions)
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    if work_dir is not None:
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
     try:
         host, port = server.get_host_and_port()
         endpoint = f"http://{host}:{port}"
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
             Bucket="bench-landing"
         )
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
             defs_file = Path(tmp) / "bench_defs.py"
             defs_file.write_text(DEFS_SOURCE)
             os.environ.update(
                 {
                     "BENCH_INPUT_URI": "s3://bench-landing/landing/{partition_key}.jsonl",
                     "BENCH_S3_ENDPOINT": endpoint,
-                    "BENCH_FILES": str(args.files),
+                    "BENCH_FILES": str(files),
                     "BENCH_DEFS_FILE": str(defs_file),
                 }
             )
             launcher = {"module": "dagster._core.test_utils", "class": "MockedRunLauncher"}
+            for home in ("backfill", "sensor"):
+                (Path(tmp) / home).mkdir()
             with dg.instance_for_test(
-                overrides={"run_launcher": launcher}, temp_dir=tmp
+                overrides={"run_launcher": launcher}, temp_dir=str(Path(tmp) / "backfill")
             ) as instance:
                 print()
-                bench_dynamic(instance, args.partitions)
+                bench_dynamic(instance, partitions)
                 with workspace(instance, defs_file) as context:
                     print()
-                    bench_backfill(instance, context, args.backfill, args.submit_sample)
-            with dg.instance_for_test(overrides={"run_launcher": launcher}) as instance:
+                    bench_backfill(instance, context, backfill, submit_sample)
+            with dg.instance_for_test(
+                overrides={"run_launcher": launcher}, temp_dir=str(Path(tmp) / "sensor")
+            ) as instance:
                 with workspace(instance, defs_file) as context:
                     print()
-                    bench_sensor(instance, context, args.files, endpoint, "bench-landing")
+                    bench_sensor(instance, context, files, endpoint, "bench-landing")
     finally:
         server.stop()
+    return dict(RESULTS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.control_plane")
+    parser.add_argument("--partitions", type=int, default=FULL_SIZES["partitions"])
+    parser.add_argument("--backfill", type=int, default=FULL_SIZES["backfill"])
+    parser.add_argument("--files", type=int, default=FULL_SIZES["files"])
+    parser.add_argument(
+        "--submit-sample",
+        type=int,
+        default=FULL_SIZES["submit_sample"],
+        help="partitions of the backfill whose runs are really submitted (storage bound)",
+    )
+    parser.add_argument("--json", help="also write the numbers to this JSON file")
+    args = parser.parse_args(argv)
+    measured = measure(
+        partitions=args.partitions,
+        backfill=args.backfill,
+        files=args.files,
+        submit_sample=args.submit_sample,
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps(RESULTS, indent=2))
+        Path(args.json).write_text(json.dumps(measured, indent=2))
     return 0
 
 

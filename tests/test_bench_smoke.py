@@ -24,9 +24,12 @@ def test_bench_smoke_runs_every_section_and_writes_the_report(tmp_path: Path) ->
          "--work", str(tmp_path / "work"), "--no-ray"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=2400,
     )
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
-    data = json.loads((results / "results.json").read_text())
-    assert data["errors"] == {}
+    report_json = results / "results.json"
+    data = json.loads(report_json.read_text()) if report_json.exists() else {}
+    # A failed section names itself and its traceback first; the log tail comes after.
+    assert done.returncode == 0 and data.get("errors") == {}, (
+        "\n\n".join(f"section {k} failed:\n{v}" for k, v in data.get("errors", {}).items())
+        + "\n--- log tail ---\n" + done.stdout[-3000:] + done.stderr[-3000:])
 
     for task, rows in (("embed", 24), ("generate", 12)):
         res = data["throughput"][task]
@@ -48,8 +51,15 @@ def test_bench_smoke_runs_every_section_and_writes_the_report(tmp_path: Path) ->
     assert memory["rows"] == data["sizes"]["memory_rows"]
     assert memory["samples"], "the RSS sampler saw the worker"
 
+    control = data["control_plane"]
+    measured = control["values"]
+    assert measured["runs planned"] == -(-control["sizes"]["backfill"] // 4)
+    assert measured["partitions requested by that tick"] == control["sizes"]["files"]
+    assert measured["partitions registered"] == control["sizes"]["files"]
+
     report = (results / "RESULTS.md").read_text()
     assert "## Headline" in report and "## Model-load amortization" in report
+    assert "## Control plane" in report and "runs planned" in report
     for plot in ("throughput.png", "prefix_cache.png", "amortization.png", "memory.png"):
         assert (results / plot).stat().st_size > 0
 
