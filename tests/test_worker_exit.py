@@ -1,0 +1,45 @@
+"""The worker's exit after its protocol: no interpreter teardown, and no child left behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+
+SCRIPT = textwrap.dedent(
+    """
+    import subprocess, sys
+    from multiprocessing import resource_tracker, shared_memory
+    from dagster_gpuinfer.worker.__main__ import exit_now
+
+    # Shared memory left behind, as vLLM's message queues leave it: the tracker unlinks it.
+    leaked = shared_memory.SharedMemory(create=True, size=4096)
+    # A child that ignores nothing and would outlive us: as a hung engine process would.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(child.pid, resource_tracker._resource_tracker._pid, leaked.name, flush=True)
+    print("last words", end="")
+    exit_now(7, grace_seconds=2)
+    """
+)
+
+
+def test_exit_now_flushes_keeps_the_code_and_leaves_no_child_but_the_resource_tracker() -> None:
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 7, done.stderr
+    first, last = done.stdout.splitlines()
+    child, tracker, shm_name = first.split()
+    child_pid, tracker_pid = int(child), int(tracker)
+    assert last == "last words"  # written without a newline, still flushed
+    assert not psutil.pid_exists(child_pid) or psutil.Process(child_pid).status() == "zombie"
+    # The tracker is left to see our exit and clean up shared memory itself; it then exits.
+    if psutil.pid_exists(tracker_pid):
+        try:
+            psutil.Process(tracker_pid).wait(timeout=30)
+        except psutil.NoSuchProcess:
+            pass
+    assert not psutil.pid_exists(tracker_pid) or psutil.Process(tracker_pid).status() == "zombie"
+    assert not (Path("/dev/shm") / shm_name.lstrip("/")).exists(), "the tracker was killed"
