@@ -7,17 +7,63 @@ partitions per run loads the model once per K shards.
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import dagster as dg
 from pydantic import Field
 
 from dagster_gpuinfer.checks import ROWS_BALANCED, ERROR_RATE, check_results
 from dagster_gpuinfer.metadata import partition_metadata, run_metadata
-from dagster_gpuinfer.resource import GpuInferenceResource, validate_spec
-from dagster_gpuinfer.spec import EngineArgs, InputSpec, OutputSpec, SamplingParams, Task
+from dagster_gpuinfer.resource import GpuInferenceResource, InferenceRunResult, validate_spec
+from dagster_gpuinfer.spec import (
+    EngineArgs,
+    InferenceSpec,
+    InputSpec,
+    OutputSpec,
+    SamplingParams,
+    Task,
+)
 
 DEFAULT_PARTITIONS_PER_RUN = 4
+
+
+def fail_partitions(
+    context: dg.AssetExecutionContext, result: InferenceRunResult, spec: InferenceSpec
+) -> NoReturn:
+    """Materialize the committed partitions of a run in which some shards failed, then fail
+    the step naming the failed ones (not retried: the input must be fixed).
+
+    A ranged run can materialize some partitions and fail the others: the backfill counts
+    each partition by its own materialization, so a re-run of the failed partitions redoes
+    only those, and the committed ones stay done.
+    """
+    for key, manifest in result.manifests.items():
+        context.log_event(
+            dg.AssetMaterialization(
+                asset_key=context.asset_key,
+                partition=key,
+                metadata=partition_metadata(
+                    result.spec or spec, manifest, computed=key in result.computed
+                ),
+            )
+        )
+    failures = "; ".join(
+        f"partition {key!r}: {info['error_type']}: {info['message']}"
+        for key, info in sorted(result.failed.items())
+    )
+    raise dg.Failure(
+        description=(
+            f"{len(result.failed)} of {len(result.failed) + len(result.manifests)} partitions "
+            f"could not be processed ({failures}). The other {len(result.manifests)} were "
+            "committed and materialized. Not retried: fix the input or the spec, then re-run "
+            "the failed partitions."
+        ),
+        metadata={
+            "failed_partitions": dg.MetadataValue.json(result.failed),
+            "committed_partitions": sorted(result.manifests),
+        },
+        allow_retries=False,
+    )
 
 
 def default_backfill_policy() -> dg.BackfillPolicy:
@@ -197,6 +243,8 @@ def inference_assets(
         except ValueError as exc:
             raise dg.Failure(description=str(exc), allow_retries=False) from None
         result = gpu.run_inference(context=context, spec=spec)
+        if result.failed:
+            fail_partitions(context, result, spec)
         for key, manifest in result.manifests.items():
             context.add_asset_metadata(
                 partition_metadata(result.spec or spec, manifest, computed=key in result.computed),

@@ -49,6 +49,9 @@ class InferenceRunResult:
 
     manifests: dict[str, Manifest] = field(default_factory=dict)
     computed: set[str] = field(default_factory=set)
+    # Partitions whose shard cannot be processed: {key: {"error_type", "message"}}. The
+    # other partitions were committed; the caller fails the step naming these.
+    failed: dict[str, dict[str, str]] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     spec: InferenceSpec | None = None
     # k8s launcher: set when the worker ran out of memory and was relaunched with smaller
@@ -117,9 +120,13 @@ class GpuInferenceResource(dg.ConfigurableResource):
         """Commit every partition of `spec.partition_keys`, launching a worker only for the
         ones not yet committed for this spec.
 
+        A shard that cannot be processed lands in `result.failed` while the others are
+        committed: the caller materializes those and fails the step (as `inference_assets`
+        does), so one bad shard costs its own partition only.
+
         Raises:
-            dagster.Failure: non-retryable when the spec or a shard cannot run (the message
-                says what to fix); any other error (a crashed worker) is retryable.
+            dagster.Failure: non-retryable when the spec cannot run (the message says what to
+                fix); any other error (a crashed worker) is retryable.
         """
         try:
             spec = self.prepare_spec(spec)
@@ -150,7 +157,11 @@ class GpuInferenceResource(dg.ConfigurableResource):
                     {"memory_step_down": dg.MetadataValue.json(result.memory_step_down)},
                     partition_key=key,
                 )
-        missing = [key for key in spec.partition_keys if key not in result.manifests]
+        missing = [
+            key
+            for key in spec.partition_keys
+            if key not in result.manifests and key not in result.failed
+        ]
         if missing:
             raise dg.Failure(
                 description=f"the worker ended without committing partitions {missing}; "
@@ -255,6 +266,11 @@ class GpuInferenceResource(dg.ConfigurableResource):
                 result.manifests[manifest.partition_key] = manifest
                 if message.get("computed"):
                     result.computed.add(manifest.partition_key)
+            elif kind == "partition_failed":
+                result.failed[str(message.get("partition_key"))] = {
+                    "error_type": str(message.get("error_type") or ""),
+                    "message": str(message.get("message") or ""),
+                }
             elif kind == "run":
                 result.summary = {k: v for k, v in message.items() if k != "type"}
             elif kind == "fatal":

@@ -1,5 +1,6 @@
-"""A bad shard or spec fails fast, before any model loads, with a message naming the problem;
-it is not retried, and nothing half-written is left as committed output."""
+"""A bad shard or spec fails fast, before any model loads for it, with a message naming the
+problem; it is not retried, and nothing half-written is left as committed output. A bad shard
+fails its own partition only: the run's other partitions are committed and materialized."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import os
 
 import dagster as dg
 import pytest
-from support import cpu_resource, failure_message, materialize_partitions, step_attempts, write_parquet
+from support import (
+    cpu_resource,
+    failure_message,
+    materialize_partitions,
+    model_loads,
+    partition_metadata,
+    step_attempts,
+    write_parquet,
+)
 
 from dagster_gpuinfer import InputSpec, inference_assets
 
@@ -47,7 +56,7 @@ def run_failing(tmp_path, instance, model, keys=("s0", "s1"), **overrides):
 
 
 def test_missing_text_column_fails_naming_the_column(tmp_path, instance, minilm_dir):
-    write_parquet(tmp_path / "in" / "s0.parquet", {"id": ["a"], "text": ["fine"]})
+    write_parquet(tmp_path / "in" / "s0.parquet", {"id": ["a"], "body": ["no text column"]})
     write_parquet(tmp_path / "in" / "s1.parquet", {"id": ["a"], "body": ["no text column"]})
     message = run_failing(tmp_path, instance, minilm_dir)
     assert "s1.parquet has no column 'text'" in message
@@ -55,9 +64,46 @@ def test_missing_text_column_fails_naming_the_column(tmp_path, instance, minilm_
 
 
 def test_missing_input_file_fails_naming_the_file(tmp_path, instance, minilm_dir):
-    write_parquet(tmp_path / "in" / "s0.parquet", {"id": ["a"], "text": ["fine"]})
     message = run_failing(tmp_path, instance, minilm_dir)
     assert "s1.parquet of partition 's1' does not exist" in message
+    assert "s0.parquet of partition 's0' does not exist" in message
+
+
+@pytest.mark.engine
+def test_a_bad_shard_fails_its_own_partition_and_the_run_commits_the_others(
+    tmp_path, instance, minilm_dir
+):
+    """One run of three partitions (as a backfill's multi-partition run): the middle shard
+    lacks its text column. The other two are embedded, committed and materialized; the step
+    fails naming the bad one and is not retried; a re-run of the failed partition alone,
+    once its file is fixed, completes the asset without redoing the others."""
+    keys = ["s0", "s1", "s2"]
+    for key in ("s0", "s2"):
+        write_parquet(tmp_path / "in" / f"{key}.parquet", {"id": ["a", "b"], "text": ["x", "y"]})
+    write_parquet(tmp_path / "in" / "s1.parquet", {"id": ["a"], "body": ["no text column"]})
+    load_log = tmp_path / "loads.log"
+    pipe = pipeline(tmp_path, minilm_dir, partitions_def=dg.StaticPartitionsDefinition(keys))
+    result = materialize_partitions(
+        pipe, keys, resource=cpu_resource(load_log), instance=instance, raise_on_error=False
+    )
+    assert not result.success and step_attempts(result) == 1
+    message = failure_message(result)
+    assert "1 of 3 partitions could not be processed" in message
+    assert "partition 's1': bad_shard:" in message and "has no column 'text'" in message
+    assert model_loads(load_log) == 1
+    key = pipe.output_asset.key
+    assert instance.get_materialized_partitions(key) == {"s0", "s2"}
+    for done in ("s0", "s2"):
+        assert partition_metadata(instance, key, done)["rows_out"] == 2
+    assert sorted(p.name for p in (tmp_path / "out").rglob("_SUCCESS")) == ["_SUCCESS"] * 2
+    assert not any("s1" in str(p) for p in (tmp_path / "out").rglob("_SUCCESS"))
+
+    # The user fixes the shard and re-runs the failed partition only.
+    write_parquet(tmp_path / "in" / "s1.parquet", {"id": ["a"], "text": ["fixed"]})
+    again = materialize_partitions(pipe, ["s1"], resource=cpu_resource(load_log), instance=instance)
+    assert again.success
+    assert instance.get_materialized_partitions(key) == {"s0", "s1", "s2"}
+    assert model_loads(load_log) == 2
 
 
 def test_missing_model_directory_fails_naming_the_path(tmp_path, instance):
@@ -96,7 +142,7 @@ def test_unknown_task_never_reaches_a_worker():
         )
 
 
-def test_worker_command_line_reports_a_bad_shard_as_a_fatal_message(tmp_path):
+def test_worker_command_line_reports_a_bad_shard_as_a_failed_partition(tmp_path):
     """`python -m dagster_gpuinfer.worker --spec FILE` runs a spec by hand, outside Dagster."""
     import json
     import subprocess
@@ -117,6 +163,10 @@ def test_worker_command_line_reports_a_bad_shard_as_a_fatal_message(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     messages = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert messages[-1]["type"] == "fatal"
-    assert messages[-1]["error_type"] == "bad_shard"
-    assert "missing.parquet of partition 'missing' does not exist" in messages[-1]["message"]
+    failed, summary = messages
+    assert failed["type"] == "partition_failed" and failed["partition_key"] == "missing"
+    assert failed["error_type"] == "bad_shard"
+    assert "missing.parquet of partition 'missing' does not exist" in failed["message"]
+    # No shard could run, so no model was loaded (the model directory here is no model).
+    assert summary["type"] == "run"
+    assert summary["partitions_failed"] == 1 and summary["model_loads"] == 0

@@ -4,6 +4,8 @@ Under Dagster (local subprocess or Kubernetes pod) the job spec arrives in Dagst
 extras (`spec`), and progress goes back as Pipes messages:
 
 - `{"type": "partition", "computed": bool, "manifest": {...}}` for each committed partition;
+- `{"type": "partition_failed", "error_type", "message", "partition_key"}` for each shard that
+  cannot be processed (missing, unreadable, missing a column); the other partitions go on;
 - `{"type": "run", ...}` once, with the model loads and timings of the run;
 - `{"type": "fatal", "error_type", "message", "partition_key"}` when the spec or a shard
   cannot run. The process then exits 0: it finished its protocol, and the control plane
@@ -40,6 +42,16 @@ class MessageReporter:
     def partition_committed(self, manifest: Manifest, *, computed: bool) -> None:
         self.emit(
             {"type": "partition", "computed": computed, "manifest": manifest.model_dump(mode="json")}
+        )
+
+    def partition_failed(self, exc: WorkerError) -> None:
+        self.emit(
+            {
+                "type": "partition_failed",
+                "error_type": exc.error_type,
+                "message": str(exc),
+                "partition_key": exc.partition_key,
+            }
         )
 
     def run_finished(self, summary: dict[str, Any]) -> None:

@@ -1,5 +1,9 @@
 """A worker job: preflight every shard, load the model once, serve the run's shards.
 
+A shard that cannot be processed (`ShardError`: missing, unreadable, missing a column) fails
+that partition alone: it is reported and the run's other partitions go on. Shards that fail
+their preflight never cost a model load; when every shard of the run fails it, none loads.
+
 With `replicas=N > 1` the worker starts N engine processes, each pinned to its own devices
 (`CUDA_VISIBLE_DEVICES` slice of `tensor_parallel_size` GPUs, or its own CPU cores), and
 each takes whole shards from a shared queue: data parallel inside one worker.
@@ -33,24 +37,40 @@ class Reporter(Protocol):
 
     def partition_committed(self, manifest: Manifest, *, computed: bool) -> None: ...
 
+    def partition_failed(self, exc: ShardError) -> None: ...
+
     def run_finished(self, summary: dict[str, Any]) -> None: ...
 
 
 def run_job(spec: InferenceSpec, reporter: Reporter) -> dict[str, Any]:
-    """Commit every partition of `spec.partition_keys`; returns the run summary.
+    """Commit every partition of `spec.partition_keys` that can be; returns the run summary.
+
+    Shards that cannot be processed go to `reporter.partition_failed` and the run goes on.
 
     Raises:
-        WorkerError: the spec or a shard cannot run; retrying will not help.
+        WorkerError: the spec cannot run (model directory, arguments); retrying will not help.
     """
     started = time.perf_counter()
     check_model_dir(spec)
     todo: list[str] = []
+    failed: list[str] = []
+
+    def shard_failed(exc: ShardError, key: str) -> None:
+        exc.partition_key = exc.partition_key or key
+        log.error("partition %s failed, the run goes on without it: %s", exc.partition_key, exc)
+        failed.append(exc.partition_key)
+        reporter.partition_failed(exc)
+
     for key in spec.partition_keys:
         manifest = committed_manifest(spec, key)
         if manifest is not None:
             reporter.partition_committed(manifest, computed=False)
             continue
-        ShardReader(spec, key).preflight()
+        try:
+            ShardReader(spec, key).preflight()
+        except ShardError as exc:
+            shard_failed(exc, key)
+            continue
         todo.append(key)
 
     replicas = min(spec.replicas, len(todo))
@@ -60,16 +80,24 @@ def run_job(spec: InferenceSpec, reporter: Reporter) -> dict[str, Any]:
         load_seconds.append(engine.load_seconds)
         try:
             for key in todo:
-                manifest, computed = process_shard(engine, spec, key)
+                try:
+                    manifest, computed = process_shard(engine, spec, key)
+                except ShardError as exc:
+                    shard_failed(exc, key)
+                    continue
                 reporter.partition_committed(manifest, computed=computed)
         finally:
             engine.shutdown()
     elif replicas > 1:
-        load_seconds = run_replicas(spec, todo, replicas, reporter.partition_committed)
+        load_seconds = run_replicas(
+            spec, todo, replicas, reporter.partition_committed, on_failed=shard_failed
+        )
+    computed_keys = [key for key in todo if key not in failed]
     summary = {
         "partitions": len(spec.partition_keys),
-        "partitions_computed": len(todo),
-        "partitions_skipped": len(spec.partition_keys) - len(todo),
+        "partitions_computed": len(computed_keys),
+        "partitions_failed": len(failed),
+        "partitions_skipped": len(spec.partition_keys) - len(computed_keys) - len(failed),
         "replicas": replicas,
         "model_loads": len(load_seconds),
         "model_load_seconds": round(max(load_seconds), 3) if load_seconds else 0.0,
@@ -147,8 +175,13 @@ def run_replicas(
     partition_keys: list[str],
     replicas: int,
     on_committed: Callable[..., None],
+    on_failed: Callable[[ShardError, str], None] | None = None,
 ) -> list[float]:
-    """Serve `partition_keys` with `replicas` engine processes; returns their load seconds."""
+    """Serve `partition_keys` with `replicas` engine processes; returns their load seconds.
+
+    A shard a replica cannot process goes to `on_failed` (the replica takes the next one);
+    without `on_failed` it ends the run.
+    """
     device = detect_device()
     envs = plan_replica_env(
         replicas=replicas,
@@ -200,6 +233,13 @@ def run_replicas(
                 on_committed(manifest, computed=message[3])
             elif kind == "finished":
                 finished_replicas += 1
+            elif kind == "shard_error":
+                _, _, text, key = message
+                pending.discard(key)
+                error = ShardError(text, partition_key=key)
+                if on_failed is None:
+                    raise error
+                on_failed(error, key)
             elif kind == "user_error":
                 _, _, error_class, text, key = message
                 raise USER_ERRORS.get(error_class, WorkerError)(text, partition_key=key)
@@ -234,7 +274,11 @@ def replica_main(spec_json: str, index: int, env: dict[str, str], tasks: Any, re
             key = tasks.get()
             if key is None:
                 break
-            manifest, computed = process_shard(engine, spec, key, replica=index)
+            try:
+                manifest, computed = process_shard(engine, spec, key, replica=index)
+            except ShardError as exc:
+                results.put(("shard_error", index, str(exc), exc.partition_key or key))
+                continue
             results.put(("committed", index, manifest.model_dump_json(), computed))
         results.put(("finished", index))
     except WorkerError as exc:
