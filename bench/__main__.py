@@ -6,13 +6,11 @@
 
 Sections: throughput (platform vs raw vLLM vs transformers vs Ray Data, embed and
 generate), prefix (prefix-cache ordering), amortization (partitions per run), memory
-(worker RSS over a large shard), control-plane (from `bench/control_plane.py` when present),
-and, only when asked for (`--only knobs`), knobs (embedding engine settings one by one).
+(worker RSS over a large shard), control-plane (Dagster-side work at dataset sizes, no
+model) and, only when asked for (`--only knobs`), knobs (embedding engine settings one by one).
 
-Control-plane hook: a module `bench/control_plane.py` that defines
-`run(*, smoke: bool, work_dir: pathlib.Path) -> dict` is run as the `control-plane`
-section; its result is stored as is in results.json, and a `rows` list of flat dicts in it
-(e.g. `{"measure": ..., "value": ..., "unit": ...}`) is rendered as a table.
+Each section is a function of the `BenchContext` returning a dict, stored as is in
+results.json under its key (`RESULT_KEYS`) and rendered by `bench/report.py`.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib
-import importlib.util
 import logging
 import os
 import platform
@@ -37,6 +34,11 @@ SECTIONS = ("throughput", "prefix", "amortization", "memory", "control-plane", "
 DEFAULT_SECTIONS = SECTIONS[:-1]  # `knobs` (engine settings, one start each) only on request
 RESULT_KEYS = {"throughput": "throughput", "prefix": "prefix_cache", "amortization": "amortization",
                "memory": "memory", "control-plane": "control_plane", "knobs": "knobs"}
+# section -> the function that runs it (throughput runs once per task, apart)
+RUNNERS = {"prefix": "bench.prefix_cache:run_prefix_cache",
+           "amortization": "bench.amortization:run_amortization",
+           "memory": "bench.memory:run_memory", "knobs": "bench.knobs:run_knobs",
+           "control-plane": "bench.control_plane:run_control_plane"}
 log = logging.getLogger("bench")
 
 
@@ -115,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
             update_readme_headline(results, REPO_ROOT / "bench" / "README.md")
         return report
 
-    def section(name: str, module: str, func: str, *fargs: Any) -> Any:
+    def section(name: str, runner: str, *fargs: Any) -> Any:
         started = time.perf_counter()
         log.info("== %s", name)
+        module, func = runner.split(":")
         try:
             value = getattr(importlib.import_module(module), func)(*fargs)
         except Exception:
@@ -131,35 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     if "throughput" in only:
         results["throughput"] = {}
         for task in [t.strip() for t in args.tasks.split(",") if t.strip()]:
-            value = section(f"throughput-{task}", "bench.throughput", "run_throughput", ctx, task)
+            value = section(f"throughput-{task}", "bench.throughput:run_throughput", ctx, task)
             if value is not None:
                 results["throughput"][task] = value
             save()
-    if "prefix" in only:
-        value = section("prefix", "bench.prefix_cache", "run_prefix_cache", ctx)
-        if value is not None:
-            results["prefix_cache"] = value
-        save()
-    if "amortization" in only:
-        value = section("amortization", "bench.amortization", "run_amortization", ctx)
-        if value is not None:
-            results["amortization"] = value
-        save()
-    if "memory" in only:
-        value = section("memory", "bench.memory", "run_memory", ctx)
-        if value is not None:
-            results["memory"] = value
-        save()
-    if "knobs" in only:
-        value = section("knobs", "bench.knobs", "run_knobs", ctx)
-        if value is not None:
-            results["knobs"] = value
-        save()
-    if "control-plane" in only:
-        if importlib.util.find_spec("bench.control_plane") is None:
-            results["skipped"].append("control plane: bench/control_plane.py is not there yet")
-        else:
-            _control_plane(ctx, results)
+    for name, runner in RUNNERS.items():
+        if name in only:
+            value = section(name, runner, ctx)
+            if value is not None:
+                results[RESULT_KEYS[name]] = value
+            save()
     report = save()
     log.info("results: %s", report)
     return 1 if results["errors"] else 0
@@ -180,22 +164,6 @@ def _keep_earlier_sections(results: dict[str, Any], path: Path, only: set[str]) 
             kept = [n for n in earlier.get("notes", []) if n.startswith(f"{section}: from ")]
             results["notes"].extend(kept or [f"{section}: from `{earlier.get('command')}` "
                                              f"of {earlier.get('started')}"])
-
-
-def _control_plane(ctx: BenchContext, results: dict[str, Any]) -> None:
-    """The hook for `bench/control_plane.py` (written beside this suite)."""
-    started = time.perf_counter()
-    log.info("== control-plane")
-    try:
-        module = importlib.import_module("bench.control_plane")
-        value = module.run(smoke=ctx.smoke, work_dir=ctx.fresh_dir("control-plane"))
-    except Exception:
-        results["errors"]["control-plane"] = traceback.format_exc()
-        log.error("section control-plane failed:\n%s", results["errors"]["control-plane"])
-        return
-    log.info("== control-plane done in %.0fs", time.perf_counter() - started)
-    results.setdefault("section_seconds", {})["control-plane"] = round(time.perf_counter() - started)
-    results["control_plane"] = value
 
 
 if __name__ == "__main__":

@@ -34,7 +34,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bench.context import BenchContext
 
 RESULTS: dict[str, float | int] = {}
 UNITS: dict[str, str] = {}  # measurement -> "s" for timings
@@ -288,10 +291,10 @@ SMOKE_SIZES = {"partitions": 500, "backfill": 40, "files": 40, "submit_sample": 
 FULL_SIZES = {"partitions": 100_000, "backfill": 10_000, "files": 10_000, "submit_sample": 200}
 
 
-def run(*, smoke: bool, work_dir: Path) -> dict[str, Any]:
+def run_control_plane(ctx: BenchContext) -> dict[str, Any]:
     """The `control-plane` section of `python -m bench`: the issue's sizes, or tiny ones."""
-    sizes = SMOKE_SIZES if smoke else FULL_SIZES
-    measured = measure(work_dir=work_dir, **sizes)
+    sizes = SMOKE_SIZES if ctx.smoke else FULL_SIZES
+    measured = measure(work_dir=ctx.fresh_dir("control-plane"), **sizes)
     rows = [
         {"measurement": name, "value": f"{value:.2f} s" if UNITS.get(name) == "s" else value}
         for name, value in measured.items()

@@ -34,12 +34,19 @@ def test_exit_now_flushes_keeps_the_code_and_leaves_no_child_but_the_resource_tr
     child, tracker, shm_name = first.split()
     child_pid, tracker_pid = int(child), int(tracker)
     assert last == "last words"  # written without a newline, still flushed
-    assert not psutil.pid_exists(child_pid) or psutil.Process(child_pid).status() == "zombie"
+    assert gone(child_pid)
     # The tracker is left to see our exit and clean up shared memory itself; it then exits.
-    if psutil.pid_exists(tracker_pid):
-        try:
-            psutil.Process(tracker_pid).wait(timeout=30)
-        except psutil.NoSuchProcess:
-            pass
-    assert not psutil.pid_exists(tracker_pid) or psutil.Process(tracker_pid).status() == "zombie"
+    try:
+        psutil.Process(tracker_pid).wait(timeout=30)
+    except psutil.NoSuchProcess:
+        pass
+    assert gone(tracker_pid)
     assert not (Path("/dev/shm") / shm_name.lstrip("/")).exists(), "the tracker was killed"
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (reaped, or a zombie waiting for its new parent to reap it)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

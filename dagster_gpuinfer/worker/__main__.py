@@ -7,9 +7,9 @@ extras (`spec`), and progress goes back as Pipes messages:
 - `{"type": "partition_failed", "error_type", "message", "partition_key"}` for each shard that
   cannot be processed (missing, unreadable, missing a column); the other partitions go on;
 - `{"type": "run", ...}` once, with the model loads and timings of the run;
-- `{"type": "fatal", "error_type", "message", "partition_key"}` when the spec or a shard
-  cannot run. The process then exits 0: it finished its protocol, and the control plane
-  raises a non-retryable Dagster `Failure`. Any other exit is a crash, which Dagster's
+- `{"type": "fatal", "error_type", "message", "partition_key"}` when the spec cannot run
+  (model directory, arguments). The process then exits 0: it finished its protocol, and the
+  control plane raises a non-retryable Dagster `Failure`. Any other exit is a crash, which Dagster's
   retry policy may retry.
 
 Without Pipes, `python -m dagster_gpuinfer.worker --spec spec.json` runs the same job and

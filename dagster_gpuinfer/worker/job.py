@@ -175,12 +175,11 @@ def run_replicas(
     partition_keys: list[str],
     replicas: int,
     on_committed: Callable[..., None],
-    on_failed: Callable[[ShardError, str], None] | None = None,
+    on_failed: Callable[[ShardError, str], None],
 ) -> list[float]:
     """Serve `partition_keys` with `replicas` engine processes; returns their load seconds.
 
-    A shard a replica cannot process goes to `on_failed` (the replica takes the next one);
-    without `on_failed` it ends the run.
+    A shard a replica cannot process goes to `on_failed`; the replica takes the next one.
     """
     device = detect_device()
     envs = plan_replica_env(
@@ -236,10 +235,7 @@ def run_replicas(
             elif kind == "shard_error":
                 _, _, text, key = message
                 pending.discard(key)
-                error = ShardError(text, partition_key=key)
-                if on_failed is None:
-                    raise error
-                on_failed(error, key)
+                on_failed(ShardError(text, partition_key=key), key)
             elif kind == "user_error":
                 _, _, error_class, text, key = message
                 raise USER_ERRORS.get(error_class, WorkerError)(text, partition_key=key)
