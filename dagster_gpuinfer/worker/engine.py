@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from dagster_gpuinfer.out_of_memory import memory_problem
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.worker.errors import SpecError
 
@@ -152,8 +153,4 @@ class InferenceEngine:
 
 
 def _is_memory_error(message: str) -> bool:
-    lowered = message.lower()
-    return any(
-        marker in lowered
-        for marker in ("out of memory", "kv cache", "insufficient memory", "not enough memory")
-    )
+    return memory_problem(message) is not None
