@@ -463,3 +463,32 @@ def test_launcher_k8s_without_pod_configuration_fails_with_what_to_set(tmp_path)
 
     assert "K8sLauncherConfig(image=" in step_failure_message(result)
     assert cluster.created == []
+
+
+def test_production_client_loads_the_named_kubeconfig_and_context(tmp_path, monkeypatch):
+    from dagster_gpuinfer.k8s.client import production_kubernetes_client
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    kubeconfig = tmp_path / "kubeconfig.yaml"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {"name": c, "cluster": {"server": f"https://{c}.example:6443"}}
+                    for c in ("dev", "gpu")
+                ],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [
+                    {"name": c, "context": {"cluster": c, "user": "u"}} for c in ("dev", "gpu")
+                ],
+                "current-context": "dev",
+            }
+        )
+    )
+    config = launcher_config(kubeconfig_file=str(kubeconfig), kube_context="gpu")
+
+    client = production_kubernetes_client(config)
+
+    assert client.core_api.api_client.configuration.host == "https://gpu.example:6443"
