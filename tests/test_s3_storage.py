@@ -198,6 +198,42 @@ def test_sensor_lists_s3_with_the_client_of_an_s3_resource(s3_server, bucket):
     assert [k for r in result.dynamic_partitions_requests for k in r.partition_keys] == ["a"]
 
 
+def test_sensor_reads_parquet_footers_through_the_s3_resource_endpoint(s3_server, bucket):
+    from dagster_gpuinfer.arrivals import SplitLargeFiles
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"id": [str(i) for i in range(40)]}), sink, row_group_size=10)
+    data = sink.getvalue().to_pybytes()
+    s3_server.client.put_object(Bucket=bucket, Key="in/big.parquet", Body=data)
+    pipeline = inference_assets(
+        name="footers",
+        model="/models/x",
+        task="embed",
+        input=InputSpec(uri=f"s3://{bucket}/in/{{partition_key}}.parquet"),
+        output_root=f"s3://{bucket}/out",
+        partitions_def=dg.DynamicPartitionsDefinition(name="footer_files"),
+    )
+    split = SplitLargeFiles(min_bytes=1, parquet_rows_per_partition=20)
+    sensor = arrival_sensor(pipeline, s3_resource_key="s3", split=split)
+    s3 = S3Resource(
+        endpoint_url=s3_server.endpoint_url,
+        region_name=s3_server.region,
+        aws_access_key_id="AKIA-FROM-RESOURCE",
+        aws_secret_access_key="secret-from-resource",
+    )
+    with dg.instance_for_test() as instance:
+        context = dg.build_sensor_context(
+            instance=instance,
+            resources={
+                "gpu": GpuInferenceResource(s3_endpoint_url="https://unused.invalid"),
+                "s3": s3,
+            },
+        )
+        result = sensor(context)
+    keys = [k for r in result.dynamic_partitions_requests for k in r.partition_keys]
+    assert keys == ["big@rows=0-20", "big@rows=20-40"]
+
+
 def test_manifest_creation_on_s3_is_exclusive(s3_server, bucket):
     """The conditional PUT (If-None-Match) that lets exactly one racing worker commit."""
     from dagster_gpuinfer.spec import StorageOptions
