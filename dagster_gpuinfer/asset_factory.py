@@ -12,14 +12,13 @@ from typing import Any, ClassVar, NoReturn
 import dagster as dg
 from pydantic import Field
 
-from dagster_gpuinfer.checks import ROWS_BALANCED, ERROR_RATE, check_results
+from dagster_gpuinfer.checks import ERROR_RATE, ROWS_BALANCED, check_results
 from dagster_gpuinfer.metadata import partition_metadata, run_metadata
 from dagster_gpuinfer.resource import GpuInferenceResource, InferenceRunResult, validate_spec
 from dagster_gpuinfer.spec import (
     EngineArgs,
     InferenceSpec,
     InputSpec,
-    OutputSpec,
     SamplingParams,
     Task,
 )

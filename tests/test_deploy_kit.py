@@ -215,10 +215,11 @@ def test_flavors_match_the_gpu_label_and_types_the_pods_select():
     placement = k8s_launcher_config(code_location_env()).placement
     flavor_labels = [f["spec"]["nodeLabels"] for f in objects("ResourceFlavor")]
     assert all(set(labels) == {placement.gpu_type_label} for labels in flavor_labels)
-    assert placement.gpu_type in {labels[placement.gpu_type_label] for labels in flavor_labels}
+    flavor_types = {labels[placement.gpu_type_label] for labels in flavor_labels}
+    assert placement.gpu_type in flavor_types
 
 
-# --------------------------------------------------------------------------- the kit and the code agree
+# ---------------------------------------------------------------------- the kit and the code agree
 
 
 def sample_spec(**overrides: Any) -> InferenceSpec:
@@ -362,7 +363,7 @@ def test_rbac_grants_what_the_launcher_calls_and_nothing_more(tmp_path):
     } in binding["subjects"]
 
 
-# --------------------------------------------------------------------------- Dagster instance and chart
+# ---------------------------------------------------------------------- Dagster instance and chart
 
 
 def test_deployed_instance_config_validates_against_dagster(tmp_path):

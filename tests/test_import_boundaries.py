@@ -21,9 +21,10 @@ def test_control_plane_imports_no_torch_or_vllm():
     loaded = modules_after_import(
         "import dagster_gpuinfer\n"
         "from dagster_gpuinfer import inference_assets, GpuInferenceResource\n"
-        "import dagster_gpuinfer.asset_factory, dagster_gpuinfer.checks, dagster_gpuinfer.metadata\n"
-        "import dagster_gpuinfer.launchers.local\n"
-        "import dagster_gpuinfer.k8s.pod, dagster_gpuinfer.k8s.failures, dagster_gpuinfer.k8s.memory\n"
+        "import dagster_gpuinfer.asset_factory, dagster_gpuinfer.checks\n"
+        "import dagster_gpuinfer.metadata, dagster_gpuinfer.launchers.local\n"
+        "import dagster_gpuinfer.k8s.pod, dagster_gpuinfer.k8s.failures\n"
+        "import dagster_gpuinfer.k8s.memory\n"
         "import assets.definitions"
     )
     heavy = sorted(m for m in loaded if m.split(".")[0] in HEAVY)

@@ -142,7 +142,7 @@ def test_slow_image_pull_within_timeout_is_not_a_failure(tmp_path):
     assert materialize(tmp_path, cluster).success
 
 
-# --------------------------------------------------------------------------- image and config errors
+# ------------------------------------------------------------------------- image and config errors
 
 
 @pytest.mark.parametrize("reason", ["ErrImagePull", "ImagePullBackOff", "InvalidImageName"])
@@ -179,7 +179,8 @@ def test_api_forbidden_is_not_retried_and_points_at_rbac(tmp_path):
     cluster.create_error = kubernetes.client.ApiException(status=403, reason="Forbidden")
     cluster.create_error.body = json.dumps(
         {
-            "message": 'pods is forbidden: User "system:serviceaccount:dagster:default" cannot create resource "pods"'
+            "message": 'pods is forbidden: User "system:serviceaccount:dagster:default" '
+            'cannot create resource "pods"'
         }
     )
 
@@ -338,7 +339,8 @@ def test_worker_nonzero_exit_puts_its_last_error_lines_in_the_failure(tmp_path):
     traceback = [
         "Traceback (most recent call last):",
         '  File "/app/dagster_gpuinfer/worker/shard.py", line 88, in process_shard',
-        "RuntimeError: replica 1 failed: NCCL error in: ../csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970",
+        "RuntimeError: replica 1 failed: NCCL error in: "
+        "../csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970",
     ]
     cluster = FakeKubernetes(PodScript(worker=crashing_worker(*traceback), exit_code=1))
 

@@ -1,4 +1,5 @@
-"""The worker's Pipes messages (`dagster_gpuinfer.messages`): what one side writes, the other reads."""
+"""The worker's Pipes messages (`dagster_gpuinfer.messages`): what one side writes, the
+other reads."""
 
 from __future__ import annotations
 
