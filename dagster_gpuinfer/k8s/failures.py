@@ -384,6 +384,8 @@ class FailureRow:
     detail: tuple[str, ...] = ()
 
 
+_MEMORY_DETAIL = ("exit_code", "container_reason", "memory")
+
 FAILURE_TABLE: tuple[FailureRow, ...] = (
     FailureRow(
         "deleted",
@@ -448,7 +450,7 @@ FAILURE_TABLE: tuple[FailureRow, ...] = (
         lambda f: f.memory == "container_oom_killed",
         "worker pod {f.pod} was OOMKilled: the container used more than its memory "
         "limit (k8s.memory_limit).",
-        ("exit_code", "container_reason", "memory"),
+        _MEMORY_DETAIL,
     ),
     FailureRow(
         "kv_cache_too_small",
@@ -458,7 +460,7 @@ FAILURE_TABLE: tuple[FailureRow, ...] = (
         "max_model_len tokens. Not retried: lower engine max_model_len, raise "
         "gpu_memory_utilization, or raise tensor_parallel_size to spread the model "
         "over more GPUs. Last lines of the worker:\n{f.tail}",
-        ("exit_code", "container_reason", "memory"),
+        _MEMORY_DETAIL,
     ),
     FailureRow(
         "out_of_memory",
@@ -466,7 +468,7 @@ FAILURE_TABLE: tuple[FailureRow, ...] = (
         lambda f: f.memory == "gpu_out_of_memory",
         "worker pod {f.pod} ran out of GPU memory (exit code {f.exit_code}). Last lines "
         "of the worker:\n{f.tail}",
-        ("exit_code", "container_reason", "memory"),
+        _MEMORY_DETAIL,
     ),
     FailureRow(
         "worker_crash",
