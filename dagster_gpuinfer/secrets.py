@@ -24,7 +24,7 @@ worker, which copies the values from its own environment (dagster_gpuinfer.worke
 # *PRIVATE_KEY*, *API_KEY*, *ACCESS_KEY*, *SESSION_KEY*, and any name ending in _KEY
 # (OPENAI_KEY, AWS_SECRET_KEY).
 SECRET_ENV_NAME = re.compile(
-    r"(TOKEN|SECRET|PASSWORD|PASSWD|_PASS|^PASS|CREDENTIAL|PRIVATE_KEY|API_KEY|ACCESS_KEY"
+    r"(TOKEN|SECRET|PASSWORD|PASSWD|_PASS|CREDENTIAL|PRIVATE_KEY|API_KEY|ACCESS_KEY"
     r"|SESSION_KEY|_KEY$|^KEY$)",
     re.IGNORECASE,
 )
