@@ -228,6 +228,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkov", required=True, help="the checkov executable")
     args = parser.parse_args()
+    args.checkov = os.path.abspath(args.checkov)  # checkov runs with the scanned dir as cwd
     self_check(args.checkov)
     with tempfile.TemporaryDirectory(prefix="gpuinfer-gate-") as tmp:
         pod_dir = Path(tmp)
