@@ -41,7 +41,6 @@ from dagster_gpuinfer.pod_builder import (
     K8sLauncherConfig,
     PodSpecError,
     RunIdentity,
-    SecretEnvRef,
     build_worker_pod,
 )
 from dagster_gpuinfer.resource import InvalidInferenceSpec, validate_spec
@@ -179,7 +178,10 @@ def restricted_violations(pod_spec: dict[str, Any]) -> list[str]:
         if where.get("runAsUser") == 0:
             problems.append("runAsUser 0")
     pod_non_root = pod_sc.get("runAsNonRoot") is True
-    pod_seccomp = (pod_sc.get("seccompProfile") or {}).get("type") in ("RuntimeDefault", "Localhost")
+    pod_seccomp = (pod_sc.get("seccompProfile") or {}).get("type") in (
+        "RuntimeDefault",
+        "Localhost",
+    )
     for container in containers:
         name = container["name"]
         sc = container.get("securityContext") or {}
@@ -357,10 +359,12 @@ class AdmissionPolicy:
                 allowed = self._evaluate(validation["expression"], activation)
                 if isinstance(allowed, Exception):
                     raise allowed
-            except Exception as exc:  # an evaluation error fails closed
+            except Exception as exc:  # noqa: BLE001 - an evaluation error fails closed
                 failures.append(f"{validation['message'].strip()} (error: {exc})")
                 continue
-            if allowed is not True and not (isinstance(allowed, celpy.celtypes.BoolType) and allowed):
+            if allowed is not True and not (
+                isinstance(allowed, celpy.celtypes.BoolType) and allowed
+            ):
                 failures.append(validation["message"].strip())
         return failures
 
@@ -398,7 +402,9 @@ def test_the_policy_rejects_a_privileged_pod(policy):
     pod["spec"]["containers"][0]["securityContext"]["privileged"] = True
     assert any("unprivileged" in m for m in policy.admit(pod))
     escalating = hostpath_worker_pod()
-    escalating["spec"]["containers"][0]["securityContext"] = {"capabilities": {"add": ["SYS_ADMIN"]}}
+    escalating["spec"]["containers"][0]["securityContext"] = {
+        "capabilities": {"add": ["SYS_ADMIN"]}
+    }
     assert any("unprivileged" in m for m in policy.admit(escalating))
 
 
@@ -448,7 +454,9 @@ def test_the_policy_rejects_pods_unlike_the_builders(policy, change, expected):
 def test_the_policy_applies_to_the_launcher_in_worker_namespaces_only(policy):
     pod = hostpath_worker_pod()
     pod["spec"]["containers"][0]["securityContext"]["privileged"] = True
-    assert policy.admit(pod, username="system:serviceaccount:kube-system:daemon-set-controller") == []
+    assert (
+        policy.admit(pod, username="system:serviceaccount:kube-system:daemon-set-controller") == []
+    )
     selector = policy.binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"]
     namespaces = [d for _, d in kit_objects() if d["kind"] == "Namespace"]
     selected = {
@@ -465,7 +473,9 @@ def test_the_policy_applies_to_the_launcher_in_worker_namespaces_only(policy):
 
 
 def test_network_policies_deny_by_default_and_allow_dns_s3_and_the_model_source():
-    policies = {d["metadata"]["name"]: d for d in load_all(DEPLOY / "network" / "network-policies.yaml")}
+    policies = {
+        d["metadata"]["name"]: d for d in load_all(DEPLOY / "network" / "network-policies.yaml")
+    }
     deny = policies["gpuinfer-default-deny"]["spec"]
     assert deny["podSelector"] == {} and set(deny["policyTypes"]) == {"Ingress", "Egress"}
     assert "ingress" not in deny and "egress" not in deny
@@ -525,7 +535,9 @@ def test_the_gpu_image_installs_only_hash_locked_packages():
         "RUN python3 -m pip install --require-hashes --no-deps -r requirements/lock-gpu.txt"
     ]
     lock = (REPO / "requirements" / "lock-gpu.txt").read_text()
-    pins = re.findall(r"^([A-Za-z0-9_.-]+)==(\S+) \\\n    --hash=sha256:[0-9a-f]{64}$", lock, re.M)
+    pins = re.findall(
+        r"^([A-Za-z0-9_.-]+)==(\S+) \\\n    --hash=sha256:[0-9a-f]{64}$", lock, re.MULTILINE
+    )
     entries = [line for line in lock.splitlines() if line and not line.startswith(("#", " "))]
     assert len(pins) == len(entries) > 100, "every entry is pinned with its sha256"
     pinned = {name.lower(): version for name, version in pins}
@@ -565,7 +577,9 @@ def worker_spec() -> InferenceSpec:
     )
 
 
-@pytest.mark.parametrize("name", ["HF_HUB_OFFLINE", "VLLM_LOGGING_LEVEL", "KEYBOARD", "PASSAGE_LIMIT"])
+@pytest.mark.parametrize(
+    "name", ["HF_HUB_OFFLINE", "VLLM_LOGGING_LEVEL", "KEYBOARD", "PASSAGE_LIMIT"]
+)
 def test_honest_env_names_pass(name):
     assert not is_secret_env_name(name)
 
@@ -659,7 +673,9 @@ def test_s3_credentials_travel_as_env_var_names_and_the_worker_resolves_them(mon
 
     # A missing variable is named, and no value is printed.
     missing = {k: v for k, v in worker_env.items() if k != "MINIO_SECRET"}
-    failed = subprocess.run([sys.executable, "-c", probe], env=missing, capture_output=True, text=True)
+    failed = subprocess.run(
+        [sys.executable, "-c", probe], env=missing, capture_output=True, text=True, check=False
+    )
     assert failed.returncode != 0 and "MINIO_SECRET" in failed.stderr
     assert "AKIA-LOCAL" not in failed.stderr
 
@@ -685,7 +701,8 @@ def test_env_references_cannot_reach_a_pod():
 
 
 @pytest.mark.parametrize(
-    "key", ["../../../etc/x", "a/../../b", "/etc/passwd", "\\\\server\\share", "a\\..\\b", "a\x00b", ".."]
+    "key",
+    ["../../../etc/x", "a/../../b", "/etc/passwd", "\\\\server\\share", "a\\..\\b", "a\x00b", ".."],
 )
 def test_traversal_partition_keys_are_refused_naming_the_key(key):
     raw = {**worker_spec().model_dump(), "partition_keys": [key]}
@@ -727,7 +744,9 @@ class ListedKeys:
 
 def test_the_arrival_scan_refuses_traversal_keys_naming_them():
     watched = WatchedFiles("s3://bucket/in/{partition_key}.jsonl")
-    lister = ListedKeys(["good.jsonl", "a/../../etc/x.jsonl", "x\\..\\..\\up.jsonl", "2026/ok.jsonl"])
+    lister = ListedKeys(
+        ["good.jsonl", "a/../../etc/x.jsonl", "x\\..\\..\\up.jsonl", "2026/ok.jsonl"]
+    )
     scan = scan_arrivals(
         lister, watched, start_after="", is_known=lambda _: False, max_new_files=10, max_listed=10
     )
@@ -801,14 +820,19 @@ def test_weights_load_from_safetensors_unless_the_spec_opts_in_to_pickle():
     for unsafe in ("auto", "pt", "npcache", "hf"):
         with pytest.raises(ValueError, match="pickle.*allow_pickle_weights=True"):
             EngineArgs(load_format=unsafe)
-        assert EngineArgs(load_format=unsafe, allow_pickle_weights=True).to_vllm_kwargs()[
-            "load_format"
-        ] == unsafe
+        assert (
+            EngineArgs(load_format=unsafe, allow_pickle_weights=True).to_vllm_kwargs()[
+                "load_format"
+            ]
+            == unsafe
+        )
     with pytest.raises(ValueError, match="engine.load_format"):
         EngineArgs(extra={"load_format": "pt"})
     # The load format decides nothing about results: it stays out of the spec hash.
     spec = worker_spec()
-    opted = spec.model_copy(update={"engine": EngineArgs(load_format="pt", allow_pickle_weights=True)})
+    opted = spec.model_copy(
+        update={"engine": EngineArgs(load_format="pt", allow_pickle_weights=True)}
+    )
     assert opted.spec_hash() == spec.spec_hash()
 
 

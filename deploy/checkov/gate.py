@@ -35,28 +35,38 @@ K8S_VERSION = "1.37.0"
 # files (relative to deploy/, or "pods/" for the generated worker pods) it is accepted for.
 ACCEPTED: dict[str, tuple[str, set[str]]] = {
     "CKV_K8S_11": (
-        "No CPU limit: GPU batch pods and cache copies should not be throttled by CFS quota; "
-        "the CPU request and the Kueue quota bound them.",
+        (
+            "No CPU limit: GPU batch pods and cache copies should not be throttled by CFS quota; "
+            "the CPU request and the Kueue quota bound them."
+        ),
         {"*"},
     ),
     "CKV_K8S_15": (
-        "imagePullPolicy IfNotPresent: every image is pinned by digest, which cannot change "
-        "under a cached copy; Always would pull multi-GB GPU images on every start.",
+        (
+            "imagePullPolicy IfNotPresent: every image is pinned by digest, which cannot change "
+            "under a cached copy; Always would pull multi-GB GPU images on every start."
+        ),
         {"*"},
     ),
     "CKV_K8S_35": (
-        "Secrets as environment variables: the AWS SDKs and Hugging Face read credentials "
-        "from the environment; they arrive by secretKeyRef/envFrom, never as values.",
+        (
+            "Secrets as environment variables: the AWS SDKs and Hugging Face read credentials "
+            "from the environment; they arrive by secretKeyRef/envFrom, never as values."
+        ),
         {"*"},
     ),
     "CKV_K8S_40": (
-        "UID 1000, not > 10000: the images create user 1000; non-root is enforced "
-        "(runAsNonRoot, Pod Security restricted).",
+        (
+            "UID 1000, not > 10000: the images create user 1000; non-root is enforced "
+            "(runAsNonRoot, Pod Security restricted)."
+        ),
         {"*"},
     ),
     "CKV_K8S_8": (
-        "No liveness probe: batch pods (workers, the warmer's pause container) serve "
-        "nothing to probe; activeDeadlineSeconds and the launcher's monitoring bound them.",
+        (
+            "No liveness probe: batch pods (workers, the warmer's pause container) serve "
+            "nothing to probe; activeDeadlineSeconds and the launcher's monitoring bound them."
+        ),
         {"pods/", "model-cache/warmer-daemonset.yaml"},
     ),
     "CKV_K8S_9": (
@@ -68,8 +78,10 @@ ACCEPTED: dict[str, tuple[str, set[str]]] = {
         {"*"},
     ),
     "CKV_DOCKER_7": (
-        "FROM ${ARG}: checkov does not read the ARG default, which tests/test_deploy_kit.py "
-        "checks is pinned by tag and digest.",
+        (
+            "FROM ${ARG}: checkov does not read the ARG default, which tests/test_deploy_kit.py "
+            "checks is pinned by tag and digest."
+        ),
         {"worker/Dockerfile", "worker/Dockerfile.cpu", "code-location/Dockerfile"},
     ),
 }
@@ -146,12 +158,23 @@ def checkov_failures(checkov: str, target: Path, frameworks: list[str]) -> tuple
     """(checks passed, failed checks) of checkov over the directory `target`, offline."""
     env = {**os.environ, "BC_SKIP_MAPPING": "TRUE", "LOG_LEVEL": "ERROR"}
     result = subprocess.run(
-        [checkov, "-d", str(target), "--framework", *frameworks, "--skip-download",
-         "--compact", "--quiet", "-o", "json"],  # --quiet: only failed checks are listed
+        [
+            checkov,
+            "-d",
+            str(target),
+            "--framework",
+            *frameworks,
+            "--skip-download",
+            "--compact",
+            "--quiet",
+            "-o",
+            "json",
+        ],  # --quiet: only failed checks are listed
         capture_output=True,
         text=True,
         env=env,
         cwd=target,
+        check=False,  # exit 1 means failed checks, read from the JSON below
     )
     if result.returncode not in (0, 1) or not result.stdout.strip():
         raise SystemExit(f"checkov failed on {target}:\n{result.stderr[-3000:]}")
@@ -218,7 +241,7 @@ def run_schema_validation(pod_dir: Path) -> list[str]:
             try:
                 kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
                 checked += 1
-            except Exception as exc:  # ValidationError, SchemaNotFoundError, ...
+            except Exception as exc:  # noqa: BLE001 - any refusal is a finding to report
                 problems.append(f"{path.name} {doc.get('kind')}: {exc}")
     print(f"kubernetes-validate --strict: {checked} objects")
     return problems
