@@ -280,14 +280,25 @@ def test_the_warmer_runs_nothing_as_root():
 
 
 def test_helm_run_and_code_server_pods_get_a_restricted_security_context():
+    import kubernetes
+    from dagster_k8s.job import UserDefinedDagsterK8sConfig
+    from dagster_k8s.models import k8s_model_from_dict
+
     values = helm_values()
     run_config = values["runLauncher"]["config"]["k8sRunLauncher"]["runK8sConfig"]
-    run_pod = {
-        **{k: v for k, v in run_config["podSpecConfig"].items() if k == "securityContext"},
-        "containers": [
-            {"name": "dagster", "securityContext": run_config["containerConfig"]["securityContext"]}
-        ],
-    }
+    # As dagster-k8s reads runK8sConfig into the run pod's models.
+    user = UserDefinedDagsterK8sConfig.from_dict(
+        {
+            "container_config": run_config["containerConfig"],
+            "pod_spec_config": run_config["podSpecConfig"],
+        }
+    )
+    pod_spec = k8s_model_from_dict(
+        kubernetes.client.V1PodSpec,
+        {**user.pod_spec_config, "containers": [{**user.container_config, "name": "dagster"}]},
+    )
+    run_pod = kubernetes.client.ApiClient().sanitize_for_serialization(pod_spec)
+    assert run_pod["serviceAccountName"] == "gpuinfer-launcher"
     assert restricted_violations(run_pod) == []
     deployment = values["dagster-user-deployments"]["deployments"][0]
     code_server = {
