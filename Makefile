@@ -10,7 +10,10 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: install prepare demo lint test test-fast dev bench lock clean
+CHECKOV_VENV := .venv-checkov
+CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
+
+.PHONY: install prepare demo lint test test-fast dev bench lock lock-gpu security clean
 
 install: $(STAMP)
 
@@ -39,9 +42,21 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 # The suite includes a Dagster instance on a real PostgreSQL server: start a throwaway one.
-# The linters run first, so CI fails on a lint error before the long suite starts.
-test: lint prepare
+# The linters and the security gate run first, so CI fails on them before the long suite.
+test: lint security prepare
 	GPUINFER_TEST_POSTGRES_URL=$$(bash deploy/local/test-postgres.sh) $(PY) -m pytest tests
+
+# The security gate: checkov (offline) over deploy/ and generated worker pods, failing on any
+# check deploy/checkov/gate.py does not accept with a reason, and kubernetes-validate --strict.
+# checkov lives in its own venv: its dependency pins clash with the project's.
+$(CHECKOV_STAMP): requirements/checkov.txt
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q --upgrade "pip==26.3"
+	$(CHECKOV_VENV)/bin/python -m pip install -q -r requirements/checkov.txt
+	touch $(CHECKOV_STAMP)
+
+security: install $(CHECKOV_STAMP)
+	$(PY) deploy/checkov/gate.py --checkov $(CHECKOV_VENV)/bin/checkov
 
 test-fast: install
 	$(PY) -m pytest tests -m "not engine"
@@ -58,5 +73,17 @@ bench: prepare
 lock:
 	$(PY) -m pip freeze --exclude-editable | grep -v -E '^(torchvision|torchaudio|torchcodec)==' > $(LOCK)
 
+# The GPU worker image's hash-locked dependencies: resolved for its CPython 3.12 on manylinux
+# x86_64 from the index's metadata (no wheel is downloaded), every file's sha256 recorded.
+GPU_PLATFORMS := $(foreach v,5 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33 34 35,--platform manylinux_2_$(v)_x86_64) \
+	--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64 \
+	--platform linux_x86_64 --platform any
+lock-gpu:
+	$(PY) -m pip install --dry-run --ignore-installed --quiet --report .lock-gpu-report.json \
+		--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 \
+		--abi none $(GPU_PLATFORMS) --target .lock-gpu-target -r requirements/worker-gpu.in
+	$(PY) requirements/report_to_lock.py .lock-gpu-report.json requirements/lock-gpu.txt
+	rm -rf .lock-gpu-report.json .lock-gpu-target
+
 clean:
-	rm -rf $(VENV) .data .dagster_home
+	rm -rf $(VENV) $(CHECKOV_VENV) .data .dagster_home

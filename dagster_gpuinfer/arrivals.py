@@ -34,6 +34,7 @@ from dagster_gpuinfer.spec import (
     InputFormat,
     range_partition_key,
     split_partition_key,
+    unsafe_partition_key_reason,
 )
 from dagster_gpuinfer.storage import ListedFile
 
@@ -145,7 +146,15 @@ def scan_arrivals(
         key = watched.file_key(arrived.name)
         if key is not None and not is_known(key):
             bad = [s for s in INVALID_KEY_SUBSTRINGS if s in key]
-            if bad:
+            unsafe = unsafe_partition_key_reason(key)
+            if unsafe is not None:
+                scan.rejected.append(
+                    (
+                        arrived.name,
+                        f"its partition key {key!r} is refused: {unsafe}; rename the file",
+                    )
+                )
+            elif bad:
                 scan.rejected.append(
                     (
                         arrived.name,

@@ -6,6 +6,7 @@ messages into per-partition results. It never imports torch or vllm.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,8 +23,16 @@ from dagster_gpuinfer.messages import (
     RunFinished,
     parse_message,
 )
+from dagster_gpuinfer.secrets import ENV_REFERENCES_VARIABLE
 from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
 from dagster_gpuinfer.storage import Manifest, committed_manifest
+
+
+def env_references_variable(references: Mapping[str, str]) -> dict[str, str]:
+    """The one variable that carries `env_references` (names only) to a local worker."""
+    if not references:
+        return {}
+    return {ENV_REFERENCES_VARIABLE: json.dumps(dict(references), sort_keys=True)}
 
 
 class InvalidInferenceSpec(ValueError):
@@ -85,8 +94,17 @@ class GpuInferenceResource(dg.ConfigurableResource):
     )
     env: dict[str, str] = Field(
         default_factory=dict,
-        description="Extra environment variables for the worker (never secrets for k8s: use "
-        "secret references there).",
+        description="Extra environment variables for the worker. Never credentials: names "
+        "that look like one (TOKEN, SECRET, *_PASS*, *_KEY, ...) are refused for pods; use "
+        "env_references (local) or k8s.secret_env (pods).",
+    )
+    env_references: dict[str, str] = Field(
+        default_factory=dict,
+        description="Worker environment variables taken by reference, local launcher: {name "
+        "the worker gets: name of the variable in the worker's inherited environment}, e.g. "
+        "{'AWS_SECRET_ACCESS_KEY': 'MINIO_SECRET'} (gpu_settings_from_s3_resource fills it "
+        "from dg.EnvVar credentials). Only names travel; the worker reads the value at start. "
+        "Pods take credentials from Secrets instead (k8s.secret_env, k8s.secret_env_from).",
     )
     engine_overrides: dict[str, Any] = Field(
         default_factory=dict,
@@ -188,7 +206,16 @@ class GpuInferenceResource(dg.ConfigurableResource):
                 context=context,
                 extras=extras,
                 python_executable=self.python_executable or sys.executable,
-                env=self.env,
+                env={**self.env, **env_references_variable(self.env_references)},
+            )
+        if self.env_references:
+            raise dg.Failure(
+                description="GpuInferenceResource.env_references names variables of the "
+                f"control plane's environment ({sorted(self.env_references.values())}), which "
+                "a pod cannot see. Put the credentials in a Kubernetes Secret and reference it: "
+                "k8s.secret_env_from=['<secret>'] (keys become variables) or k8s.secret_env="
+                "[SecretEnvRef(...)]",
+                allow_retries=False,
             )
         if self.k8s is None:
             raise dg.Failure(

@@ -19,6 +19,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from dagster_gpuinfer.secrets import find_secrets_in_options, secret_in_options_message
+
 Task = Literal["embed", "generate", "chat"]
 InputFormat = Literal["parquet", "jsonl", "openai_batch"]
 OutputFormat = Literal["parquet", "openai_batch"]
@@ -31,6 +33,36 @@ PARTITION_KEY_PLACEHOLDER = "{partition_key}"
 RANGE_KEY_PATTERN = re.compile(
     r"^(?P<file>.+)@(?P<unit>rows|bytes)=(?P<start>\d+)-(?P<end>\d+)$"
 )
+
+
+# vLLM load formats (vllm.model_executor.model_loader.LoadFormats, vLLM 0.32) that read
+# only safetensors (or make no weights at all): no pickle is ever unpickled. The others
+# ("auto" and "hf" fall back to *.bin, "pt", "npcache", ...) may run torch.load on a file
+# from the model source, so a spec must opt in with `allow_pickle_weights=True`.
+SAFE_LOAD_FORMATS = frozenset({"safetensors", "fastsafetensors", "runai_streamer", "mistral", "dummy"})
+
+
+def unsafe_partition_key_reason(partition_key: str) -> str | None:
+    """Why a partition key cannot name a file under an input root, or None when it can.
+
+    A key becomes part of a path (`{partition_key}` in the input uri): `..` segments, a
+    leading `/` or `\\` or a NUL byte would let it point outside the input root.
+    """
+    if not partition_key:
+        return "it is empty"
+    if "\x00" in partition_key:
+        return "it holds a NUL byte"
+    if partition_key.startswith(("/", "\\")):
+        return "it starts with a path separator, which would make it an absolute path"
+    if ".." in partition_key.replace("\\", "/").split("/"):
+        return "it has a '..' path segment, which would leave the input root"
+    return None
+
+
+def _refuse_secrets(options: dict[str, Any], where: str) -> dict[str, Any]:
+    for path in find_secrets_in_options(options, where):
+        raise ValueError(secret_in_options_message(path))
+    return options
 
 
 class _Strict(BaseModel):
@@ -64,19 +96,62 @@ class EngineArgs(_Strict):
     enable_prefix_caching: bool | None = Field(None, description="vLLM `enable_prefix_caching`.")
     seed: int = Field(0, description="vLLM engine `seed`.")
     trust_remote_code: bool = Field(False, description="vLLM `trust_remote_code`.")
+    load_format: str = Field(
+        "safetensors",
+        description="vLLM `load_format`. safetensors by default: weights never come from a "
+        f"pickle. {sorted(SAFE_LOAD_FORMATS)} are safe; any other (auto, pt, npcache, ...) may "
+        "unpickle *.bin files and needs allow_pickle_weights=True.",
+    )
+    allow_pickle_weights: bool = Field(
+        False,
+        description="Let load_format read pickle (*.bin, *.pt) weights. Only for a model "
+        "source you trust as code: unpickling runs whatever the file holds.",
+    )
     extra: dict[str, Any] = Field(
-        default_factory=dict, description="Other `vllm.LLM` keyword arguments, passed as is."
+        default_factory=dict,
+        description="Other `vllm.LLM` keyword arguments, passed as is. Never credentials "
+        "(hf_token, api_key, ...): those are refused; give them to the worker by Secret.",
     )
 
-    # Fields that change speed or memory but not results: excluded from the spec hash, so
-    # that stepping them down after an out-of-memory error keeps committed chunks valid.
+    # Fields that do not change results: excluded from the spec hash. The speed and memory
+    # knobs so that stepping them down after an out-of-memory error keeps committed chunks
+    # valid; the load format because the same weights load either way.
     PERFORMANCE_ONLY: ClassVar[frozenset[str]] = frozenset(
-        {"gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "enforce_eager"}
+        {
+            "gpu_memory_utilization",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "enforce_eager",
+            "load_format",
+            "allow_pickle_weights",
+        }
     )
+
+    @field_validator("extra")
+    @classmethod
+    def _no_secrets_or_load_format_in_extra(cls, extra: dict[str, Any]) -> dict[str, Any]:
+        if "load_format" in extra:
+            raise ValueError(
+                "engine.extra['load_format'] is set; use engine.load_format (pickle formats "
+                "also need engine.allow_pickle_weights=True)"
+            )
+        return _refuse_secrets(extra, "engine.extra")
+
+    @model_validator(mode="after")
+    def _pickle_only_when_allowed(self) -> EngineArgs:
+        load_format = self.load_format.lower()
+        if load_format not in SAFE_LOAD_FORMATS and not self.allow_pickle_weights:
+            raise ValueError(
+                f"engine.load_format={self.load_format!r} may load pickle weights (*.bin, "
+                "*.pt), and unpickling a file runs the code in it. Convert the model to "
+                "safetensors (the default load_format), or set engine.allow_pickle_weights=True "
+                "if you trust the model source as you trust code"
+            )
+        return self
 
     def to_vllm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `vllm.LLM`, without the unset ones."""
-        kwargs = self.model_dump(exclude={"extra"}, exclude_none=True)
+        kwargs = self.model_dump(exclude={"extra", "allow_pickle_weights"}, exclude_none=True)
         kwargs.update(self.extra)
         return kwargs
 
@@ -97,6 +172,11 @@ class SamplingParams(_Strict):
     extra: dict[str, Any] = Field(
         default_factory=dict, description="Other `vllm.SamplingParams` fields, passed as is."
     )
+
+    @field_validator("extra")
+    @classmethod
+    def _no_secrets_in_extra(cls, extra: dict[str, Any]) -> dict[str, Any]:
+        return _refuse_secrets(extra, "sampling.extra")
 
     def to_vllm_kwargs(self) -> dict[str, Any]:
         kwargs = self.model_dump(exclude={"extra"}, exclude_none=True)
@@ -252,8 +332,13 @@ class InferenceSpec(_Strict):
     @classmethod
     def _valid_partition_keys(cls, keys: list[str]) -> list[str]:
         for key in keys:
-            if not key or "\x00" in key:
-                raise ValueError(f"partition key {key!r} is empty or holds a NUL byte")
+            reason = unsafe_partition_key_reason(key)
+            if reason is not None:
+                raise ValueError(
+                    f"partition key {key!r} is refused: {reason}. Partition keys name files "
+                    "under the input root; rename the input (or the partition) to a relative "
+                    "name without '..' segments"
+                )
         if len(set(keys)) != len(keys):
             raise ValueError("partition_keys lists a partition more than once")
         return keys

@@ -34,7 +34,7 @@ from urllib.parse import quote
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dagster_gpuinfer.spec import InferenceSpec, OutputSpec, StorageOptions
 
@@ -317,6 +317,32 @@ class FileEntry(BaseModel):
     rows: int
     bytes: int
     sha256: str
+
+    @field_validator("name")
+    @classmethod
+    def _plain_file_name(cls, name: str) -> str:
+        return plain_file_name(name)
+
+
+def plain_file_name(name: str) -> str:
+    """`name` if it is a plain file name inside a partition folder, else ValueError.
+
+    Manifests name their files; a name with a separator, `..` or a NUL byte would make a
+    reader (`read_partition`, `verify_manifest`) open a file outside the partition.
+    """
+    if (
+        not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\x00" in name
+    ):
+        raise ValueError(
+            f"manifest file name {name!r} is not a plain file name inside the partition "
+            "folder (no '/', '\\', '..' or NUL); the manifest was not written by "
+            "dagster-gpuinfer or was tampered with: re-materialize the partition"
+        )
+    return name
 
 
 def table_to_parquet_bytes(table: pa.Table) -> bytes:

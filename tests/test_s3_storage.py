@@ -161,17 +161,19 @@ def test_the_job_spec_never_carries_credentials(s3_server, bucket):
     s3 = S3Resource(
         endpoint_url=s3_server.endpoint_url,
         region_name=s3_server.region,
-        aws_access_key_id="AKIA-FROM-RESOURCE",
-        aws_secret_access_key="secret-from-resource",
+        aws_access_key_id=dg.EnvVar("RESOURCE_KEY_ID"),
+        aws_secret_access_key=dg.EnvVar("RESOURCE_SECRET"),
     )
     settings = gpu_settings_from_s3_resource(s3)
-    assert settings["env"]["AWS_SECRET_ACCESS_KEY"] == "secret-from-resource"
+    # By name only: the values are read by the worker from its own environment.
+    assert settings["env_references"]["AWS_SECRET_ACCESS_KEY"] == "RESOURCE_SECRET"
+    assert settings["env"] == {}
     assert settings["s3_allow_http"] is True
     gpu = GpuInferenceResource(**settings)
     spec = gpu.prepare_spec(make_spec(bucket, StorageOptions()))
     sent = json.dumps({"spec": spec.model_dump(mode="json")})  # what Pipes extras carry
     assert spec.storage.endpoint_url == s3_server.endpoint_url
-    assert "secret-from-resource" not in sent and "AKIA-FROM-RESOURCE" not in sent
+    assert "RESOURCE_SECRET" not in sent and "RESOURCE_KEY_ID" not in sent
 
 
 def keys_from_s3_resource_sensor(

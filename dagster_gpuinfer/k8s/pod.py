@@ -40,6 +40,7 @@ from typing import Any, Literal
 import dagster as dg
 from pydantic import Field
 
+from dagster_gpuinfer.secrets import is_secret_env_name, url_with_credentials
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.worker import WORKER_MODULE
 
@@ -61,11 +62,6 @@ _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 # Kubernetes resource.Quantity: a signed decimal with an optional binary or decimal suffix.
 _QUANTITY = re.compile(
     r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
-)
-# Names of environment variables that usually hold credentials: these must come from a Secret.
-_SECRET_LIKE = re.compile(
-    r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY|ACCESS_KEY|SESSION_KEY)",
-    re.IGNORECASE,
 )
 
 
@@ -390,7 +386,7 @@ def _check_env_names(where: str, names: list[str], *, allow_secret_like: bool) -
     for name in names:
         if not _ENV_NAME.match(name):
             raise PodSpecError(f"{where}: {name!r} is not a valid environment variable name")
-        if not allow_secret_like and _SECRET_LIKE.search(name):
+        if not allow_secret_like and is_secret_env_name(name):
             raise PodSpecError(
                 f"{where}: {name!r} looks like a credential, and plain env values end up in the "
                 "pod manifest for anyone who can read pods. Put the value in a Kubernetes "
@@ -462,12 +458,26 @@ def _check_env_and_secrets(config: K8sLauncherConfig, extra_env: Mapping[str, st
     secrets = config.secrets
     _check_env_names("k8s.env", list(config.env), allow_secret_like=False)
     _check_env_names("GpuInferenceResource.env", list(extra_env), allow_secret_like=False)
+    _check_env_values("k8s.env", config.env)
+    _check_env_values("GpuInferenceResource.env", extra_env)
     _check_env_names(
         "k8s.secrets.env", [ref.env_name for ref in secrets.env], allow_secret_like=True
     )
     for name in [*secrets.image_pull, *secrets.env_from, *(r.secret_name for r in secrets.env)]:
         if not _DNS_SUBDOMAIN.match(name):
             raise PodSpecError(f"Secret name {name!r} is not a valid Kubernetes object name")
+
+
+def _check_env_values(where: str, env: Mapping[str, str]) -> None:
+    """Plain env values are in the pod manifest: a URL with a password is refused."""
+    for name, value in env.items():
+        if url_with_credentials(str(value)):
+            raise PodSpecError(
+                f"{where}[{name!r}] is a URL with credentials in it, and plain env values end "
+                "up in the pod manifest for anyone who can read pods. Put the URL in a "
+                f"Kubernetes Secret and pass k8s.secrets.env=[SecretEnvRef(env_name={name!r}, "
+                "secret_name=..., key=...)] instead"
+            )
 
 
 def validate_launcher_config(config: K8sLauncherConfig, extra_env: Mapping[str, str]) -> None:

@@ -38,6 +38,7 @@ from dagster_gpuinfer.messages import (
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest
 from dagster_gpuinfer.worker.errors import SpecError, WorkerError
+from dagster_gpuinfer.worker.env_references import apply_env_references
 from dagster_gpuinfer.worker.job import run_job
 
 
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", help="a job spec JSON file, to run without Dagster Pipes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    apply_env_references()
     if args.spec:
         with open(args.spec) as handle:
             raw = json.load(handle)
