@@ -35,7 +35,7 @@ import yaml
 from dagster_aws.s3 import S3Resource
 
 from dagster_gpuinfer import GpuInferenceResource, InputSpec, inference_assets
-from dagster_gpuinfer.arrivals import ArrivedFile, WatchedFiles, scan_arrivals
+from dagster_gpuinfer.arrivals import WatchedFiles, scan_arrivals
 from dagster_gpuinfer.aws import gpu_settings_from_s3_resource
 from dagster_gpuinfer.k8s.pod import (
     K8sLauncherConfig,
@@ -55,6 +55,7 @@ from dagster_gpuinfer.spec import EngineArgs, InferenceSpec, SamplingParams
 from dagster_gpuinfer.storage import (
     MANIFEST_NAME,
     FileEntry,
+    ListedFile,
     filesystem_for,
     partition_dir,
     read_partition,
@@ -747,7 +748,7 @@ class ListedKeys:
         self.names = sorted(names)
 
     def list_after(self, start_after: str):
-        return iter([ArrivedFile(n, 10) for n in self.names if n > start_after])
+        return iter([ListedFile(n, 10) for n in self.names if n > start_after])
 
     def open(self, name: str):  # pragma: no cover - no splitting here
         raise AssertionError(name)
