@@ -15,6 +15,7 @@ from pydantic import Field
 from dagster_gpuinfer.checks import ROWS_BALANCED, ERROR_RATE, check_results
 from dagster_gpuinfer.metadata import partition_metadata, run_metadata
 from dagster_gpuinfer.resource import GpuInferenceResource, InferenceRunResult, validate_spec
+from dagster_gpuinfer.run_metrics import run_timing_fields
 from dagster_gpuinfer.spec import (
     EngineArgs,
     InferenceSpec,
@@ -247,7 +248,8 @@ def inference_assets(
             fail_partitions(context, result, spec)
         for key, manifest in result.manifests.items():
             context.add_asset_metadata(
-                partition_metadata(result.spec or spec, manifest, computed=key in result.computed),
+                {**partition_metadata(result.spec or spec, manifest, computed=key in result.computed),
+                 **run_timing_fields(result)},  # the run's queue/start/load/inference/commit seconds
                 partition_key=key,
             )
         return dg.MaterializeResult(

@@ -15,6 +15,7 @@ import dagster as dg
 from pydantic import Field, ValidationError
 
 from dagster_gpuinfer.pod_builder import K8sLauncherConfig
+from dagster_gpuinfer.run_metrics import metrics_env, push_run_metrics
 from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
 from dagster_gpuinfer.storage import Manifest, committed_manifest
 
@@ -57,6 +58,8 @@ class InferenceRunResult:
     # k8s launcher: set when the worker ran out of memory and was relaunched with smaller
     # vLLM batches ({field: {"from": old, "to": new}, "first_failure": ...}).
     memory_step_down: dict[str, Any] | None = None
+    # k8s launcher: where the pod's start went (k8s/timing.py): queued, scheduling, start.
+    pod_start: dict[str, Any] | None = None
 
 
 class GpuInferenceResource(dg.ConfigurableResource):
@@ -91,6 +94,17 @@ class GpuInferenceResource(dg.ConfigurableResource):
     )
     s3_region: str | None = Field(None, description="S3 region.")
     s3_allow_http: bool = Field(False, description="Allow a plain-http S3 endpoint.")
+    metrics_port: int | None = Field(
+        None,
+        description="Port the worker serves Prometheus metrics on (GPUINFER_METRICS_PORT); "
+        "worker pods declare it as their `metrics` port for the PodMonitor. None serves none.",
+    )
+    pushgateway_url: str | None = Field(
+        None,
+        description="Prometheus Pushgateway the worker pushes its metrics to after every chunk "
+        "commit and at exit (and the launcher its queue and start times), e.g. "
+        "http://pushgateway.monitoring:9091. None pushes nothing.",
+    )
     k8s: K8sLauncherConfig | None = Field(
         None,
         description="Worker pods for launcher='k8s': image, namespace, GPU type, Kueue queue, "
@@ -151,6 +165,8 @@ class GpuInferenceResource(dg.ConfigurableResource):
         worker_spec = spec.model_copy(update={"partition_keys": todo})
         messages = self._launch_stepping_down_memory(context=context, spec=worker_spec, result=result)
         self._collect(messages, result)
+        push_run_metrics(self.pushgateway_url, asset=spec.output.asset_name,
+                         run_id=context.run_id, result=result)
         if result.memory_step_down is not None:
             for key in todo:
                 context.add_asset_metadata(
@@ -170,6 +186,10 @@ class GpuInferenceResource(dg.ConfigurableResource):
             )
         return result
 
+    def worker_env(self) -> dict[str, str]:
+        """`env` plus the metrics settings the worker reads (worker/metrics.py)."""
+        return {**self.env, **metrics_env(self.metrics_port, self.pushgateway_url)}
+
     def _launch(
         self, *, context: dg.AssetExecutionContext, spec: InferenceSpec, launch_attempt: int = 0
     ) -> list[Any]:
@@ -181,7 +201,7 @@ class GpuInferenceResource(dg.ConfigurableResource):
                 context=context,
                 extras=extras,
                 python_executable=self.python_executable or sys.executable,
-                env=self.env,
+                env=self.worker_env(),
             )
         if self.k8s is None:
             raise dg.Failure(
@@ -197,7 +217,7 @@ class GpuInferenceResource(dg.ConfigurableResource):
             spec=spec,
             extras=extras,
             config=self.k8s,
-            env=self.env,
+            env=self.worker_env(),
             kubernetes_client=self.kubernetes_client,
             launch_attempt=launch_attempt,
         )
@@ -273,6 +293,8 @@ class GpuInferenceResource(dg.ConfigurableResource):
                 }
             elif kind == "run":
                 result.summary = {k: v for k, v in message.items() if k != "type"}
+            elif kind == "pod_start":  # the k8s launcher's own (k8s/timing.py)
+                result.pod_start = {k: v for k, v in message.items() if k != "type"}
             elif kind == "fatal":
                 where = message.get("partition_key")
                 raise dg.Failure(

@@ -46,6 +46,7 @@ from dagster_gpuinfer.pod_failures import (
     raise_for,
     start_timeout_failure,
 )
+from dagster_gpuinfer.k8s.timing import StartObserver, start_timing_message
 from dagster_gpuinfer.spec import InferenceSpec
 
 log = logging.getLogger("dagster_gpuinfer.launchers.k8s")
@@ -113,6 +114,7 @@ class GpuWorkerPipesClient(PipesK8sClient):
         self.pod_pending_timeout = pod_pending_timeout
         self.queue_timeout = queue_timeout
         self.pod_wait_timeout = pod_wait_timeout
+        self.start_timing = None  # k8s/timing.py: queued, scheduling, container start
 
     def run_worker_pod(
         self,
@@ -209,13 +211,16 @@ class GpuWorkerPipesClient(PipesK8sClient):
         """
         started_at = client.timer()
         pending_since: float | None = None
+        observer = StartObserver()
         while True:
             pod = read_pod(client, name=name, namespace=namespace)
             if pod is None:
                 raise_for(classify_pod_failure(pod=None, pod_name=name, image=image))
             state, detail = pod_start_state(pod)
+            observer.observe(state)
             now = client.timer()
             if state == "started":
+                self.start_timing = observer.timing(pod)
                 return
             if state in ("image_error", "failed"):
                 raise_for(
@@ -367,7 +372,7 @@ def run_k8s_worker(
         if exc.failure.kind == "out_of_memory":
             raise
         raise failure_for(exc.failure) from None
-    return invocation.get_custom_messages()
+    return [*invocation.get_custom_messages(), start_timing_message(client.start_timing)]
 
 
 def failure_for(failure: PodFailure) -> dg.Failure:

@@ -31,6 +31,7 @@ from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest
 from dagster_gpuinfer.worker.errors import SpecError, WorkerError
 from dagster_gpuinfer.worker.job import run_job
+from dagster_gpuinfer.worker.metrics import MeteredReporter, start_worker_metrics
 
 
 class MessageReporter:
@@ -77,12 +78,20 @@ def parse_spec(raw: Any) -> InferenceSpec:
         raise SpecError(f"the job spec does not validate: {exc}") from exc
 
 
-def run(raw_spec: Any, reporter: MessageReporter) -> None:
+def run(raw_spec: Any, reporter: MessageReporter, *, run_id: str = "", retry_number: int = 0) -> None:
+    metrics = None
     try:
-        run_job(parse_spec(raw_spec), reporter)
+        spec = parse_spec(raw_spec)
+        metrics = start_worker_metrics(
+            asset=spec.output.asset_name, run_id=run_id or "local", retry_number=retry_number
+        )
+        run_job(spec, MeteredReporter(reporter, metrics))
     except WorkerError as exc:
         logging.getLogger("dagster_gpuinfer.worker").error("%s", exc)
         reporter.fatal(exc)
+    finally:
+        if metrics is not None:
+            metrics.close()  # the last push: a finished worker cannot be scraped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     from dagster_pipes import open_dagster_pipes
 
     with open_dagster_pipes() as pipes:
-        run(pipes.extras.get("spec"), MessageReporter(pipes.report_custom_message))
+        run(pipes.extras.get("spec"), MessageReporter(pipes.report_custom_message),
+            run_id=pipes.run_id, retry_number=pipes.retry_number)
     return 0
 
 
