@@ -258,3 +258,49 @@ def test_metered_reporter_counts_failures_and_adds_the_timing_split():
         'gpuinfer_partitions_failed_total{asset="docs",error_type="ShardError",partition="p9",'
         'run="r2"} 1.0' in text
     )
+
+
+def test_worker_serves_its_registry_on_the_metrics_port(monkeypatch):
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("GPUINFER_METRICS_PORT", str(port))
+    monkeypatch.delenv("GPUINFER_PUSHGATEWAY_URL", raising=False)
+    metrics = WorkerMetrics.from_environment(asset="docs", run_id="r3")
+    metrics.model_loaded(3.0, max_num_seqs=8)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    assert 'gpuinfer_model_load_seconds{asset="docs",run="r3"} 3.0' in text
+    assert 'gpuinfer_worker_up{asset="docs",run="r3"} 1.0' in text
+
+
+def test_worker_pod_declares_the_metrics_port_and_still_validates():
+    import kubernetes_validate
+
+    from dagster_gpuinfer.k8s.metrics_port import with_metrics_port
+    from dagster_gpuinfer.pod_builder import K8sLauncherConfig, RunIdentity, build_worker_pod
+    from dagster_gpuinfer.run_metrics import metrics_env
+    from dagster_gpuinfer.spec import InferenceSpec
+
+    spec = InferenceSpec.model_validate({
+        "model": "/models/Llama-3.1-8B-Instruct", "task": "generate",
+        "input": {"uri": "s3://corpus/prompts/{partition_key}.jsonl"},
+        "output": {"root": "s3://corpus/out", "asset_name": "completions"},
+        "partition_keys": ["prompts-000"],
+    })
+    env = metrics_env(9400, "http://pushgateway.monitoring:9091")
+    pod = build_worker_pod(
+        spec, K8sLauncherConfig(image="registry.example.com/w:1", namespace="team-a"),
+        RunIdentity(run_id="6633a66a-ab2b-4333-bb5f-adbdffff1812", asset_key="completions"),
+        extra_env=env,
+    )
+    exposed = with_metrics_port(pod, env)
+    kubernetes_validate.validate(exposed, "1.37.0", strict=True)
+    container = exposed["spec"]["containers"][0]
+    assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in container["ports"]
+    assert {e["name"]: e.get("value") for e in container["env"]}["GPUINFER_METRICS_PORT"] == "9400"
+    assert exposed["metadata"]["annotations"]["prometheus.io/port"] == "9400"
+    assert with_metrics_port(pod, {}) == pod  # no port configured: the pod is unchanged

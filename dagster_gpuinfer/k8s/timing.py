@@ -19,6 +19,7 @@ admitted, `container_start_seconds` = running - scheduled (image pull, volume mo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -128,9 +129,13 @@ class StartObserver:
 
     Call `observe(state)` with each poll's `pod_start_state` verdict (`queued` while the
     Kueue gate is on), then `timing(pod)` once it runs.
+
+    Args:
+        now: Wall-clock seconds since the epoch: the launcher's client timer (`time.time`
+            in production, a fake clock in tests).
     """
 
-    def __init__(self, now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)):
+    def __init__(self, now: Callable[[], float] = time.time):
         self.now = now
         self.was_gated = False
         self.admitted_at: datetime | None = None
@@ -140,7 +145,7 @@ class StartObserver:
             self.was_gated = True
             self.admitted_at = None
         elif self.was_gated and self.admitted_at is None:
-            self.admitted_at = self.now()
+            self.admitted_at = datetime.fromtimestamp(self.now(), timezone.utc)
 
     def timing(self, pod: Any, events: Iterable[Any] = ()) -> PodStartTiming:
         return pod_start_timing(

@@ -46,6 +46,7 @@ from dagster_gpuinfer.pod_failures import (
     raise_for,
     start_timeout_failure,
 )
+from dagster_gpuinfer.k8s.metrics_port import with_metrics_port
 from dagster_gpuinfer.k8s.timing import StartObserver, start_timing_message
 from dagster_gpuinfer.spec import InferenceSpec
 
@@ -211,7 +212,7 @@ class GpuWorkerPipesClient(PipesK8sClient):
         """
         started_at = client.timer()
         pending_since: float | None = None
-        observer = StartObserver()
+        observer = StartObserver(now=client.timer)
         while True:
             pod = read_pod(client, name=name, namespace=namespace)
             if pod is None:
@@ -347,7 +348,7 @@ def run_k8s_worker(
         launch_attempt=launch_attempt,
     )
     try:
-        pod = build_worker_pod(spec, config, identity, extra_env=env)
+        pod = with_metrics_port(build_worker_pod(spec, config, identity, extra_env=env), env)
     except PodSpecError as exc:
         raise dg.Failure(
             description=f"cannot build the worker pod: {exc}", allow_retries=False
