@@ -109,14 +109,9 @@ def telemetry_metadata(telemetry: dict[str, Any]) -> dict[str, Any]:
     return metadata
 
 
-def push_run_metrics(
-    pushgateway_url: str | None, *, asset: str, run_id: str, result: Any
-) -> None:
-    """Push the launcher's numbers for this run (when a Pushgateway is configured); a
-    Pushgateway that cannot be reached is logged, never raised."""
-    if not pushgateway_url:
-        return
-    from prometheus_client import CollectorRegistry, Gauge, push_to_gateway
+def launcher_registry(*, asset: str, run_id: str, result: Any) -> Any:
+    """The launcher's metrics of one run, in a fresh `prometheus_client` registry."""
+    from prometheus_client import CollectorRegistry, Gauge
 
     registry = CollectorRegistry()
     labels = ("asset", "run")
@@ -135,6 +130,19 @@ def push_run_metrics(
     )
     partitions.labels(asset, run_id, "committed").set(len(result.manifests))
     partitions.labels(asset, run_id, "failed").set(len(result.failed))
+    return registry
+
+
+def push_run_metrics(
+    pushgateway_url: str | None, *, asset: str, run_id: str, result: Any
+) -> None:
+    """Push the launcher's numbers for this run (when a Pushgateway is configured); a
+    Pushgateway that cannot be reached is logged, never raised."""
+    if not pushgateway_url:
+        return
+    from prometheus_client import push_to_gateway
+
+    registry = launcher_registry(asset=asset, run_id=run_id, result=result)
     try:
         push_to_gateway(
             pushgateway_url, job=PUSH_JOB, registry=registry,
