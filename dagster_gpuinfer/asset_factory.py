@@ -234,7 +234,9 @@ def inference_assets(
         ],
         kinds={"vllm", output_format if output_format == "parquet" else "json"},
         description=description or f"{task} with {model} over {input_key.to_user_string()}",
-        metadata={"model": model, "task": task, "output_root": output_root},
+        metadata={"model": model, "task": task, "output_root": output_root,
+                  # read by dagster_gpuinfer.estimate (CLI and backfill_estimate_sensor)
+                  "gpuinfer/spec": dg.MetadataValue.json(raw_spec)},
     )
     def _inference_asset(context: dg.AssetExecutionContext, config: InferenceRunConfig):
         gpu: GpuInferenceResource = getattr(context.resources, resource_key)
