@@ -33,12 +33,15 @@ prepare: install $(DAGSTER_HOME)/dagster.yaml
 demo: prepare
 	$(PY) -W ignore -m assets.demo
 
-# The suite includes a Dagster instance on a real PostgreSQL server: start a throwaway one.
+# The suite includes a Dagster instance on a real PostgreSQL server, and a real Prometheus
+# server with a Pushgateway (metrics of real worker runs, promtool on the alert rules):
+# start throwaway ones on loopback.
 test: prepare
+	eval "$$(bash deploy/local/test-prometheus.sh)" && \
 	GPUINFER_TEST_POSTGRES_URL=$$(bash deploy/local/test-postgres.sh) $(PY) -m pytest tests
 
 test-fast: install
-	$(PY) -m pytest tests -m "not engine"
+	eval "$$(bash deploy/local/test-prometheus.sh)" && $(PY) -m pytest tests -m "not engine"
 
 dev: prepare
 	$(VENV)/bin/dagster dev -w workspace.yaml

@@ -109,7 +109,10 @@ def open_gpu_reader(nvml: Any = None) -> NvmlGpuReader | None:
         try:
             import pynvml as nvml  # nvidia-ml-py
         except ImportError:
-            return None
+            try:
+                from vllm.third_party import pynvml as nvml  # the copy vLLM ships
+            except ImportError:
+                return None
     visible_env = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = None
     if visible_env is not None:

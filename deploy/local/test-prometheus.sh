@@ -22,11 +22,11 @@ if [ "${1:-}" = stop ]; then
 fi
 
 if ! command -v prometheus >/dev/null || ! command -v prometheus-pushgateway >/dev/null \
-  || ! command -v promtool >/dev/null; then
-  echo "installing prometheus and prometheus-pushgateway (apt-get)" >&2
+  || ! command -v promtool >/dev/null || ! command -v curl >/dev/null; then
+  echo "installing prometheus, prometheus-pushgateway and curl (apt-get)" >&2
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq >&2 && apt-get install -y -qq --no-install-recommends \
-    prometheus prometheus-pushgateway >&2
+    prometheus prometheus-pushgateway curl >&2
 fi
 
 ready() { curl -fsS "http://127.0.0.1:$1/-/ready" >/dev/null 2>&1; }
