@@ -47,20 +47,24 @@ def metrics_env(port: int | None, pushgateway_url: str | None) -> dict[str, str]
 
 def run_timing(result: Any) -> dict[str, Any]:
     """The run's time split: pod queue and start (k8s launcher; `n/a` for local workers),
-    then the worker's model load, inference and commit seconds."""
+    then the worker's model load, and the inference and commit seconds of the partitions
+    this run computed (from their manifests, whichever process or replica ran them)."""
     start = result.pod_start or {}
-    worker = result.summary.get("timings") or {}
+    computed = [result.manifests[key] for key in result.computed if key in result.manifests]
 
     def value(mapping: dict[str, Any], key: str) -> Any:
         found = mapping.get(key)
         return NOT_AVAILABLE if found is None else found
 
+    load = result.summary.get("model_load_seconds")
     return {
         "queued_seconds": value(start, "queued_seconds"),
         "start_seconds": value(start, "admission_to_running_seconds"),
-        "model_load_seconds": value(worker, "model_load_seconds"),
-        "inference_seconds": value(worker, "inference_seconds"),
-        "commit_seconds": value(worker, "write_seconds"),
+        "model_load_seconds": NOT_AVAILABLE if load is None else load,
+        "inference_seconds": round(sum(m.inference_seconds for m in computed), 3)
+        if computed else NOT_AVAILABLE,
+        "commit_seconds": round(sum(m.telemetry.get("commit_seconds", 0.0) for m in computed), 3)
+        if computed else NOT_AVAILABLE,
     }
 
 

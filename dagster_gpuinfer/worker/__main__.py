@@ -6,7 +6,8 @@ extras (`spec`), and progress goes back as Pipes messages:
 - `{"type": "partition", "computed": bool, "manifest": {...}}` for each committed partition;
 - `{"type": "partition_failed", "error_type", "message", "partition_key"}` for each shard that
   cannot be processed (missing, unreadable, missing a column); the other partitions go on;
-- `{"type": "run", ...}` once, with the model loads and timings of the run;
+- `{"type": "run", ...}` once, with the model loads and timings of the run, and its
+  `telemetry` (GPU utilization, engine saturation: worker/telemetry.py);
 - `{"type": "fatal", "error_type", "message", "partition_key"}` when the spec cannot run
   (model directory, arguments). The process then exits 0: it finished its protocol, and the
   control plane raises a non-retryable Dagster `Failure`. Any other exit is a crash, which Dagster's

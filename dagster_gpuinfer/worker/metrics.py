@@ -143,9 +143,6 @@ class WorkerMetrics:
         self._partition_commit_seconds: dict[str, float] = {}
         self._push_warned = False
         self._push_lock = threading.Lock()
-        self.inference_seconds = 0.0
-        self.write_seconds = 0.0
-        self.model_load_seconds = 0.0
         r = self.registry
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = PARTITION_LABELS) -> Counter:
@@ -278,7 +275,6 @@ class WorkerMetrics:
     # ------------------------------------------------------------------ hooks
 
     def model_loaded(self, seconds: float, *, max_num_seqs: int | None) -> None:
-        self.model_load_seconds = seconds
         self.load_seconds.labels(**self.run_labels).set(seconds)
         self.sampler.max_num_seqs = max_num_seqs
 
@@ -289,9 +285,8 @@ class WorkerMetrics:
     def requests_started(self, count: int) -> None:
         self.in_flight.labels(**self.run_labels).inc(count)
 
-    def requests_finished(self, count: int, *, seconds: float) -> None:
+    def requests_finished(self, count: int) -> None:
         self.in_flight.labels(**self.run_labels).dec(count)
-        self.inference_seconds += seconds
 
     def partition_started(self, partition: str) -> None:
         self._partition_started.setdefault(partition, self.sampler.clock())
@@ -309,7 +304,6 @@ class WorkerMetrics:
         self.generated_tokens.labels(**labels).inc(marker.generated_tokens)
         self.chunks.labels(**labels).inc()
         self.chunk_seconds.labels(**labels).observe(marker.inference_seconds + write_seconds)
-        self.write_seconds += write_seconds
         self._partition_commit_seconds[partition] = (
             self._partition_commit_seconds.get(partition, 0.0) + write_seconds
         )
@@ -339,14 +333,6 @@ class WorkerMetrics:
         labels = {**self.run_labels, "partition": partition, "error_type": error_type}
         self.partitions_failed.labels(**labels).inc()
         self.push()
-
-    def run_timings(self) -> dict[str, float]:
-        """The run's split: model load, inference and write seconds (summed over chunks)."""
-        return {
-            "model_load_seconds": round(self.model_load_seconds, 3),
-            "inference_seconds": round(self.inference_seconds, 3),
-            "write_seconds": round(self.write_seconds, 3),
-        }
 
     def _export_sample(self, sample: Sample) -> None:
         for gpu in sample.gpus:
@@ -385,8 +371,8 @@ def install_metrics(metrics: WorkerMetrics | None) -> WorkerMetrics | None:
 
 
 class MeteredReporter:
-    """Wraps the worker's reporter: failures are counted, the run summary gets the timing
-    split and run-level telemetry, and the metrics are closed (pushed) when the run ends."""
+    """Wraps the worker's reporter: failures are counted and the run summary gets the run's
+    telemetry (GPU utilization, engine saturation over the whole run)."""
 
     def __init__(self, reporter: Any, metrics: WorkerMetrics) -> None:
         self.reporter = reporter
@@ -404,7 +390,6 @@ class MeteredReporter:
         summary = dict(summary)
         telemetry = self.metrics.sampler.summarise(self.started)
         telemetry.pop("gpus", None)
-        summary["timings"] = self.metrics.run_timings()
         summary["telemetry"] = telemetry
         self.reporter.run_finished(summary)
 

@@ -166,7 +166,7 @@ def commit_chunk(
     valid = validator.validate(chunk)
     current_metrics().requests_started(len(valid.token_ids))
     result = engine.run(valid.token_ids)
-    current_metrics().requests_finished(len(valid.token_ids), seconds=result.seconds)
+    current_metrics().requests_finished(len(valid.token_ids))
     inferred = time.perf_counter()
     part = None
     if valid.ids:
