@@ -179,3 +179,25 @@ def test_launcher_wait_records_the_start_split():
     assert seconds["scheduling_seconds"] == 2.0
     assert seconds["container_start_seconds"] == 43.0
     assert start_timing_message(launcher.start_timing)["gated_by_kueue"] is True
+
+
+def test_the_launchers_message_becomes_the_runs_queue_and_start_metadata():
+    from dagster_gpuinfer.resource import GpuInferenceResource, InferenceRunResult
+    from dagster_gpuinfer.run_metrics import run_timing, run_timing_metadata
+
+    timing = pod_start_timing(
+        pod(scheduled=605, running=650), admitted_at=at(600), was_gated=True
+    )
+    result = InferenceRunResult()
+    GpuInferenceResource._collect(
+        [{"type": "run", "model_loads": 1, "model_load_seconds": 41.5},
+         start_timing_message(timing)],
+        result,
+    )
+    assert run_timing(result) == {
+        "queued_seconds": 600.0, "start_seconds": 50.0, "model_load_seconds": 41.5,
+        "inference_seconds": "n/a", "commit_seconds": "n/a",  # no partition computed
+    }
+    metadata = run_timing_metadata(result)
+    assert metadata["run_queued_seconds"] == 600.0
+    assert metadata["run_pod_start"].data["container_start_seconds"] == 45.0

@@ -301,3 +301,23 @@ def test_worker_pod_declares_the_metrics_port_and_still_validates():
     assert {e["name"]: e.get("value") for e in container["env"]}["GPUINFER_METRICS_PORT"] == "9400"
     assert exposed["metadata"]["annotations"]["prometheus.io/port"] == "9400"
     assert with_metrics_port(pod, {}) == pod  # no port configured: the pod is unchanged
+
+
+def test_an_unreachable_pushgateway_costs_one_attempt_not_one_per_chunk(monkeypatch):
+    attempts = []
+
+    def refused(*args, **kwargs):
+        attempts.append(kwargs.get("grouping_key"))
+        raise OSError("connection refused")
+
+    monkeypatch.setattr("prometheus_client.push_to_gateway", refused)
+    metrics = WorkerMetrics(
+        asset="docs", run_id="r4", pushgateway_url="http://127.0.0.1:9",
+        sampler=TelemetrySampler(gpu_reader=None, engine_gauges=lambda: None, clock=FakeClock()),
+    )
+    for _ in range(5):
+        metrics.chunk_committed("p", Marker(), write_seconds=0.0)
+    assert len(attempts) == 1
+    assert attempts[0] == {"run": "r4", "asset": "docs", "process": "main"}
+    metrics.close()  # the final push is tried regardless
+    assert len(attempts) == 2

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -46,6 +47,8 @@ PUSHGATEWAY_ENV = "GPUINFER_PUSHGATEWAY_URL"
 SAMPLE_SECONDS_ENV = "GPUINFER_TELEMETRY_INTERVAL"
 RUN_ID_ENV = "GPUINFER_RUN_ID"
 PUSH_JOB = "gpuinfer_worker"
+PUSH_TIMEOUT_SECONDS = 5.0
+PUSH_RETRY_SECONDS = 60.0
 
 RUN_LABELS = ("asset", "run")
 PARTITION_LABELS = ("asset", "partition", "run")
@@ -142,6 +145,7 @@ class WorkerMetrics:
         self._partition_started: dict[str, float] = {}
         self._partition_commit_seconds: dict[str, float] = {}
         self._push_warned = False
+        self._push_paused_until = 0.0
         self._push_lock = threading.Lock()
         r = self.registry
 
@@ -240,8 +244,11 @@ class WorkerMetrics:
         if port and process == "main":
             from prometheus_client import start_http_server
 
-            start_http_server(int(port), registry=metrics.registry)
-            log.info("metrics on port %s", port)
+            try:
+                start_http_server(int(port), registry=metrics.registry)
+                log.info("metrics on port %s", port)
+            except OSError as exc:  # port taken: the run goes on, pushed metrics still flow
+                log.warning("cannot serve metrics on port %s: %s", port, exc)
         return metrics
 
     def start(self) -> WorkerMetrics:
@@ -252,11 +259,19 @@ class WorkerMetrics:
         """Stop sampling, mark the worker finished and push one last time."""
         self.sampler.stop()
         self.up.labels(**self.run_labels).set(0)
-        self.push()
+        self.push(final=True)
 
-    def push(self) -> None:
-        """Push the registry to the Pushgateway (when configured); never raises."""
+    def push(self, *, final: bool = False) -> None:
+        """Push the registry to the Pushgateway (when configured); never raises.
+
+        After a failed push the next ones are skipped for `PUSH_RETRY_SECONDS` (but not the
+        final one), so an unreachable Pushgateway costs the inference loop one timeout, not
+        one per chunk.
+        """
         if not self.pushgateway_url:
+            return
+        now = time.monotonic()
+        if not final and now < self._push_paused_until:
             return
         from prometheus_client import push_to_gateway
 
@@ -265,9 +280,10 @@ class WorkerMetrics:
             with self._push_lock:
                 push_to_gateway(
                     self.pushgateway_url, job=PUSH_JOB, registry=self.registry,
-                    grouping_key=grouping, timeout=10,
+                    grouping_key=grouping, timeout=PUSH_TIMEOUT_SECONDS,
                 )
         except Exception as exc:  # noqa: BLE001 - metrics never fail a job
+            self._push_paused_until = time.monotonic() + PUSH_RETRY_SECONDS
             if not self._push_warned:
                 log.warning("cannot push metrics to %s: %s", self.pushgateway_url, exc)
                 self._push_warned = True
