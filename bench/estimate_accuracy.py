@@ -34,8 +34,10 @@ def write_shards(root: Path, sizes: list[int]) -> list[str]:
         key = f"shard-{index:03d}"
         texts = [f"{SENTENCE} ({key} row {i}, note {i * 7 % 13})" for i in range(rows)]
         (root / "in").mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.table({"id": [f"{key}-{i}" for i in range(rows)], "text": texts}),
-                       root / "in" / f"{key}.parquet")
+        pq.write_table(
+            pa.table({"id": [f"{key}-{i}" for i in range(rows)], "text": texts}),
+            root / "in" / f"{key}.parquet",
+        )
         keys.append(key)
     return keys
 
@@ -43,10 +45,14 @@ def write_shards(root: Path, sizes: list[int]) -> list[str]:
 def materialize(pipeline, keys: list[str], resource, instance) -> float:
     started = time.perf_counter()
     result = dg.materialize(
-        pipeline.assets, selection=[pipeline.output_asset.key], instance=instance,
+        pipeline.assets,
+        selection=[pipeline.output_asset.key],
+        instance=instance,
         resources={"gpu": resource},
-        tags={"dagster/asset_partition_range_start": keys[0],
-              "dagster/asset_partition_range_end": keys[-1]},
+        tags={
+            "dagster/asset_partition_range_start": keys[0],
+            "dagster/asset_partition_range_end": keys[-1],
+        },
     )
     assert result.success
     return time.perf_counter() - started
@@ -66,21 +72,29 @@ def main() -> None:
         root = Path(tmp)
         keys = write_shards(root, sizes)
         pipeline = inference_assets(
-            name="docs", model=minilm_path(), task="embed",
+            name="docs",
+            model=minilm_path(),
+            task="embed",
             input=InputSpec(uri=str(root / "in" / "{partition_key}.parquet")),
-            output_root=str(root / "out"), partitions_def=dg.StaticPartitionsDefinition(keys),
+            output_root=str(root / "out"),
+            partitions_def=dg.StaticPartitionsDefinition(keys),
             backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=args.per_run),
-            engine={"dtype": "float32"}, chunk_size=256,
+            engine={"dtype": "float32"},
+            chunk_size=256,
         )
         resource = GpuInferenceResource(
             launcher="local",
-            env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                 "VLLM_LOGGING_LEVEL": "WARNING"},
+            env={
+                "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "VLLM_LOGGING_LEVEL": "WARNING",
+            },
             engine_overrides={"gpu_memory_utilization": 0.2, "enforce_eager": True},
         )
         first = materialize(pipeline, keys[: args.committed], resource, instance)
-        estimate = estimate_asset(pipeline.output_asset, resource=resource, instance=instance,
-                                  pool_slots=1)
+        estimate = estimate_asset(
+            pipeline.output_asset, resource=resource, instance=instance, pool_slots=1
+        )
         print(estimate.summary())
         pending = keys[args.committed :]
         measured_runs = [

@@ -80,7 +80,9 @@ class BackfillEstimate:
         if not self.partitions_pending:
             return f"{self.asset}: all {self.partitions} partitions are committed; nothing to run"
         missing = (
-            f"; {len(self.missing_inputs)} input(s) missing, not counted" if self.missing_inputs else ""
+            f"; {len(self.missing_inputs)} input(s) missing, not counted"
+            if self.missing_inputs
+            else ""
         )
         return (
             f"{self.asset}: {self.partitions_pending} of {self.partitions} partitions pending, "
@@ -310,7 +312,11 @@ def estimate_asset(
     pool = getattr(assets_def.op, "pool", None)
     slots = pool_slots or pool_slots_of(instance, pool) or 1
     return estimate_backfill(
-        spec, keys, asset=key.to_user_string(), partitions_per_run=per_run, pool_slots=slots,
+        spec,
+        keys,
+        asset=key.to_user_string(),
+        partitions_per_run=per_run,
+        pool_slots=slots,
         **overrides,
     )
 
@@ -368,13 +374,25 @@ def main(argv: list[str] | None = None) -> int:
         description="Estimate GPU-hours and wall time of the partitions not yet committed.",
     )
     parser.add_argument("asset", help="output asset key, e.g. doc_embeddings or prefix/name")
-    parser.add_argument("-m", "--module", default="assets.definitions",
-                        help="module holding the Definitions (default: assets.definitions)")
+    parser.add_argument(
+        "-m",
+        "--module",
+        default="assets.definitions",
+        help="module holding the Definitions (default: assets.definitions)",
+    )
     parser.add_argument("-a", "--attribute", default="defs", help="Definitions attribute")
-    parser.add_argument("--pool-slots", type=int, default=None,
-                        help="worker pods at a time (default: the pool's limit, else 1)")
-    parser.add_argument("--speed", type=float, default=None,
-                        help="rows (Parquet) or bytes (JSONL) per pod-second, instead of measured")
+    parser.add_argument(
+        "--pool-slots",
+        type=int,
+        default=None,
+        help="worker pods at a time (default: the pool's limit, else 1)",
+    )
+    parser.add_argument(
+        "--speed",
+        type=float,
+        default=None,
+        help="rows (Parquet) or bytes (JSONL) per pod-second, instead of measured",
+    )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
     args = parser.parse_args(argv)
 
@@ -388,11 +406,16 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(resource, GpuInferenceResource):
         resource = None
     instance = (
-        dg.DagsterInstance.get() if os.environ.get("DAGSTER_HOME") else dg.DagsterInstance.ephemeral()
+        dg.DagsterInstance.get()
+        if os.environ.get("DAGSTER_HOME")
+        else dg.DagsterInstance.ephemeral()
     )
     with instance:
         estimate = estimate_asset(
-            assets_def, resource=resource, instance=instance, pool_slots=args.pool_slots,
+            assets_def,
+            resource=resource,
+            instance=instance,
+            pool_slots=args.pool_slots,
             speed_per_pod_second=args.speed,
         )
     if args.json:

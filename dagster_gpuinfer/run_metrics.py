@@ -26,12 +26,21 @@ LAUNCHER_METRICS = (
     "gpuinfer_launcher_partitions",
 )
 START_FIELDS = (
-    ("queued_seconds", "gpuinfer_launcher_queued_seconds",
-     "Seconds the worker pod waited for Kueue admission."),
-    ("scheduling_seconds", "gpuinfer_launcher_scheduling_seconds",
-     "Seconds from Kueue admission to the pod bound to a node."),
-    ("container_start_seconds", "gpuinfer_launcher_container_start_seconds",
-     "Seconds from binding to the worker container running (image pull, mounts)."),
+    (
+        "queued_seconds",
+        "gpuinfer_launcher_queued_seconds",
+        "Seconds the worker pod waited for Kueue admission.",
+    ),
+    (
+        "scheduling_seconds",
+        "gpuinfer_launcher_scheduling_seconds",
+        "Seconds from Kueue admission to the pod bound to a node.",
+    ),
+    (
+        "container_start_seconds",
+        "gpuinfer_launcher_container_start_seconds",
+        "Seconds from binding to the worker container running (image pull, mounts).",
+    ),
 )
 
 
@@ -62,9 +71,11 @@ def run_timing(result: Any) -> dict[str, Any]:
         "start_seconds": value(start, "admission_to_running_seconds"),
         "model_load_seconds": NOT_AVAILABLE if load is None else load,
         "inference_seconds": round(sum(m.inference_seconds for m in computed), 3)
-        if computed else NOT_AVAILABLE,
+        if computed
+        else NOT_AVAILABLE,
         "commit_seconds": round(sum(m.telemetry.get("commit_seconds", 0.0) for m in computed), 3)
-        if computed else NOT_AVAILABLE,
+        if computed
+        else NOT_AVAILABLE,
     }
 
 
@@ -126,20 +137,21 @@ def launcher_registry(*, asset: str, run_id: str, result: Any) -> Any:
     Gauge(
         "gpuinfer_launcher_oom_step_downs",
         "Relaunches with smaller vLLM batches after the worker ran out of memory.",
-        labels, registry=registry,
+        labels,
+        registry=registry,
     ).labels(asset, run_id).set(1 if result.memory_step_down else 0)
     partitions = Gauge(
-        "gpuinfer_launcher_partitions", "Partitions of the run, by outcome.",
-        (*labels, "outcome"), registry=registry,
+        "gpuinfer_launcher_partitions",
+        "Partitions of the run, by outcome.",
+        (*labels, "outcome"),
+        registry=registry,
     )
     partitions.labels(asset, run_id, "committed").set(len(result.manifests))
     partitions.labels(asset, run_id, "failed").set(len(result.failed))
     return registry
 
 
-def push_run_metrics(
-    pushgateway_url: str | None, *, asset: str, run_id: str, result: Any
-) -> None:
+def push_run_metrics(pushgateway_url: str | None, *, asset: str, run_id: str, result: Any) -> None:
     """Push the launcher's numbers for this run (when a Pushgateway is configured); a
     Pushgateway that cannot be reached is logged, never raised."""
     if not pushgateway_url:
@@ -149,8 +161,11 @@ def push_run_metrics(
     registry = launcher_registry(asset=asset, run_id=run_id, result=result)
     try:
         push_to_gateway(
-            pushgateway_url, job=PUSH_JOB, registry=registry,
-            grouping_key={"run": run_id, "asset": asset}, timeout=10,
+            pushgateway_url,
+            job=PUSH_JOB,
+            registry=registry,
+            grouping_key={"run": run_id, "asset": asset},
+            timeout=10,
         )
     except Exception as exc:  # noqa: BLE001 - metrics never fail a run
         log.warning("cannot push launcher metrics to %s: %s", pushgateway_url, exc)

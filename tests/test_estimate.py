@@ -26,23 +26,34 @@ from dagster_gpuinfer.estimate import (
     makespan,
 )
 from dagster_gpuinfer.spec import InferenceSpec
-from dagster_gpuinfer.storage import FileEntry, Manifest, commit_partition, filesystem_for, partition_dir
+from dagster_gpuinfer.storage import (
+    FileEntry,
+    Manifest,
+    commit_partition,
+    filesystem_for,
+    partition_dir,
+)
 
 ROWS = {"s0": 100, "s1": 300, "s2": 200, "s3": 400, "s4": 50, "s5": 250}
 
 
 def parquet_pipeline(root: Path, *, per_run: int = 2, pool: str | None = None):
     for key, rows in ROWS.items():
-        write_parquet(root / "in" / f"{key}.parquet",
-                      {"id": [f"{key}-{i}" for i in range(rows)], "text": ["x"] * rows},
-                      row_group_size=64)
+        write_parquet(
+            root / "in" / f"{key}.parquet",
+            {"id": [f"{key}-{i}" for i in range(rows)], "text": ["x"] * rows},
+            row_group_size=64,
+        )
     return inference_assets(
-        name="docs", model=str(root / "model"), task="embed",
+        name="docs",
+        model=str(root / "model"),
+        task="embed",
         input=InputSpec(uri=str(root / "in" / "{partition_key}.parquet")),
         output_root=str(root / "out"),
         partitions_def=dg.StaticPartitionsDefinition(list(ROWS)),
         backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=per_run),
-        tensor_parallel_size=2, pool=pool,
+        tensor_parallel_size=2,
+        pool=pool,
     )
 
 
@@ -51,10 +62,18 @@ def commit(spec: InferenceSpec, key: str, *, rows: int, wall_seconds: float, loa
     fs, path = filesystem_for(partition_dir(spec.output, key), spec.storage)
     fs.create_dir(path, recursive=True)
     manifest = Manifest(
-        partition_key=key, spec_hash=spec.spec_hash(), model=spec.model, task=spec.task,
-        output_format="parquet", rows_in=rows, rows_out=rows, rows_errored=0, parts=[],
+        partition_key=key,
+        spec_hash=spec.spec_hash(),
+        model=spec.model,
+        task=spec.task,
+        output_format="parquet",
+        rows_in=rows,
+        rows_out=rows,
+        rows_errored=0,
+        parts=[],
         errors=FileEntry(name="errors.parquet", rows=0, bytes=0, sha256=""),
-        wall_seconds=wall_seconds, model_load_seconds=load,
+        wall_seconds=wall_seconds,
+        model_load_seconds=load,
     )
     commit_partition(fs, path, manifest, [])
 
@@ -71,13 +90,19 @@ def test_parquet_work_comes_from_footers_and_row_ranges(tmp_path):
 
 
 def test_jsonl_work_is_bytes_and_row_ranges_share_the_file(tmp_path):
-    path = write_jsonl(tmp_path / "in" / "big.jsonl", [{"id": i, "text": "y" * 50} for i in range(100)])
+    path = write_jsonl(
+        tmp_path / "in" / "big.jsonl", [{"id": i, "text": "y" * 50} for i in range(100)]
+    )
     size = path.stat().st_size
-    spec = InferenceSpec.model_validate({
-        "model": "m", "task": "embed", "input": {"uri": str(tmp_path / "in" / "{partition_key}.jsonl")},
-        "output": {"root": str(tmp_path / "out"), "asset_name": "a"},
-        "partition_keys": ["big@rows=0-60", "big@rows=60-100", "big@bytes=0-1000"],
-    })
+    spec = InferenceSpec.model_validate(
+        {
+            "model": "m",
+            "task": "embed",
+            "input": {"uri": str(tmp_path / "in" / "{partition_key}.jsonl")},
+            "output": {"root": str(tmp_path / "out"), "asset_name": "a"},
+            "partition_keys": ["big@rows=0-60", "big@rows=60-100", "big@bytes=0-1000"],
+        }
+    )
     work = input_work(spec, spec.partition_keys)
     assert work["big@rows=0-60"] == pytest.approx(size * 0.6)
     assert work["big@rows=60-100"] == pytest.approx(size * 0.4)
@@ -95,8 +120,7 @@ def test_estimate_uses_the_speed_and_load_measured_on_committed_partitions(tmp_p
     # 100 + 300 rows in 10 + 30 s: 10 rows per pod-second; loads 50 s and 70 s
     commit(spec, "s0", rows=100, wall_seconds=10.0, load=50.0)
     commit(spec, "s1", rows=300, wall_seconds=30.0, load=70.0)
-    estimate = estimate_backfill(spec, list(ROWS), asset="docs", partitions_per_run=2,
-                                 pool_slots=1)
+    estimate = estimate_backfill(spec, list(ROWS), asset="docs", partitions_per_run=2, pool_slots=1)
     assert (estimate.partitions_committed, estimate.partitions_pending) == (2, 4)
     assert estimate.pending_work == 200 + 400 + 50 + 250
     assert estimate.speed_per_pod_second == pytest.approx(10.0)
@@ -106,8 +130,7 @@ def test_estimate_uses_the_speed_and_load_measured_on_committed_partitions(tmp_p
     assert estimate.run_seconds == pytest.approx([overhead + 60.0, overhead + 30.0])
     assert estimate.gpu_hours == pytest.approx((2 * overhead + 90.0) * 2 / 3600)  # TP=2
     assert estimate.wall_seconds == pytest.approx(2 * overhead + 90.0)
-    two_pods = estimate_backfill(spec, list(ROWS), asset="docs", partitions_per_run=2,
-                                 pool_slots=2)
+    two_pods = estimate_backfill(spec, list(ROWS), asset="docs", partitions_per_run=2, pool_slots=2)
     assert two_pods.wall_seconds == pytest.approx(overhead + 60.0)
     assert two_pods.gpu_hours == pytest.approx(estimate.gpu_hours)
     assert "4 of 6 partitions pending" in estimate.summary()
@@ -138,8 +161,11 @@ def test_sensor_records_the_estimate_on_the_output_asset(tmp_path):
         assert metadata["estimate_pool_slots"] == 2  # the instance's limit of pool "gpu"
         assert metadata["estimate_runs"] == 2
         # unchanged: no new observation
-        again = sensor(dg.build_sensor_context(instance=instance, resources={"gpu": resource},
-                                               cursor=result.cursor))
+        again = sensor(
+            dg.build_sensor_context(
+                instance=instance, resources={"gpu": resource}, cursor=result.cursor
+            )
+        )
         assert not again.asset_events
         estimate = estimate_asset(pipeline.output_asset, resource=resource, instance=instance)
         assert metadata["estimate_gpu_hours"] == round(estimate.gpu_hours, 3)
@@ -148,25 +174,40 @@ def test_sensor_records_the_estimate_on_the_output_asset(tmp_path):
 def test_command_line_prints_the_estimate_of_a_code_locations_asset(tmp_path):
     root = tmp_path / "data"
     parquet_pipeline(root)  # writes the inputs
-    (tmp_path / "my_location.py").write_text(textwrap.dedent(f"""
+    (tmp_path / "my_location.py").write_text(
+        textwrap.dedent(f"""
         import dagster as dg
         from dagster_gpuinfer import GpuInferenceResource, InputSpec, inference_assets
 
         pipeline = inference_assets(
-            name="docs", model={str(root / 'model')!r}, task="embed",
-            input=InputSpec(uri={str(root / 'in' / '{partition_key}.parquet')!r}),
-            output_root={str(root / 'out')!r},
+            name="docs", model={str(root / "model")!r}, task="embed",
+            input=InputSpec(uri={str(root / "in" / "{partition_key}.parquet")!r}),
+            output_root={str(root / "out")!r},
             partitions_def=dg.StaticPartitionsDefinition({list(ROWS)!r}),
             backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=2),
         )
         defs = dg.Definitions(assets=pipeline.assets, resources={{"gpu": GpuInferenceResource()}})
-    """))
+    """)
+    )
     env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
     done = subprocess.run(
-        [sys.executable, "-m", "dagster_gpuinfer.estimate", "docs", "-m", "my_location",
-         "--pool-slots", "3"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "dagster_gpuinfer.estimate",
+            "docs",
+            "-m",
+            "my_location",
+            "--pool-slots",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert "docs: 6 of 6 partitions pending, 1,300 rows" in done.stdout

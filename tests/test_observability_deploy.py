@@ -30,13 +30,19 @@ OBSERVABILITY = ROOT / "deploy" / "observability"
 # GPU fields in dcgm-exporter's default counters (etc/default-counters.csv and
 # dcp-metrics-included.csv of NVIDIA/dcgm-exporter) that the dashboard and rules may use.
 DCGM_METRICS = {
-    "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE",
-    "DCGM_FI_DEV_MEM_COPY_UTIL", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "DCGM_FI_DEV_POWER_USAGE",
+    "DCGM_FI_DEV_GPU_UTIL",
+    "DCGM_FI_DEV_FB_USED",
+    "DCGM_FI_DEV_FB_FREE",
+    "DCGM_FI_DEV_MEM_COPY_UTIL",
+    "DCGM_FI_PROF_GR_ENGINE_ACTIVE",
+    "DCGM_FI_DEV_POWER_USAGE",
 }
 # Kueue's own metrics (kueue.x-k8s.io, pkg/metrics), used by the backlog alert.
 KUEUE_METRICS = {"kueue_pending_workloads", "kueue_admission_wait_time_seconds"}
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
-METRIC_NAME = re.compile(r"\b(gpuinfer_[a-z0-9_]+|vllm:[a-z0-9_]+|DCGM_FI_[A-Z0-9_]+|kueue_[a-z0-9_]+)")
+METRIC_NAME = re.compile(
+    r"\b(gpuinfer_[a-z0-9_]+|vllm:[a-z0-9_]+|DCGM_FI_[A-Z0-9_]+|kueue_[a-z0-9_]+)"
+)
 
 
 def promtool() -> str:
@@ -95,14 +101,21 @@ def test_platform_metric_list_is_what_the_worker_registry_exports():
     metrics.model_loaded(1.0, max_num_seqs=8)
     metrics.model_load_failed(ValueError("x"))
     metrics.partition_started("p")
-    marker = SimpleNamespace(rows_in=2, rows_out=1, rows_errored=1, prompt_tokens=3,
-                             generated_tokens=4, inference_seconds=0.1)
+    marker = SimpleNamespace(
+        rows_in=2,
+        rows_out=1,
+        rows_errored=1,
+        prompt_tokens=3,
+        generated_tokens=4,
+        inference_seconds=0.1,
+    )
     metrics.chunk_committed("p", marker, [RowError("i", "s", 0, "empty", "m")], write_seconds=0.1)
     metrics.partition_telemetry("p", rows_resumed=1)
     metrics.partition_failed("q", "ShardError")
     # a GPU sample to set the GPU gauges
-    sampler.gpu_reader = SimpleNamespace(read=lambda: (GpuSample("0", 50.0, 1, 2),),
-                                         close=lambda: None)
+    sampler.gpu_reader = SimpleNamespace(
+        read=lambda: (GpuSample("0", 50.0, 1, 2),), close=lambda: None
+    )
     sampler.sample_once()
     exported = {
         family.name + ("_total" if family.type == "counter" else "")
@@ -114,9 +127,14 @@ def test_platform_metric_list_is_what_the_worker_registry_exports():
 
 def test_launcher_metric_list_is_what_the_launcher_pushes():
     result = SimpleNamespace(
-        pod_start={"queued_seconds": 30.0, "scheduling_seconds": 2.0,
-                   "container_start_seconds": 40.0},
-        memory_step_down={"max_num_seqs": {"from": 8, "to": 4}}, manifests={"p": 1}, failed={},
+        pod_start={
+            "queued_seconds": 30.0,
+            "scheduling_seconds": 2.0,
+            "container_start_seconds": 40.0,
+        },
+        memory_step_down={"max_num_seqs": {"from": 8, "to": 4}},
+        manifests={"p": 1},
+        failed={},
     )
     registry = launcher_registry(asset="a", run_id="r", result=result)
     assert {family.name for family in registry.collect()} == set(LAUNCHER_METRICS)
@@ -132,19 +150,32 @@ def test_rules_pass_promtool_check_and_unit_tests(tmp_path):
     tool = promtool()
     (tmp_path / "gpuinfer-rules.yaml").write_text(yaml.safe_dump(rule_groups()))
     shutil.copy(OBSERVABILITY / "rules-test.yaml", tmp_path / "rules-test.yaml")
-    checked = subprocess.run([tool, "check", "rules", "gpuinfer-rules.yaml"], cwd=tmp_path,
-                             capture_output=True, text=True)
+    checked = subprocess.run(
+        [tool, "check", "rules", "gpuinfer-rules.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    tested = subprocess.run([tool, "test", "rules", "rules-test.yaml"], cwd=tmp_path,
-                            capture_output=True, text=True)
+    tested = subprocess.run(
+        [tool, "test", "rules", "rules-test.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert tested.returncode == 0, tested.stdout + tested.stderr
 
 
 def test_every_alert_has_a_firing_and_a_quiet_unit_test():
     alerts = {rule["alert"] for group in rule_groups()["groups"] for rule in group["rules"]}
     assert alerts == {
-        "GpuinferLowGpuUtilization", "GpuinferKueueBacklog", "GpuinferRepeatedPartitionFailures",
-        "GpuinferModelLoadErrors", "GpuinferOutOfMemoryStepDowns",
+        "GpuinferLowGpuUtilization",
+        "GpuinferKueueBacklog",
+        "GpuinferRepeatedPartitionFailures",
+        "GpuinferModelLoadErrors",
+        "GpuinferOutOfMemoryStepDowns",
     }
     tests = yaml.safe_load((OBSERVABILITY / "rules-test.yaml").read_text())["tests"]
     cases = [case for test in tests for case in test["alert_rule_test"]]
@@ -167,7 +198,9 @@ def test_rules_name_only_exported_metrics():
 
 
 def load_dashboard_module():
-    spec = importlib.util.spec_from_file_location("gpuinfer_dashboard", OBSERVABILITY / "dashboard.py")
+    spec = importlib.util.spec_from_file_location(
+        "gpuinfer_dashboard", OBSERVABILITY / "dashboard.py"
+    )
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     sys.modules["gpuinfer_dashboard"] = module
@@ -210,14 +243,28 @@ def test_every_dashboard_query_names_an_exported_metric_and_parses(tmp_path):
                 panels_with_dcgm.add(title)
     assert panels_with_dcgm, "no panel shows DCGM's GPU metrics"
     # Prometheus' own parser: each query as a recording rule under `promtool check rules`.
-    rules = {"groups": [{"name": "dashboard", "rules": [
-        {"record": f"dashboard:query_{i}", "expr": expr.replace("$__rate_interval", "5m")
-         .replace("$asset", ".*")}
-        for i, (_, expr) in enumerate(queries)
-    ]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {
+                        "record": f"dashboard:query_{i}",
+                        "expr": expr.replace("$__rate_interval", "5m").replace("$asset", ".*"),
+                    }
+                    for i, (_, expr) in enumerate(queries)
+                ],
+            }
+        ]
+    }
     (tmp_path / "dashboard-rules.yaml").write_text(yaml.safe_dump(rules))
-    checked = subprocess.run([promtool(), "check", "rules", "dashboard-rules.yaml"],
-                             cwd=tmp_path, capture_output=True, text=True)
+    checked = subprocess.run(
+        [promtool(), "check", "rules", "dashboard-rules.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
@@ -227,15 +274,23 @@ def test_every_dashboard_query_names_an_exported_metric_and_parses(tmp_path):
 def test_podmonitor_selects_worker_pods_on_their_metrics_port():
     monitor = yaml.safe_load((OBSERVABILITY / "podmonitor.yaml").read_text())
     assert monitor["kind"] == "PodMonitor"
-    spec = InferenceSpec.model_validate({
-        "model": "/models/m", "task": "embed", "input": {"uri": "s3://b/{partition_key}.parquet"},
-        "output": {"root": "s3://b/out", "asset_name": "docs"}, "partition_keys": ["p0"],
-    })
+    spec = InferenceSpec.model_validate(
+        {
+            "model": "/models/m",
+            "task": "embed",
+            "input": {"uri": "s3://b/{partition_key}.parquet"},
+            "output": {"root": "s3://b/out", "asset_name": "docs"},
+            "partition_keys": ["p0"],
+        }
+    )
     env = metrics_env(9400, None)
     pod = with_metrics_port(
-        build_worker_pod(spec, K8sLauncherConfig(image="w:1", namespace="team-a"),
-                         RunIdentity(run_id="6633a66a-ab2b-4333-bb5f-adbdffff1812",
-                                     asset_key="docs"), extra_env=env),
+        build_worker_pod(
+            spec,
+            K8sLauncherConfig(image="w:1", namespace="team-a"),
+            RunIdentity(run_id="6633a66a-ab2b-4333-bb5f-adbdffff1812", asset_key="docs"),
+            extra_env=env,
+        ),
         env,
     )
     labels = pod["metadata"]["labels"]

@@ -18,7 +18,13 @@ from typing import Any
 
 import dagster as dg
 import pytest
-from support import cpu_resource, gen_pipeline, materialize_partitions, partition_metadata, write_prompts
+from support import (
+    cpu_resource,
+    gen_pipeline,
+    materialize_partitions,
+    partition_metadata,
+    write_prompts,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -89,18 +95,21 @@ def test_prometheus_holds_the_runs_rows_and_tokens_with_its_labels(observed_run)
     prompt = sum(m["prompt_tokens"] for m in metadata.values())
     assert generated > 0
     found = query_until(
-        prometheus, f'sum(gpuinfer_generated_tokens_total{{run="{run_id}",asset="gen"}})',
+        prometheus,
+        f'sum(gpuinfer_generated_tokens_total{{run="{run_id}",asset="gen"}})',
         expect=generated,
     )
     assert found and float(found[0]["value"][1]) == generated
     found = query_until(
-        prometheus, f'sum(gpuinfer_prompt_tokens_total{{run="{run_id}",asset="gen"}})',
+        prometheus,
+        f'sum(gpuinfer_prompt_tokens_total{{run="{run_id}",asset="gen"}})',
         expect=prompt,
     )
     assert found and float(found[0]["value"][1]) == prompt
     # vLLM's own counter, relabelled with the run: the engine saw the same generated tokens
     found = query_until(
-        prometheus, f'sum(vllm:generation_tokens_total{{run="{run_id}",asset="gen"}})',
+        prometheus,
+        f'sum(vllm:generation_tokens_total{{run="{run_id}",asset="gen"}})',
         expect=generated,
     )
     assert found and float(found[0]["value"][1]) == generated
@@ -117,7 +126,7 @@ def test_prometheus_holds_the_runs_rows_and_tokens_with_its_labels(observed_run)
 
 
 def test_partition_metadata_shows_telemetry_and_the_runs_time_split(observed_run):
-    for key, metadata in observed_run["metadata"].items():
+    for metadata in observed_run["metadata"].values():
         assert metadata["gpu_utilization_mean"] == "n/a"  # no NVIDIA GPU here
         assert metadata["gpu_utilization_p95"] == "n/a"
         saturation = metadata["engine_saturation_mean"]

@@ -49,30 +49,53 @@ def pod(
     conditions = []
     statuses = []
     if gated:
-        conditions.append(V1PodCondition(type="PodScheduled", status="False", reason="SchedulingGated",
-                                         last_transition_time=at(0)))
+        conditions.append(
+            V1PodCondition(
+                type="PodScheduled",
+                status="False",
+                reason="SchedulingGated",
+                last_transition_time=at(0),
+            )
+        )
     elif scheduled is not None:
-        conditions.append(V1PodCondition(type="PodScheduled", status="True",
-                                         last_transition_time=at(scheduled)))
+        conditions.append(
+            V1PodCondition(type="PodScheduled", status="True", last_transition_time=at(scheduled))
+        )
     if running is not None:
         state = (
-            V1ContainerState(terminated=V1ContainerStateTerminated(
-                exit_code=0, started_at=at(running), finished_at=at(running + 100)))
+            V1ContainerState(
+                terminated=V1ContainerStateTerminated(
+                    exit_code=0, started_at=at(running), finished_at=at(running + 100)
+                )
+            )
             if terminated
             else V1ContainerState(running=V1ContainerStateRunning(started_at=at(running)))
         )
-        statuses.append(V1ContainerStatus(name="worker", image="w", image_id="", ready=True,
-                                          restart_count=0, state=state))
+        statuses.append(
+            V1ContainerStatus(
+                name="worker", image="w", image_id="", ready=True, restart_count=0, state=state
+            )
+        )
     elif scheduled is not None:
-        statuses.append(V1ContainerStatus(
-            name="worker", image="w", image_id="", ready=False, restart_count=0,
-            state=V1ContainerState(waiting=V1ContainerStateWaiting(reason="ContainerCreating"))))
+        statuses.append(
+            V1ContainerStatus(
+                name="worker",
+                image="w",
+                image_id="",
+                ready=False,
+                restart_count=0,
+                state=V1ContainerState(waiting=V1ContainerStateWaiting(reason="ContainerCreating")),
+            )
+        )
     return V1Pod(
-        metadata=V1ObjectMeta(name="gpuinfer-docs-abc-r0-a0", namespace="team-a",
-                              creation_timestamp=at(0)),
+        metadata=V1ObjectMeta(
+            name="gpuinfer-docs-abc-r0-a0", namespace="team-a", creation_timestamp=at(0)
+        ),
         spec=V1PodSpec(
             containers=[V1Container(name="worker", image="w")],
-            scheduling_gates=[V1PodSchedulingGate(name="kueue.x-k8s.io/admission")] if gated else None,
+            scheduling_gates=[V1PodSchedulingGate(name="kueue.x-k8s.io/admission")]
+            if gated
+            else None,
             node_name="gpu-node-1" if scheduled is not None else None,
         ),
         status=V1PodStatus(
@@ -118,9 +141,11 @@ def test_admission_seen_only_after_binding_is_capped_at_the_binding():
 def test_scheduled_event_stands_in_for_a_missing_condition():
     bare = pod(running=30)
     event = CoreV1Event(
-        metadata=V1ObjectMeta(name="e"), reason="Scheduled",
+        metadata=V1ObjectMeta(name="e"),
+        reason="Scheduled",
         involved_object=V1ObjectReference(kind="Pod", name="gpuinfer-docs-abc-r0-a0"),
-        type="Normal", first_timestamp=at(4),
+        type="Normal",
+        first_timestamp=at(4),
     )
     timing = pod_start_timing(bare, events=[event])
     assert timing.seconds()["scheduling_seconds"] == 4.0
@@ -165,14 +190,18 @@ def test_launcher_wait_records_the_start_split():
 
     polls = [pod(gated=True)] * 3 + [pod(scheduled=32)] + [pod(scheduled=32, running=75)]
     client = DagsterKubernetesClient(
-        batch_api=None, core_api=ScriptedPods(polls), logger=lambda *a, **k: None,
-        sleeper=sleep, timer=lambda: clock[0],
+        batch_api=None,
+        core_api=ScriptedPods(polls),
+        logger=lambda *a, **k: None,
+        sleeper=sleep,
+        timer=lambda: clock[0],
     )
     launcher = GpuWorkerPipesClient(
         kubernetes_client=lambda: client, pod_pending_timeout=600.0, poll_interval=10.0
     )
-    launcher.wait_until_started(client, name="gpuinfer-docs-abc-r0-a0", namespace="team-a",
-                                image="w", queue="gpu-inference")
+    launcher.wait_until_started(
+        client, name="gpuinfer-docs-abc-r0-a0", namespace="team-a", image="w", queue="gpu-inference"
+    )
     seconds = launcher.start_timing.seconds()
     # gated at the polls at 0, 10 and 20 s; the gate was seen gone at 30 s
     assert seconds["queued_seconds"] == 30.0
@@ -185,18 +214,21 @@ def test_the_launchers_message_becomes_the_runs_queue_and_start_metadata():
     from dagster_gpuinfer.resource import GpuInferenceResource, InferenceRunResult
     from dagster_gpuinfer.run_metrics import run_timing, run_timing_metadata
 
-    timing = pod_start_timing(
-        pod(scheduled=605, running=650), admitted_at=at(600), was_gated=True
-    )
+    timing = pod_start_timing(pod(scheduled=605, running=650), admitted_at=at(600), was_gated=True)
     result = InferenceRunResult()
     GpuInferenceResource._collect(
-        [{"type": "run", "model_loads": 1, "model_load_seconds": 41.5},
-         start_timing_message(timing)],
+        [
+            {"type": "run", "model_loads": 1, "model_load_seconds": 41.5},
+            start_timing_message(timing),
+        ],
         result,
     )
     assert run_timing(result) == {
-        "queued_seconds": 600.0, "start_seconds": 50.0, "model_load_seconds": 41.5,
-        "inference_seconds": "n/a", "commit_seconds": "n/a",  # no partition computed
+        "queued_seconds": 600.0,
+        "start_seconds": 50.0,
+        "model_load_seconds": 41.5,
+        "inference_seconds": "n/a",
+        "commit_seconds": "n/a",  # no partition computed
     }
     metadata = run_timing_metadata(result)
     assert metadata["run_queued_seconds"] == 600.0

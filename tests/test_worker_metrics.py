@@ -97,7 +97,8 @@ def test_nvml_reader_reads_the_visible_gpus_by_index_and_uuid(monkeypatch):
     assert reader is not None and nvml.initialised
     samples = reader.read()
     assert [(s.gpu, s.utilization_percent, s.memory_used_bytes) for s in samples] == [
-        ("1", 90.0, 2), ("GPU-abc", 50.0, 3)
+        ("1", 90.0, 2),
+        ("GPU-abc", 50.0, 3),
     ]
     reader.close()
     assert nvml.shut_down
@@ -129,7 +130,7 @@ def test_this_machine_without_nvidia_gpus_says_not_available():
 def test_partition_telemetry_summarises_only_its_own_window():
     clock = FakeClock()
     nvml = FakeNvml({"0": [(0, 5), (20, 5), (40, 6), (60, 6), (80, 7), (100, 9)]})
-    registry, running, kv = vllm_like_registry(running=64, kv=0.5)
+    registry, _, kv = vllm_like_registry(running=64, kv=0.5)
     sampler = TelemetrySampler(
         gpu_reader=NvmlGpuReader(nvml, ["0"]),
         engine_gauges=lambda: read_vllm_gauges(registry),
@@ -209,13 +210,19 @@ def test_worker_metrics_carry_asset_partition_run_labels_and_vllm_metrics():
 
     text = generate_latest(metrics.registry).decode()
     assert 'gpuinfer_rows_out_total{asset="docs",partition="p1",run="r1"} 8.0' in text
-    assert 'gpuinfer_rows_errored_total{asset="docs",error_type="too_long",partition="p1",run="r1"} 1.0' in text
+    assert (
+        'gpuinfer_rows_errored_total{asset="docs",error_type="too_long",partition="p1",run="r1"} 1.0'
+        in text
+    )
     assert 'gpuinfer_generated_tokens_total{asset="docs",partition="p1",run="r1"} 40.0' in text
     assert 'gpuinfer_chunk_seconds_count{asset="docs",partition="p1",run="r1"} 1.0' in text
     assert 'gpuinfer_model_load_seconds{asset="docs",run="r1"} 12.5' in text
     assert 'gpuinfer_requests_in_flight{asset="docs",run="r1"} 0.0' in text
     assert 'gpuinfer_gpu_utilization_percent{asset="docs",gpu="0",run="r1"} 75.0' in text
-    assert 'gpuinfer_partition_engine_saturation_mean_ratio{asset="docs",partition="p1",run="r1"} 0.5' in text
+    assert (
+        'gpuinfer_partition_engine_saturation_mean_ratio{asset="docs",partition="p1",run="r1"} 0.5'
+        in text
+    )
     # vLLM's own gauge, re-exported with the run's labels
     assert 'vllm:num_requests_running{asset="docs",engine="0",model_name="m",run="r1"} 32.0' in text
     assert telemetry["commit_seconds"] == 0.25
@@ -238,7 +245,8 @@ def test_metered_reporter_counts_failures_and_adds_the_runs_telemetry():
             sent.append(("fatal", exc))
 
     metrics = WorkerMetrics(
-        asset="docs", run_id="r2",
+        asset="docs",
+        run_id="r2",
         sampler=TelemetrySampler(gpu_reader=None, engine_gauges=lambda: None, clock=FakeClock()),
     )
     reporter = MeteredReporter(Reporter(), metrics)
@@ -282,15 +290,19 @@ def test_worker_pod_declares_the_metrics_port_and_still_validates():
     from dagster_gpuinfer.run_metrics import metrics_env
     from dagster_gpuinfer.spec import InferenceSpec
 
-    spec = InferenceSpec.model_validate({
-        "model": "/models/Llama-3.1-8B-Instruct", "task": "generate",
-        "input": {"uri": "s3://corpus/prompts/{partition_key}.jsonl"},
-        "output": {"root": "s3://corpus/out", "asset_name": "completions"},
-        "partition_keys": ["prompts-000"],
-    })
+    spec = InferenceSpec.model_validate(
+        {
+            "model": "/models/Llama-3.1-8B-Instruct",
+            "task": "generate",
+            "input": {"uri": "s3://corpus/prompts/{partition_key}.jsonl"},
+            "output": {"root": "s3://corpus/out", "asset_name": "completions"},
+            "partition_keys": ["prompts-000"],
+        }
+    )
     env = metrics_env(9400, "http://pushgateway.monitoring:9091")
     pod = build_worker_pod(
-        spec, K8sLauncherConfig(image="registry.example.com/w:1", namespace="team-a"),
+        spec,
+        K8sLauncherConfig(image="registry.example.com/w:1", namespace="team-a"),
         RunIdentity(run_id="6633a66a-ab2b-4333-bb5f-adbdffff1812", asset_key="completions"),
         extra_env=env,
     )
@@ -312,7 +324,9 @@ def test_an_unreachable_pushgateway_costs_one_attempt_not_one_per_chunk(monkeypa
 
     monkeypatch.setattr("prometheus_client.push_to_gateway", refused)
     metrics = WorkerMetrics(
-        asset="docs", run_id="r4", pushgateway_url="http://127.0.0.1:9",
+        asset="docs",
+        run_id="r4",
+        pushgateway_url="http://127.0.0.1:9",
         sampler=TelemetrySampler(gpu_reader=None, engine_gauges=lambda: None, clock=FakeClock()),
     )
     for _ in range(5):

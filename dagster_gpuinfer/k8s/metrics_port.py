@@ -26,7 +26,10 @@ def with_metrics_port(pod: Mapping[str, Any], env: Mapping[str, str]) -> dict[st
     container["ports"] = ports
     annotations = result["metadata"].setdefault("annotations", {})
     annotations.update(
-        {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
-         "prometheus.io/path": "/metrics"}
+        {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(port),
+            "prometheus.io/path": "/metrics",
+        }
     )
     return result

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 KUEUE_ADMISSION_GATE = "kueue.x-k8s.io/admission"
@@ -59,8 +59,8 @@ def _utc(value: Any) -> datetime | None:
     if value is None:
         return None
     if isinstance(value, str):  # a pod read as JSON rather than deserialised
-        value = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
+        value = datetime.fromisoformat(value)
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 def carries_kueue_gate(pod: Any) -> bool:
@@ -145,7 +145,7 @@ class StartObserver:
             self.was_gated = True
             self.admitted_at = None
         elif self.was_gated and self.admitted_at is None:
-            self.admitted_at = datetime.fromtimestamp(self.now(), timezone.utc)
+            self.admitted_at = datetime.fromtimestamp(self.now(), UTC)
 
     def timing(self, pod: Any, events: Iterable[Any] = ()) -> PodStartTiming:
         return pod_start_timing(
@@ -156,4 +156,8 @@ class StartObserver:
 def start_timing_message(timing: PodStartTiming | None) -> dict[str, Any]:
     """The launcher's own message beside the worker's Pipes messages: the pod start split."""
     seconds = timing.seconds() if timing is not None else {}
-    return {"type": "pod_start", "gated_by_kueue": bool(timing and timing.gated_by_kueue), **seconds}
+    return {
+        "type": "pod_start",
+        "gated_by_kueue": bool(timing and timing.gated_by_kueue),
+        **seconds,
+    }

@@ -99,8 +99,11 @@ class VllmMetricsCollector:
             relabelled = Metric(metric.name, metric.documentation, metric.type, metric.unit)
             for sample in metric.samples:
                 relabelled.add_sample(
-                    sample.name, {**sample.labels, **self.labels}, sample.value,
-                    sample.timestamp, sample.exemplar,
+                    sample.name,
+                    {**sample.labels, **self.labels},
+                    sample.value,
+                    sample.timestamp,
+                    sample.exemplar,
                 )
             yield relabelled
 
@@ -136,10 +139,14 @@ class WorkerMetrics:
         self.pushgateway_url = pushgateway_url
         self.registry = CollectorRegistry()
         self.registry.register(VllmMetricsCollector({"asset": asset, "run": run_id}, vllm_registry))
-        self.sampler = sampler if sampler is not None else TelemetrySampler(
-            gpu_reader=open_gpu_reader(),
-            engine_gauges=lambda: read_vllm_gauges(vllm_registry),
-            interval=float(os.environ.get(SAMPLE_SECONDS_ENV, "1.0")),
+        self.sampler = (
+            sampler
+            if sampler is not None
+            else TelemetrySampler(
+                gpu_reader=open_gpu_reader(),
+                engine_gauges=lambda: read_vllm_gauges(vllm_registry),
+                interval=float(os.environ.get(SAMPLE_SECONDS_ENV, "1.0")),
+            )
         )
         self.sampler.on_sample = self._export_sample
         self._partition_started: dict[str, float] = {}
@@ -155,7 +162,8 @@ class WorkerMetrics:
         self.rows_in = counter("gpuinfer_rows_in_total", "Input rows read into chunks.")
         self.rows_out = counter("gpuinfer_rows_out_total", "Rows written to the output.")
         self.rows_errored = counter(
-            "gpuinfer_rows_errored_total", "Rows quarantined to errors, by error_type.",
+            "gpuinfer_rows_errored_total",
+            "Rows quarantined to errors, by error_type.",
             (*PARTITION_LABELS, "error_type"),
         )
         self.rows_resumed = counter(
@@ -165,63 +173,89 @@ class WorkerMetrics:
         self.generated_tokens = counter("gpuinfer_generated_tokens_total", "Generated tokens.")
         self.chunks = counter("gpuinfer_chunks_committed_total", "Chunks committed.")
         self.chunk_seconds = Histogram(
-            "gpuinfer_chunk_seconds", "Seconds from a chunk's inference start to its commit.",
-            PARTITION_LABELS, buckets=CHUNK_SECONDS_BUCKETS, registry=r,
+            "gpuinfer_chunk_seconds",
+            "Seconds from a chunk's inference start to its commit.",
+            PARTITION_LABELS,
+            buckets=CHUNK_SECONDS_BUCKETS,
+            registry=r,
         )
         self.partitions_committed = counter(
             "gpuinfer_partitions_committed_total", "Partitions this worker committed.", RUN_LABELS
         )
         self.partitions_failed = counter(
-            "gpuinfer_partitions_failed_total", "Partitions whose shard could not be processed.",
+            "gpuinfer_partitions_failed_total",
+            "Partitions whose shard could not be processed.",
             (*PARTITION_LABELS, "error_type"),
         )
         self.model_load_failures = counter(
-            "gpuinfer_model_load_failures_total", "Engine builds that failed, by error_type.",
+            "gpuinfer_model_load_failures_total",
+            "Engine builds that failed, by error_type.",
             (*RUN_LABELS, "error_type"),
         )
         self.in_flight = Gauge(
-            "gpuinfer_requests_in_flight", "Requests submitted to the engine, not yet done.",
-            RUN_LABELS, registry=r,
+            "gpuinfer_requests_in_flight",
+            "Requests submitted to the engine, not yet done.",
+            RUN_LABELS,
+            registry=r,
         )
         self.load_seconds = Gauge(
-            "gpuinfer_model_load_seconds", "Seconds the last engine took to load.", RUN_LABELS,
+            "gpuinfer_model_load_seconds",
+            "Seconds the last engine took to load.",
+            RUN_LABELS,
             registry=r,
         )
         self.retry_gauge = Gauge(
-            "gpuinfer_run_retry_number", "Dagster retry number of this step (0: first try).",
-            RUN_LABELS, registry=r,
+            "gpuinfer_run_retry_number",
+            "Dagster retry number of this step (0: first try).",
+            RUN_LABELS,
+            registry=r,
         )
         self.gpu_utilization = Gauge(
-            "gpuinfer_gpu_utilization_percent", "GPU utilization (NVML), last sample.",
-            (*RUN_LABELS, "gpu"), registry=r,
+            "gpuinfer_gpu_utilization_percent",
+            "GPU utilization (NVML), last sample.",
+            (*RUN_LABELS, "gpu"),
+            registry=r,
         )
         self.gpu_memory = Gauge(
-            "gpuinfer_gpu_memory_used_bytes", "GPU memory used (NVML), last sample.",
-            (*RUN_LABELS, "gpu"), registry=r,
+            "gpuinfer_gpu_memory_used_bytes",
+            "GPU memory used (NVML), last sample.",
+            (*RUN_LABELS, "gpu"),
+            registry=r,
         )
         self.saturation = Gauge(
-            "gpuinfer_engine_saturation_ratio", "Running requests / max_num_seqs, last sample.",
-            RUN_LABELS, registry=r,
+            "gpuinfer_engine_saturation_ratio",
+            "Running requests / max_num_seqs, last sample.",
+            RUN_LABELS,
+            registry=r,
         )
         self.kv_cache = Gauge(
-            "gpuinfer_kv_cache_usage_ratio", "vLLM KV-cache usage (1 = full), last sample.",
-            RUN_LABELS, registry=r,
+            "gpuinfer_kv_cache_usage_ratio",
+            "vLLM KV-cache usage (1 = full), last sample.",
+            RUN_LABELS,
+            registry=r,
         )
         self.partition_gpu = Gauge(
             "gpuinfer_partition_gpu_utilization_mean_percent",
-            "Mean GPU utilization while the partition ran.", PARTITION_LABELS, registry=r,
+            "Mean GPU utilization while the partition ran.",
+            PARTITION_LABELS,
+            registry=r,
         )
         self.partition_saturation = Gauge(
             "gpuinfer_partition_engine_saturation_mean_ratio",
             "Mean running requests / max_num_seqs while the partition ran.",
-            PARTITION_LABELS, registry=r,
+            PARTITION_LABELS,
+            registry=r,
         )
         self.partition_kv = Gauge(
             "gpuinfer_partition_kv_cache_usage_p95_ratio",
-            "p95 KV-cache usage while the partition ran.", PARTITION_LABELS, registry=r,
+            "p95 KV-cache usage while the partition ran.",
+            PARTITION_LABELS,
+            registry=r,
         )
         self.up = Gauge(
-            "gpuinfer_worker_up", "1 while the worker runs, 0 once it finished.", RUN_LABELS,
+            "gpuinfer_worker_up",
+            "1 while the worker runs, 0 once it finished.",
+            RUN_LABELS,
             registry=r,
         )
         self.run_labels = {"asset": asset, "run": run_id}
@@ -237,7 +271,10 @@ class WorkerMetrics:
     ) -> WorkerMetrics:
         """Metrics configured by the worker's environment: port, Pushgateway, interval."""
         metrics = cls(
-            asset=asset, run_id=run_id, process=process, retry_number=retry_number,
+            asset=asset,
+            run_id=run_id,
+            process=process,
+            retry_number=retry_number,
             pushgateway_url=os.environ.get(PUSHGATEWAY_ENV) or None,
         )
         port = os.environ.get(METRICS_PORT_ENV)
@@ -279,8 +316,11 @@ class WorkerMetrics:
         try:
             with self._push_lock:
                 push_to_gateway(
-                    self.pushgateway_url, job=PUSH_JOB, registry=self.registry,
-                    grouping_key=grouping, timeout=PUSH_TIMEOUT_SECONDS,
+                    self.pushgateway_url,
+                    job=PUSH_JOB,
+                    registry=self.registry,
+                    grouping_key=grouping,
+                    timeout=PUSH_TIMEOUT_SECONDS,
                 )
         except Exception as exc:  # noqa: BLE001 - metrics never fail a job
             self._push_paused_until = time.monotonic() + PUSH_RETRY_SECONDS
@@ -373,7 +413,8 @@ def current_metrics() -> WorkerMetrics:
     global _current
     if _current is None:
         _current = WorkerMetrics(
-            asset="unknown", run_id="unknown",
+            asset="unknown",
+            run_id="unknown",
             sampler=TelemetrySampler(gpu_reader=None, interval=3600.0),
         )
     return _current

@@ -98,8 +98,8 @@ class NvmlGpuReader:
     def close(self) -> None:
         try:
             self.nvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001 - shutting down a library that may be half gone
-            pass
+        except Exception as exc:  # noqa: BLE001 - shutting down a library that may be half gone
+            log.debug("nvmlShutdown failed: %s", exc)
 
 
 def open_gpu_reader(nvml: Any = None) -> NvmlGpuReader | None:
@@ -208,9 +208,7 @@ class TelemetrySampler:
     def start(self) -> None:
         if self._thread is not None:
             return
-        self._thread = threading.Thread(
-            target=self._loop, name="gpuinfer-telemetry", daemon=True
-        )
+        self._thread = threading.Thread(target=self._loop, name="gpuinfer-telemetry", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:

@@ -9,7 +9,12 @@ Rows: throughput, engine saturation, GPUs, queue and start, errors.
 
 from __future__ import annotations
 
-from grafana_foundation_sdk.builders.dashboard import DatasourceVariable, Dashboard, QueryVariable, Row
+from grafana_foundation_sdk.builders.dashboard import (
+    Dashboard,
+    DatasourceVariable,
+    QueryVariable,
+    Row,
+)
 from grafana_foundation_sdk.builders.prometheus import Dataquery
 from grafana_foundation_sdk.builders.timeseries import Panel as Timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
@@ -21,11 +26,21 @@ ASSET = 'asset=~"$asset"'
 RATE = "[$__rate_interval]"
 
 
+def p95(histogram: str) -> str:
+    """The 95th percentile per asset of a histogram's `_bucket` series."""
+    return f"histogram_quantile(0.95, sum by (asset, le) (rate({histogram}{{{ASSET}}}{RATE})))"
+
+
 def panel(title: str, unit: str, description: str, *queries: tuple[str, str]) -> Timeseries:
     """A time series panel with one Prometheus query per (expression, legend) pair."""
     built = (
-        Timeseries().title(title).description(description).unit(unit).datasource(DATASOURCE)
-        .span(8).height(8)
+        Timeseries()
+        .title(title)
+        .description(description)
+        .unit(unit)
+        .datasource(DATASOURCE)
+        .span(8)
+        .height(8)
     )
     for ref, (expr, legend) in zip("ABCDEFGH", queries, strict=False):
         built = built.with_target(
@@ -37,27 +52,40 @@ def panel(title: str, unit: str, description: str, *queries: tuple[str, str]) ->
 def throughput() -> list[Timeseries]:
     return [
         panel(
-            "Rows per second", "rows/s",
+            "Rows per second",
+            "rows/s",
             "Rows written to the output and quarantined, per asset.",
             (f"sum by (asset) (rate(gpuinfer_rows_out_total{{{ASSET}}}{RATE}))", "{{asset}} out"),
-            (f"sum by (asset) (rate(gpuinfer_rows_errored_total{{{ASSET}}}{RATE}))",
-             "{{asset}} quarantined"),
+            (
+                f"sum by (asset) (rate(gpuinfer_rows_errored_total{{{ASSET}}}{RATE}))",
+                "{{asset}} quarantined",
+            ),
         ),
         panel(
-            "Tokens per second", "tokens/s",
+            "Tokens per second",
+            "tokens/s",
             "Prompt and generated tokens, counted by the worker per committed chunk.",
-            (f"sum by (asset) (rate(gpuinfer_prompt_tokens_total{{{ASSET}}}{RATE}))",
-             "{{asset}} prompt"),
-            (f"sum by (asset) (rate(gpuinfer_generated_tokens_total{{{ASSET}}}{RATE}))",
-             "{{asset}} generated"),
-            (f"sum by (asset) (rate(vllm:generation_tokens_total{{{ASSET}}}{RATE}))",
-             "{{asset}} generated (vLLM)"),
+            (
+                f"sum by (asset) (rate(gpuinfer_prompt_tokens_total{{{ASSET}}}{RATE}))",
+                "{{asset}} prompt",
+            ),
+            (
+                f"sum by (asset) (rate(gpuinfer_generated_tokens_total{{{ASSET}}}{RATE}))",
+                "{{asset}} generated",
+            ),
+            (
+                f"sum by (asset) (rate(vllm:generation_tokens_total{{{ASSET}}}{RATE}))",
+                "{{asset}} generated (vLLM)",
+            ),
         ),
         panel(
-            "Chunk latency p95", "s",
+            "Chunk latency p95",
+            "s",
             "From a chunk's inference start to its committed marker.",
-            ("histogram_quantile(0.95, sum by (asset, le) "
-             f"(rate(gpuinfer_chunk_seconds_bucket{{{ASSET}}}{RATE})))", "{{asset}}"),
+            (
+                p95("gpuinfer_chunk_seconds_bucket"),
+                "{{asset}}",
+            ),
         ),
     ]
 
@@ -65,30 +93,40 @@ def throughput() -> list[Timeseries]:
 def saturation() -> list[Timeseries]:
     return [
         panel(
-            "Engine saturation", "percentunit",
+            "Engine saturation",
+            "percentunit",
             "Running requests / max_num_seqs. Low while GPUs idle: the engine is starved.",
-            (f"avg by (asset, run) (gpuinfer_engine_saturation_ratio{{{ASSET}}})", "{{asset}} {{run}}"),
+            (
+                f"avg by (asset, run) (gpuinfer_engine_saturation_ratio{{{ASSET}}})",
+                "{{asset}} {{run}}",
+            ),
         ),
         panel(
-            "KV-cache usage", "percentunit",
+            "KV-cache usage",
+            "percentunit",
             "vLLM's KV-cache usage (1 = full). Near 1 with waiting requests: memory bound.",
             (f"max by (asset, run) (vllm:kv_cache_usage_perc{{{ASSET}}})", "{{asset}} {{run}}"),
         ),
         panel(
-            "Requests running, waiting, in flight", "short",
+            "Requests running, waiting, in flight",
+            "short",
             "vLLM's scheduler queue, and what the worker has submitted.",
             (f"sum by (asset) (vllm:num_requests_running{{{ASSET}}})", "{{asset}} running"),
             (f"sum by (asset) (vllm:num_requests_waiting{{{ASSET}}})", "{{asset}} waiting"),
             (f"sum by (asset) (gpuinfer_requests_in_flight{{{ASSET}}})", "{{asset}} in flight"),
         ),
         panel(
-            "Time to first token and engine queue time p95", "s",
+            "Time to first token and engine queue time p95",
+            "s",
             "vLLM's own request histograms.",
-            ("histogram_quantile(0.95, sum by (asset, le) "
-             f"(rate(vllm:time_to_first_token_seconds_bucket{{{ASSET}}}{RATE})))", "{{asset}} TTFT"),
-            ("histogram_quantile(0.95, sum by (asset, le) "
-             f"(rate(vllm:request_queue_time_seconds_bucket{{{ASSET}}}{RATE})))",
-             "{{asset}} queue"),
+            (
+                p95("vllm:time_to_first_token_seconds_bucket"),
+                "{{asset}} TTFT",
+            ),
+            (
+                p95("vllm:request_queue_time_seconds_bucket"),
+                "{{asset}} queue",
+            ),
         ),
     ]
 
@@ -96,22 +134,29 @@ def saturation() -> list[Timeseries]:
 def gpus() -> list[Timeseries]:
     return [
         panel(
-            "GPU utilization (DCGM)", "percent",
+            "GPU utilization (DCGM)",
+            "percent",
             "DCGM exporter's utilization of the GPUs each worker pod holds.",
             ('avg by (pod) (DCGM_FI_DEV_GPU_UTIL{pod=~"gpuinfer-.+"})', "{{pod}}"),
         ),
         panel(
-            "GPU memory used (DCGM)", "decmbytes",
+            "GPU memory used (DCGM)",
+            "decmbytes",
             "Frame buffer used by each worker pod's GPUs.",
             ('sum by (pod) (DCGM_FI_DEV_FB_USED{pod=~"gpuinfer-.+"})', "{{pod}}"),
         ),
         panel(
-            "GPU utilization (worker NVML)", "percent",
+            "GPU utilization (worker NVML)",
+            "percent",
             "The worker's own NVML samples, per run; per partition means beside them.",
-            (f"avg by (asset, run) (gpuinfer_gpu_utilization_percent{{{ASSET}}})",
-             "{{asset}} {{run}}"),
-            (f"avg by (asset) (gpuinfer_partition_gpu_utilization_mean_percent{{{ASSET}}})",
-             "{{asset}} partition mean"),
+            (
+                f"avg by (asset, run) (gpuinfer_gpu_utilization_percent{{{ASSET}}})",
+                "{{asset}} {{run}}",
+            ),
+            (
+                f"avg by (asset) (gpuinfer_partition_gpu_utilization_mean_percent{{{ASSET}}})",
+                "{{asset}} partition mean",
+            ),
         ),
     ]
 
@@ -119,21 +164,30 @@ def gpus() -> list[Timeseries]:
 def queue_and_start() -> list[Timeseries]:
     return [
         panel(
-            "Pending behind Kueue", "s",
+            "Pending behind Kueue",
+            "s",
             "Seconds each run's worker pod waited for Kueue admission.",
-            (f"max by (asset, run) (gpuinfer_launcher_queued_seconds{{{ASSET}}})",
-             "{{asset}} {{run}}"),
+            (
+                f"max by (asset, run) (gpuinfer_launcher_queued_seconds{{{ASSET}}})",
+                "{{asset}} {{run}}",
+            ),
         ),
         panel(
-            "Pod start", "s",
+            "Pod start",
+            "s",
             "From admission to a node, then to the worker container running.",
-            (f"max by (asset, run) (gpuinfer_launcher_scheduling_seconds{{{ASSET}}})",
-             "{{asset}} scheduling"),
-            (f"max by (asset, run) (gpuinfer_launcher_container_start_seconds{{{ASSET}}})",
-             "{{asset}} container start"),
+            (
+                f"max by (asset, run) (gpuinfer_launcher_scheduling_seconds{{{ASSET}}})",
+                "{{asset}} scheduling",
+            ),
+            (
+                f"max by (asset, run) (gpuinfer_launcher_container_start_seconds{{{ASSET}}})",
+                "{{asset}} container start",
+            ),
         ),
         panel(
-            "Model load", "s",
+            "Model load",
+            "s",
             "Seconds the worker's vLLM engine took to load.",
             (f"max by (asset, run) (gpuinfer_model_load_seconds{{{ASSET}}})", "{{asset}} {{run}}"),
         ),
@@ -143,25 +197,36 @@ def queue_and_start() -> list[Timeseries]:
 def errors() -> list[Timeseries]:
     return [
         panel(
-            "Quarantined rows by error type", "rows/s",
+            "Quarantined rows by error type",
+            "rows/s",
             "Rows that went to errors.parquet, by reason.",
-            (f"sum by (asset, error_type) (rate(gpuinfer_rows_errored_total{{{ASSET}}}{RATE}))",
-             "{{asset}} {{error_type}}"),
+            (
+                f"sum by (asset, error_type) (rate(gpuinfer_rows_errored_total{{{ASSET}}}{RATE}))",
+                "{{asset}} {{error_type}}",
+            ),
         ),
         panel(
-            "Failed partitions and model loads", "short",
+            "Failed partitions and model loads",
+            "short",
             "Partitions whose shard could not be processed; engines that failed to load.",
-            (f"sum by (asset, error_type) (gpuinfer_partitions_failed_total{{{ASSET}}})",
-             "{{asset}} partition {{error_type}}"),
-            (f"sum by (asset, error_type) (gpuinfer_model_load_failures_total{{{ASSET}}})",
-             "{{asset}} load {{error_type}}"),
+            (
+                f"sum by (asset, error_type) (gpuinfer_partitions_failed_total{{{ASSET}}})",
+                "{{asset}} partition {{error_type}}",
+            ),
+            (
+                f"sum by (asset, error_type) (gpuinfer_model_load_failures_total{{{ASSET}}})",
+                "{{asset}} load {{error_type}}",
+            ),
         ),
         panel(
-            "Retries and out-of-memory step-downs", "short",
+            "Retries and out-of-memory step-downs",
+            "short",
             "Dagster retry number of each run's step; relaunches with smaller batches.",
             (f"max by (asset, run) (gpuinfer_run_retry_number{{{ASSET}}})", "{{asset}} retry"),
-            (f"max by (asset, run) (gpuinfer_launcher_oom_step_downs{{{ASSET}}})",
-             "{{asset}} OOM step-down"),
+            (
+                f"max by (asset, run) (gpuinfer_launcher_oom_step_downs{{{ASSET}}})",
+                "{{asset}} OOM step-down",
+            ),
         ),
     ]
 
@@ -175,9 +240,13 @@ def build_dashboard() -> Dashboard:
         .time("now-6h", "now")
         .with_variable(DatasourceVariable("datasource").label("Prometheus").type("prometheus"))
         .with_variable(
-            QueryVariable("asset").label("Asset").datasource(DATASOURCE)
-            .query("label_values(gpuinfer_rows_in_total, asset)").include_all(True)
-            .multi(True).all_value(".*")
+            QueryVariable("asset")
+            .label("Asset")
+            .datasource(DATASOURCE)
+            .query("label_values(gpuinfer_rows_in_total, asset)")
+            .include_all(True)
+            .multi(True)
+            .all_value(".*")
         )
     )
     panel_id = 0
