@@ -37,11 +37,12 @@ demo: prepare
 # server with a Pushgateway (metrics of real worker runs, promtool on the alert rules):
 # start throwaway ones on loopback.
 test: prepare
-	eval "$$(bash deploy/local/test-prometheus.sh)" && \
+	PROMETHEUS_ENV=$$(bash deploy/local/test-prometheus.sh) && eval "$$PROMETHEUS_ENV" && \
 	GPUINFER_TEST_POSTGRES_URL=$$(bash deploy/local/test-postgres.sh) $(PY) -m pytest tests
 
 test-fast: install
-	eval "$$(bash deploy/local/test-prometheus.sh)" && $(PY) -m pytest tests -m "not engine"
+	PROMETHEUS_ENV=$$(bash deploy/local/test-prometheus.sh) && eval "$$PROMETHEUS_ENV" && \
+	$(PY) -m pytest tests -m "not engine"
 
 dev: prepare
 	$(VENV)/bin/dagster dev -w workspace.yaml

@@ -14,7 +14,12 @@ mkdir -p "$DIR"
 if [ "${1:-}" = stop ]; then
   for name in prometheus pushgateway; do
     if [ -f "$DIR/$name.pid" ]; then
-      kill "$(cat "$DIR/$name.pid")" 2>/dev/null || true
+      pid=$(cat "$DIR/$name.pid")
+      kill "$pid" 2>/dev/null || true
+      for _ in $(seq 1 50); do  # Prometheus shuts down gracefully: wait until it is gone
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.2
+      done
       rm -f "$DIR/$name.pid"
     fi
   done
