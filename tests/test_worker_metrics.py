@@ -332,6 +332,6 @@ def test_an_unreachable_pushgateway_costs_one_attempt_not_one_per_chunk(monkeypa
     for _ in range(5):
         metrics.chunk_committed("p", Marker(), write_seconds=0.0)
     assert len(attempts) == 1
-    assert attempts[0] == {"run": "r4", "asset": "docs", "process": "main"}
+    assert attempts[0] == {"run": "r4", "asset": "docs", "process": "main", "retry": "0"}
     metrics.close()  # the final push is tried regardless
     assert len(attempts) == 2

@@ -46,6 +46,7 @@ METRICS_PORT_ENV = "GPUINFER_METRICS_PORT"
 PUSHGATEWAY_ENV = "GPUINFER_PUSHGATEWAY_URL"
 SAMPLE_SECONDS_ENV = "GPUINFER_TELEMETRY_INTERVAL"
 RUN_ID_ENV = "GPUINFER_RUN_ID"
+RETRY_ENV = "GPUINFER_RETRY_NUMBER"
 PUSH_JOB = "gpuinfer_worker"
 PUSH_TIMEOUT_SECONDS = 5.0
 PUSH_RETRY_SECONDS = 60.0
@@ -136,6 +137,7 @@ class WorkerMetrics:
         self.asset = asset
         self.run_id = run_id
         self.process = process
+        self.retry_number = retry_number
         self.pushgateway_url = pushgateway_url
         self.registry = CollectorRegistry()
         self.registry.register(VllmMetricsCollector({"asset": asset, "run": run_id}, vllm_registry))
@@ -312,7 +314,12 @@ class WorkerMetrics:
             return
         from prometheus_client import push_to_gateway
 
-        grouping = {"run": self.run_id, "asset": self.asset, "process": self.process}
+        grouping = {
+            "run": self.run_id,
+            "asset": self.asset,
+            "process": self.process,
+            "retry": str(self.retry_number),  # a retry's group does not replace the first's
+        }
         try:
             with self._push_lock:
                 push_to_gateway(
@@ -455,16 +462,23 @@ class MeteredReporter:
 
 
 def start_worker_metrics(
-    *, asset: str, run_id: str | None = None, process: str = "main", retry_number: int = 0
+    *,
+    asset: str,
+    run_id: str | None = None,
+    process: str = "main",
+    retry_number: int | None = None,
 ) -> WorkerMetrics:
     """Build the process's metrics from the environment, install and start them.
 
-    The run id is kept in `GPUINFER_RUN_ID`, where replica processes (spawned with this
-    environment) find it when they call this with `run_id=None`.
+    The run id and retry number are kept in `GPUINFER_RUN_ID` and `GPUINFER_RETRY_NUMBER`,
+    where replica processes (spawned with this environment) find them when they pass None.
     """
     if run_id is None:
         run_id = os.environ.get(RUN_ID_ENV, "unknown")
+    if retry_number is None:
+        retry_number = int(os.environ.get(RETRY_ENV, "0"))
     os.environ[RUN_ID_ENV] = run_id
+    os.environ[RETRY_ENV] = str(retry_number)
     metrics = WorkerMetrics.from_environment(
         asset=asset, run_id=run_id, process=process, retry_number=retry_number
     )
