@@ -41,9 +41,12 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The suite includes a Dagster instance on a real PostgreSQL server: start a throwaway one.
-# The linters and the security gate run first, so CI fails on them before the long suite.
+# The suite includes a Dagster instance on a real PostgreSQL server, and a real Prometheus
+# server with a Pushgateway (metrics of real worker runs, promtool on the alert rules):
+# start throwaway ones on loopback. The linters and the security gate run first, so CI
+# fails on them before the long suite.
 test: lint security prepare
+	PROMETHEUS_ENV=$$(bash deploy/local/test-prometheus.sh) && eval "$$PROMETHEUS_ENV" && \
 	GPUINFER_TEST_POSTGRES_URL=$$(bash deploy/local/test-postgres.sh) $(PY) -m pytest tests
 
 # The security gate: checkov (offline) over deploy/ and generated worker pods, failing on any
@@ -59,6 +62,7 @@ security: install $(CHECKOV_STAMP)
 	$(PY) deploy/checkov/gate.py --checkov $(CHECKOV_VENV)/bin/checkov
 
 test-fast: install
+	PROMETHEUS_ENV=$$(bash deploy/local/test-prometheus.sh) && eval "$$PROMETHEUS_ENV" && \
 	$(PY) -m pytest tests -m "not engine"
 
 dev: prepare

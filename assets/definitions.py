@@ -16,7 +16,13 @@ from assets.daily import daily_embeddings_job, daily_embeddings_schedule, daily_
 from assets.downstream import embedding_stats_asset
 from assets.paths import embedding_model_dir, generation_model_dir, input_root, output_root
 from assets.yaml_pipelines import load_yaml_pipelines
-from dagster_gpuinfer import EngineArgs, InputSpec, SamplingParams, inference_assets
+from dagster_gpuinfer import (
+    EngineArgs,
+    InputSpec,
+    SamplingParams,
+    backfill_estimate_sensor,
+    inference_assets,
+)
 from resources import resources_for_environment
 
 DOC_SHARDS = dg.StaticPartitionsDefinition([f"docs-{i:03d}" for i in range(4)])
@@ -93,6 +99,8 @@ defs = dg.Definitions.merge(
         ],
         jobs=[embed_docs_job, complete_prompts_job, daily_embeddings_job],
         schedules=[daily_embeddings_schedule],
+        # What backfilling the missing partitions costs, on each output asset's page.
+        sensors=[backfill_estimate_sensor(p) for p in PIPELINES.values()],
         resources=resources_for_environment(),
     ),
     # ticket_embeddings: declared in YAML (assets/defs/ticket_embeddings/defs.yaml).

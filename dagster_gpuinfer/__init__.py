@@ -34,6 +34,8 @@ _EXPORTS = {
     "SecretRefs": "dagster_gpuinfer.k8s.pod",
     "build_worker_pod": "dagster_gpuinfer.k8s.pod",
     "arrival_sensor": "dagster_gpuinfer.sensors",
+    "backfill_estimate_sensor": "dagster_gpuinfer.estimate",
+    "estimate_backfill": "dagster_gpuinfer.estimate",
     "SplitLargeFiles": "dagster_gpuinfer.arrivals",
     "InferencePipelineComponent": "dagster_gpuinfer.components.inference_pipeline",
     "gpu_settings_from_s3_resource": "dagster_gpuinfer.aws",
@@ -51,6 +53,8 @@ if TYPE_CHECKING:
     from dagster_gpuinfer.asset_factory import default_backfill_policy as default_backfill_policy
     from dagster_gpuinfer.asset_factory import inference_assets as inference_assets
     from dagster_gpuinfer.aws import gpu_settings_from_s3_resource as gpu_settings_from_s3_resource
+    from dagster_gpuinfer.estimate import backfill_estimate_sensor as backfill_estimate_sensor
+    from dagster_gpuinfer.estimate import estimate_backfill as estimate_backfill
     from dagster_gpuinfer.components.inference_pipeline import (
         InferencePipelineComponent as InferencePipelineComponent,
     )

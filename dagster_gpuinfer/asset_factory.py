@@ -15,6 +15,7 @@ from pydantic import Field
 from dagster_gpuinfer.checks import ERROR_RATE, ROWS_BALANCED, check_results
 from dagster_gpuinfer.metadata import partition_metadata, run_metadata
 from dagster_gpuinfer.resource import GpuInferenceResource, InferenceRunResult, validate_spec
+from dagster_gpuinfer.run_metrics import run_timing_fields
 from dagster_gpuinfer.spec import (
     EngineArgs,
     InferenceSpec,
@@ -232,7 +233,9 @@ def inference_assets(
         ],
         kinds={"vllm", output_format if output_format == "parquet" else "json"},
         description=description or f"{task} with {model} over {input_key.to_user_string()}",
-        metadata={"model": model, "task": task, "output_root": output_root},
+        metadata={"model": model, "task": task, "output_root": output_root,
+                  # read by dagster_gpuinfer.estimate (CLI and backfill_estimate_sensor)
+                  "gpuinfer/spec": dg.MetadataValue.json(raw_spec)},
     )
     def _inference_asset(context: dg.AssetExecutionContext, config: InferenceRunConfig):
         gpu: GpuInferenceResource = getattr(context.resources, resource_key)
@@ -246,7 +249,8 @@ def inference_assets(
             fail_partitions(context, result, spec)
         for key, manifest in result.manifests.items():
             context.add_asset_metadata(
-                partition_metadata(result.spec or spec, manifest, computed=key in result.computed),
+                {**partition_metadata(result.spec or spec, manifest, computed=key in result.computed),
+                 **run_timing_fields(result)},  # the run's queue/start/load/inference/commit seconds
                 partition_key=key,
             )
         return dg.MaterializeResult(

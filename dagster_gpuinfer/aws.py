@@ -3,7 +3,7 @@
 The job spec never carries credentials, and neither does the resource's config: a credential
 travels as the *name* of an environment variable (`dg.EnvVar`), which the worker reads from
 its own environment when it starts. The control plane never resolves it. In a pod, reference
-a Kubernetes Secret instead (`K8sLauncherConfig.secret_env_from`, `secret_env`).
+a Kubernetes Secret instead (`K8sLauncherConfig.secrets.env_from`, `secrets.env`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def gpu_settings_from_s3_resource(s3: S3Resource) -> dict[str, Any]:
                 "credentials to workers only by reference. Configure it as "
                 f"{field}=dg.EnvVar('NAME') (the worker reads NAME from its environment as "
                 f"{variable}), or leave it unset and let the worker use the standard AWS chain "
-                "(instance role, IRSA, or a Kubernetes Secret via k8s.secret_env_from)"
+                "(instance role, IRSA, or a Kubernetes Secret via k8s.secrets.env_from)"
             )
         references[variable] = value.env_var_name
     env: dict[str, str] = {}

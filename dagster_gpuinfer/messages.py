@@ -8,7 +8,8 @@ new `type` to `WorkerMessage`; a control plane that does not know a type skips i
 - `partition`: one partition committed (its manifest), computed now or found committed;
 - `partition_failed`: one shard that cannot be processed; the other partitions go on;
 - `run`: once, the run's summary (model loads, timings);
-- `fatal`: the spec cannot run; the control plane fails the step, not retried.
+- `fatal`: the spec cannot run; the control plane fails the step, not retried;
+- `pod_start`: written by the Kubernetes launcher, not the worker: the pod's start split.
 """
 
 from __future__ import annotations
@@ -66,9 +67,23 @@ class RunFinished(BaseModel):
         return self.model_dump(mode="json", exclude={"type"})
 
 
-_MESSAGE_MODELS = (PartitionCommitted, PartitionFailed, RunFinished, Fatal)
+class PodStart(BaseModel):
+    """The Kubernetes launcher's own message (k8s/timing.py): how long the worker pod queued
+    behind Kueue admission, was scheduled and started. Fields are kept as they come."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["pod_start"] = "pod_start"
+
+    def timing(self) -> dict[str, Any]:
+        """The timing as a plain dict, without `type`."""
+        return self.model_dump(mode="json", exclude={"type"})
+
+
+_MESSAGE_MODELS = (PartitionCommitted, PartitionFailed, RunFinished, Fatal, PodStart)
 WorkerMessage = Annotated[
-    PartitionCommitted | PartitionFailed | RunFinished | Fatal, Field(discriminator="type")
+    PartitionCommitted | PartitionFailed | RunFinished | Fatal | PodStart,
+    Field(discriminator="type"),
 ]
 _WORKER_MESSAGE: TypeAdapter[Any] = TypeAdapter(WorkerMessage)
 KNOWN_TYPES = frozenset(model.model_fields["type"].default for model in _MESSAGE_MODELS)

@@ -7,6 +7,7 @@ from typing import Any
 import dagster as dg
 
 from dagster_gpuinfer.resource import InferenceRunResult
+from dagster_gpuinfer.run_metrics import run_timing_metadata, telemetry_metadata
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest, partition_dir
 
@@ -33,6 +34,7 @@ def partition_metadata(spec: InferenceSpec, manifest: Manifest, *, computed: boo
         "output_path": dg.MetadataValue.path(partition_dir(spec.output, manifest.partition_key)),
         "engine_args": dg.MetadataValue.json(spec.engine.model_dump(mode="json")),
         "sampling_params": dg.MetadataValue.json(spec.sampling.model_dump(mode="json")),
+        **telemetry_metadata(manifest.telemetry),
     }
 
 
@@ -47,6 +49,7 @@ def run_metadata(result: InferenceRunResult) -> dict[str, Any]:
         "run_replicas": int(summary.get("replicas", 0)),
         "run_wall_seconds": float(summary.get("wall_seconds", 0.0)),
     }
+    metadata.update(run_timing_metadata(result))
     if spec is not None:
         metadata["model"] = spec.model
         metadata["tensor_parallel_size"] = spec.tensor_parallel_size

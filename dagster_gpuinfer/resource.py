@@ -19,11 +19,13 @@ from dagster_gpuinfer.k8s.pod import K8sLauncherConfig
 from dagster_gpuinfer.messages import (
     Fatal,
     PartitionCommitted,
+    PodStart,
     PartitionFailed,
     RunFinished,
     parse_message,
 )
 from dagster_gpuinfer.secrets import ENV_REFERENCES_VARIABLE
+from dagster_gpuinfer.run_metrics import metrics_env, push_run_metrics
 from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
 from dagster_gpuinfer.storage import Manifest, committed_manifest
 
@@ -73,6 +75,8 @@ class InferenceRunResult:
     # k8s launcher: set when the worker ran out of memory and was relaunched with smaller
     # vLLM batches ({field: {"from": old, "to": new}, "first_failure": ...}).
     memory_step_down: dict[str, Any] | None = None
+    # k8s launcher: where the pod's start went (k8s/timing.py): queued, scheduling, start.
+    pod_start: dict[str, Any] | None = None
 
 
 class GpuInferenceResource(dg.ConfigurableResource):
@@ -96,7 +100,7 @@ class GpuInferenceResource(dg.ConfigurableResource):
         default_factory=dict,
         description="Extra environment variables for the worker. Never credentials: names "
         "that look like one (TOKEN, SECRET, *_PASS*, *_KEY, ...) are refused for pods; use "
-        "env_references (local) or k8s.secret_env (pods).",
+        "env_references (local) or k8s.secrets.env (pods).",
     )
     env_references: dict[str, str] = Field(
         default_factory=dict,
@@ -104,7 +108,7 @@ class GpuInferenceResource(dg.ConfigurableResource):
         "the worker gets: name of the variable in the worker's inherited environment}, e.g. "
         "{'AWS_SECRET_ACCESS_KEY': 'MINIO_SECRET'} (gpu_settings_from_s3_resource fills it "
         "from dg.EnvVar credentials). Only names travel; the worker reads the value at start. "
-        "Pods take credentials from Secrets instead (k8s.secret_env, k8s.secret_env_from).",
+        "Pods take credentials from Secrets instead (k8s.secrets.env, k8s.secrets.env_from).",
     )
     engine_overrides: dict[str, Any] = Field(
         default_factory=dict,
@@ -116,6 +120,17 @@ class GpuInferenceResource(dg.ConfigurableResource):
     )
     s3_region: str | None = Field(None, description="S3 region.")
     s3_allow_http: bool = Field(False, description="Allow a plain-http S3 endpoint.")
+    metrics_port: int | None = Field(
+        None,
+        description="Port the worker serves Prometheus metrics on (GPUINFER_METRICS_PORT); "
+        "worker pods declare it as their `metrics` port for the PodMonitor. None serves none.",
+    )
+    pushgateway_url: str | None = Field(
+        None,
+        description="Prometheus Pushgateway the worker pushes its metrics to after every chunk "
+        "commit and at exit (and the launcher its queue and start times), e.g. "
+        "http://pushgateway.monitoring:9091. None pushes nothing.",
+    )
     k8s: K8sLauncherConfig | None = Field(
         None,
         description="Worker pods for launcher='k8s': image, namespace, GPU type, Kueue queue, "
@@ -176,6 +191,8 @@ class GpuInferenceResource(dg.ConfigurableResource):
         worker_spec = spec.model_copy(update={"partition_keys": todo})
         messages = self._launch_stepping_down_memory(context=context, spec=worker_spec, result=result)
         self._collect(messages, result)
+        push_run_metrics(self.pushgateway_url, asset=spec.output.asset_name,
+                         run_id=context.run_id, result=result)
         if result.memory_step_down is not None:
             for key in todo:
                 context.add_asset_metadata(
@@ -195,6 +212,10 @@ class GpuInferenceResource(dg.ConfigurableResource):
             )
         return result
 
+    def worker_env(self) -> dict[str, str]:
+        """`env` plus the metrics settings the worker reads (worker/metrics.py)."""
+        return {**self.env, **metrics_env(self.metrics_port, self.pushgateway_url)}
+
     def _launch(
         self, *, context: dg.AssetExecutionContext, spec: InferenceSpec, launch_attempt: int = 0
     ) -> list[Any]:
@@ -206,14 +227,14 @@ class GpuInferenceResource(dg.ConfigurableResource):
                 context=context,
                 extras=extras,
                 python_executable=self.python_executable or sys.executable,
-                env={**self.env, **env_references_variable(self.env_references)},
+                env={**self.worker_env(), **env_references_variable(self.env_references)},
             )
         if self.env_references:
             raise dg.Failure(
                 description="GpuInferenceResource.env_references names variables of the "
                 f"control plane's environment ({sorted(self.env_references.values())}), which "
                 "a pod cannot see. Put the credentials in a Kubernetes Secret and reference it: "
-                "k8s.secret_env_from=['<secret>'] (keys become variables) or k8s.secret_env="
+                "k8s.secrets.env_from=['<secret>'] (keys become variables) or k8s.secrets.env="
                 "[SecretEnvRef(...)]",
                 allow_retries=False,
             )
@@ -231,7 +252,7 @@ class GpuInferenceResource(dg.ConfigurableResource):
             spec=spec,
             extras=extras,
             config=self.k8s,
-            env=self.env,
+            env=self.worker_env(),
             kubernetes_client=self.kubernetes_client,
             launch_attempt=launch_attempt,
         )
@@ -301,6 +322,8 @@ class GpuInferenceResource(dg.ConfigurableResource):
                 }
             elif isinstance(message, RunFinished):
                 result.summary = message.summary()
+            elif isinstance(message, PodStart):  # the k8s launcher's own (k8s/timing.py)
+                result.pod_start = message.timing()
             elif isinstance(message, Fatal):
                 where = message.partition_key
                 raise dg.Failure(

@@ -89,7 +89,7 @@ def secret_in_options_message(path: str) -> str:
         f"{path} looks like a credential; the spec travels in the Pipes context, the pod's "
         "annotations and asset metadata, so a value here is readable by anyone who can read "
         "those. Keep it out of the spec: put it in a Kubernetes Secret and give it to the "
-        "worker as an environment variable with k8s.secret_env=[SecretEnvRef(env_name="
+        "worker as an environment variable with k8s.secrets.env=[SecretEnvRef(env_name="
         "'HF_TOKEN', secret_name=..., key=...)] (locally: set it in the worker's "
         "environment); vLLM and the Hugging Face libraries read HF_TOKEN from there"
     )

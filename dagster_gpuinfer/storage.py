@@ -435,6 +435,8 @@ class Manifest(BaseModel):
     model_load_seconds: float = 0.0
     committed_at: float = Field(default_factory=time.time)
     worker: dict[str, Any] = Field(default_factory=dict)
+    # GPU utilization, engine saturation, KV-cache usage while it ran (worker/telemetry.py).
+    telemetry: dict[str, Any] = Field(default_factory=dict)
 
     @property
     def balanced(self) -> bool:

@@ -21,6 +21,8 @@ deployment kit (deploy/rbac.yaml, deploy/kueue/, deploy/model-cache/):
 | GPUINFER_WORKER_CPU, _MEMORY     | 8, 64Gi                      | requests (memory also the limit) |
 | GPUINFER_SHM_SIZE                | 16Gi                         | /dev/shm size                    |
 | GPUINFER_POD_PENDING_TIMEOUT     | 1800                         | seconds to start after admission |
+| GPUINFER_WORKER_METRICS_PORT     | 9400                         | worker Prometheus port ('' none) |
+| GPUINFER_PUSHGATEWAY             |                              | Pushgateway URL for metrics      |
 """
 
 from __future__ import annotations
@@ -110,5 +112,7 @@ def k8s_resources(environ: Mapping[str, str] | None = None) -> dict[str, GpuInfe
             s3_endpoint_url=env.get("GPUINFER_S3_ENDPOINT") or None,
             s3_region=env.get("GPUINFER_S3_REGION") or None,
             s3_allow_http=(env.get("GPUINFER_S3_ENDPOINT") or "").startswith("http://"),
+            metrics_port=int(env.get("GPUINFER_WORKER_METRICS_PORT", "9400") or 0) or None,
+            pushgateway_url=env.get("GPUINFER_PUSHGATEWAY") or None,
         )
     }

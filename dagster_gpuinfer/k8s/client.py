@@ -49,6 +49,8 @@ from dagster_gpuinfer.k8s.pod import (
     RunIdentity,
     build_worker_pod,
 )
+from dagster_gpuinfer.k8s.metrics_port import with_metrics_port
+from dagster_gpuinfer.k8s.timing import StartObserver, start_timing_message
 from dagster_gpuinfer.spec import InferenceSpec
 
 log = logging.getLogger("dagster_gpuinfer.k8s")
@@ -126,6 +128,7 @@ class GpuWorkerPipesClient(PipesK8sClient):
         self.pod_pending_timeout = pod_pending_timeout
         self.queue_timeout = queue_timeout
         self.pod_wait_timeout = pod_wait_timeout
+        self.start_timing = None  # k8s/timing.py: queued, scheduling, container start
 
     def run_worker_pod(
         self,
@@ -222,13 +225,16 @@ class GpuWorkerPipesClient(PipesK8sClient):
         """
         started_at = client.timer()
         pending_since: float | None = None
+        observer = StartObserver(now=client.timer)
         while True:
             pod = read_pod(client, name=name, namespace=namespace)
             if pod is None:
                 raise_for(classify_pod_failure(pod=None, pod_name=name, image=image))
             state, detail = pod_start_state(pod)
+            observer.observe(state)
             now = client.timer()
             if state == "started":
+                self.start_timing = observer.timing(pod)
                 return
             if state in ("image_error", "failed"):
                 raise_for(
@@ -353,7 +359,7 @@ def run_k8s_worker(
         launch_attempt=launch_attempt,
     )
     try:
-        pod = build_worker_pod(spec, config, identity, extra_env=env)
+        pod = with_metrics_port(build_worker_pod(spec, config, identity, extra_env=env), env)
     except PodSpecError as exc:
         raise dg.Failure(
             description=f"cannot build the worker pod: {exc}", allow_retries=False
@@ -378,7 +384,7 @@ def run_k8s_worker(
         if exc.failure.kind == "out_of_memory":
             raise
         raise failure_for(exc.failure) from None
-    return invocation.get_custom_messages()
+    return [*invocation.get_custom_messages(), start_timing_message(client.start_timing)]
 
 
 def failure_for(failure: PodFailure) -> dg.Failure:

@@ -7,7 +7,8 @@ extras (`spec`), and progress goes back as Pipes messages (the models in
 - `{"type": "partition", "computed": bool, "manifest": {...}}` for each committed partition;
 - `{"type": "partition_failed", "error_type", "message", "partition_key"}` for each shard that
   cannot be processed (missing, unreadable, missing a column); the other partitions go on;
-- `{"type": "run", ...}` once, with the model loads and timings of the run;
+- `{"type": "run", ...}` once, with the model loads and timings of the run, and its
+  `telemetry` (GPU utilization, engine saturation: worker/telemetry.py);
 - `{"type": "fatal", "error_type", "message", "partition_key"}` when the spec cannot run
   (model directory, arguments). The process then exits 0: it finished its protocol, and the
   control plane raises a non-retryable Dagster `Failure`. Any other exit is a crash, which Dagster's
@@ -40,6 +41,7 @@ from dagster_gpuinfer.storage import Manifest
 from dagster_gpuinfer.worker.errors import SpecError, WorkerError
 from dagster_gpuinfer.worker.env_references import apply_env_references
 from dagster_gpuinfer.worker.job import run_job
+from dagster_gpuinfer.worker.metrics import MeteredReporter, start_worker_metrics
 
 
 class MessageReporter:
@@ -75,12 +77,20 @@ def parse_spec(raw: Any) -> InferenceSpec:
         raise SpecError(f"the job spec does not validate: {exc}") from exc
 
 
-def run(raw_spec: Any, reporter: MessageReporter) -> None:
+def run(raw_spec: Any, reporter: MessageReporter, *, run_id: str = "", retry_number: int = 0) -> None:
+    metrics = None
     try:
-        run_job(parse_spec(raw_spec), reporter)
+        spec = parse_spec(raw_spec)
+        metrics = start_worker_metrics(
+            asset=spec.output.asset_name, run_id=run_id or "local", retry_number=retry_number
+        )
+        run_job(spec, MeteredReporter(reporter, metrics))
     except WorkerError as exc:
         logging.getLogger("dagster_gpuinfer.worker").error("%s", exc)
         reporter.fatal(exc)
+    finally:
+        if metrics is not None:
+            metrics.close()  # the last push: a finished worker cannot be scraped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     from dagster_pipes import open_dagster_pipes
 
     with open_dagster_pipes() as pipes:
-        run(pipes.extras.get("spec"), MessageReporter(pipes.report_custom_message))
+        run(pipes.extras.get("spec"), MessageReporter(pipes.report_custom_message),
+            run_id=pipes.run_id, retry_number=pipes.retry_number)
     return 0
 
 

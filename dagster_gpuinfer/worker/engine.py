@@ -17,6 +17,7 @@ import numpy as np
 from dagster_gpuinfer.out_of_memory import memory_problem
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.worker.errors import SpecError
+from dagster_gpuinfer.worker.metrics import current_metrics
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 
@@ -62,6 +63,7 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     kwargs["tensor_parallel_size"] = spec.tensor_parallel_size
     if spec.task == "embed":
         kwargs["runner"] = "pooling"
+    kwargs.setdefault("disable_log_stats", False)  # vLLM's own Prometheus metrics: worker/metrics.py
     return kwargs
 
 
@@ -92,6 +94,7 @@ class InferenceEngine:
         try:
             self.llm = LLM(model=os.path.expanduser(spec.model.removeprefix("file://")), **kwargs)
         except (OSError, ValueError) as exc:
+            current_metrics().model_load_failed(exc)
             message = str(exc)
             if _is_memory_error(message):
                 raise  # transient for the control plane: it may step memory knobs down
@@ -100,6 +103,9 @@ class InferenceEngine:
                 f"{message.splitlines()[0] if message else type(exc).__name__}"
             ) from exc
         self.load_seconds = time.perf_counter() - started
+        current_metrics().model_loaded(
+            self.load_seconds, max_num_seqs=self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        )
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.sampling_params = (

@@ -24,6 +24,7 @@ from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest, committed_manifest
 from dagster_gpuinfer.worker.engine import InferenceEngine, check_model_dir
 from dagster_gpuinfer.worker.errors import ShardError, SpecError, WorkerError
+from dagster_gpuinfer.worker.metrics import start_worker_metrics
 from dagster_gpuinfer.worker.readers import ShardReader
 from dagster_gpuinfer.worker.shard import process_shard
 
@@ -262,6 +263,7 @@ def replica_main(spec_json: str, index: int, env: dict[str, str], tasks: Any, re
     os.environ.update(env)
     logging.basicConfig(level=logging.INFO, format=f"[replica {index}] %(message)s")
     spec = InferenceSpec.model_validate_json(spec_json)
+    metrics = start_worker_metrics(asset=spec.output.asset_name, process=f"replica-{index}")
     engine = None
     try:
         engine = InferenceEngine(spec)
@@ -284,3 +286,4 @@ def replica_main(spec_json: str, index: int, env: dict[str, str], tasks: Any, re
     finally:
         if engine is not None:
             engine.shutdown()
+        metrics.close()

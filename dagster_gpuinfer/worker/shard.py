@@ -53,6 +53,7 @@ from dagster_gpuinfer.storage import (
     write_file_entry,
 )
 from dagster_gpuinfer.worker.engine import InferenceEngine
+from dagster_gpuinfer.worker.metrics import current_metrics
 from dagster_gpuinfer.worker.readers import RawChunk, ShardReader
 from dagster_gpuinfer.worker.validate import RowValidator
 from dagster_gpuinfer.worker.writers import encode_openai_batch, errors_table, output_table
@@ -111,6 +112,7 @@ def process_shard(
         return existing, False
 
     attempt = uuid.uuid4().hex[:8]
+    current_metrics().partition_started(partition_key)
     markers = read_chunk_markers(where.fs, where.path, where.spec_hash)
     validator = RowValidator(
         task=spec.task,
@@ -162,7 +164,10 @@ def commit_chunk(
 ) -> ChunkMarker:
     """Validate, infer and write one chunk; its marker, written last, commits it."""
     valid = validator.validate(chunk)
+    current_metrics().requests_started(len(valid.token_ids))
     result = engine.run(valid.token_ids)
+    current_metrics().requests_finished(len(valid.token_ids))
+    inferred = time.perf_counter()
     part = None
     if valid.ids:
         table = output_table(spec.task, valid.ids, result)
@@ -196,6 +201,9 @@ def commit_chunk(
         errors=errors,
     )
     write_chunk_marker(where.fs, where.path, marker)
+    current_metrics().chunk_committed(
+        where.partition_key, marker, valid.errors, write_seconds=time.perf_counter() - inferred
+    )
     log.info(
         "partition %s chunk %d committed: %d rows out, %d quarantined",
         where.partition_key, chunk.index, marker.rows_out, marker.rows_errored,
@@ -238,6 +246,7 @@ def commit_chunks(
         wall_seconds=wall_seconds,
         model_load_seconds=model_load_seconds,
         worker=worker,
+        telemetry=current_metrics().partition_telemetry(where.partition_key, rows_resumed=rows_resumed),
     )
     return commit_partition(where.fs, where.path, manifest, error_tables, where.storage)
 

@@ -1,0 +1,429 @@
+"""Estimate a backfill before launching it: GPU-hours and wall time of the partitions not yet
+committed, from their input sizes and the speed measured on the partitions already committed.
+
+    python -m dagster_gpuinfer.estimate doc_embeddings [-m assets.definitions] [--pool-slots 4]
+
+The formula (README, "Estimating a backfill"):
+
+- work of a partition: its rows for Parquet input (read from the file's footer, no data
+  read), its bytes for JSONL/OpenAI Batch input (the file's size; a `@rows=` part of a
+  JSONL file gets its share of the file's bytes). A `@bytes=` or `@rows=` range counts
+  only its part.
+- speed: the work of the committed partitions over their `wall_seconds` (from their
+  manifests: read, infer, write; one worker pod), i.e. work units per pod-second. Before
+  any partition is committed: `DEFAULT_ROWS_PER_SECOND` or `DEFAULT_BYTES_PER_SECOND`.
+- runs: the pending partitions in groups of the backfill policy's `max_partitions_per_run`
+  (K); each run pays one model load (mean `model_load_seconds` of the committed
+  partitions, else `DEFAULT_MODEL_LOAD_SECONDS`) and a worker start
+  (`DEFAULT_RUN_START_SECONDS`).
+- run seconds = start + load + sum(work / speed) over its partitions;
+  GPU-hours = sum(run seconds) x GPUs per pod (tensor_parallel_size x replicas) / 3600;
+  wall time = the runs spread over the pool's pod slots (the Dagster pool limit: one slot
+  per pod), in backfill order, each to the slot that frees first. Time queued behind Kueue is
+  not in it.
+
+The same numbers reach the UI through `backfill_estimate_sensor`, which records them as an
+observation of the output asset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import importlib
+import json
+import os
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import dagster as dg
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from dagster_gpuinfer.spec import InferenceSpec, split_partition_key
+from dagster_gpuinfer.storage import committed_manifest, filesystem_for
+
+DEFAULT_ROWS_PER_SECOND = 100.0
+DEFAULT_BYTES_PER_SECOND = 20_000.0
+DEFAULT_MODEL_LOAD_SECONDS = 120.0
+DEFAULT_RUN_START_SECONDS = 30.0
+SPEC_METADATA_KEY = "gpuinfer/spec"
+
+
+@dataclass
+class BackfillEstimate:
+    """What the partitions not yet committed will cost."""
+
+    asset: str
+    work_unit: str  # rows or bytes
+    partitions: int
+    partitions_committed: int
+    partitions_pending: int
+    pending_work: float
+    missing_inputs: list[str]
+    speed_per_pod_second: float
+    speed_source: str
+    model_load_seconds: float
+    run_start_seconds: float
+    partitions_per_run: int
+    runs: int
+    gpus_per_pod: int
+    pool_slots: int
+    gpu_hours: float
+    wall_seconds: float
+    run_seconds: list[float] = field(default_factory=list)
+
+    def summary(self) -> str:
+        if not self.partitions_pending:
+            return f"{self.asset}: all {self.partitions} partitions are committed; nothing to run"
+        missing = (
+            f"; {len(self.missing_inputs)} input(s) missing, not counted"
+            if self.missing_inputs
+            else ""
+        )
+        return (
+            f"{self.asset}: {self.partitions_pending} of {self.partitions} partitions pending, "
+            f"{self.pending_work:,.0f} {self.work_unit}{missing}. At "
+            f"{self.speed_per_pod_second:,.1f} {self.work_unit}/s per pod ({self.speed_source}), "
+            f"{self.runs} run(s) of up to {self.partitions_per_run} partitions, each loading the "
+            f"model ({self.model_load_seconds:.0f} s): {self.gpu_hours:.2f} GPU-hours on "
+            f"{self.gpus_per_pod} GPU(s) per pod; wall time {format_seconds(self.wall_seconds)} "
+            f"with {self.pool_slots} pod(s) at a time ({self.pool_slots * self.gpus_per_pod} GPUs)."
+        )
+
+    def metadata(self) -> dict[str, Any]:
+        """The estimate as Dagster metadata (numbers the UI can chart)."""
+        return {
+            "estimate_pending_partitions": self.partitions_pending,
+            "estimate_committed_partitions": self.partitions_committed,
+            "estimate_gpu_hours": round(self.gpu_hours, 3),
+            "estimate_wall_hours": round(self.wall_seconds / 3600, 3),
+            f"estimate_pending_{self.work_unit}": int(self.pending_work),
+            f"estimate_{self.work_unit}_per_pod_second": round(self.speed_per_pod_second, 2),
+            "estimate_speed_source": self.speed_source,
+            "estimate_pool_slots": self.pool_slots,
+            "estimate_gpus_per_pod": self.gpus_per_pod,
+            "estimate_runs": self.runs,
+            "estimate_missing_inputs": len(self.missing_inputs),
+            "estimate_summary": self.summary(),
+        }
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+# --------------------------------------------------------------------------- input sizes
+
+
+def work_unit(spec: InferenceSpec) -> str:
+    return "rows" if spec.input.resolved_format() == "parquet" else "bytes"
+
+
+def input_work(spec: InferenceSpec, partition_keys: Sequence[str]) -> dict[str, float | None]:
+    """Each partition's work (rows or bytes, see `work_unit`); None when its input is missing.
+
+    Reads Parquet footers and file sizes only, never the data.
+    """
+    unit = work_unit(spec)
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for key in partition_keys:
+        by_file[split_partition_key(key)[0]].append(key)
+    work: dict[str, float | None] = {}
+    for file_key, keys in by_file.items():
+        fs, path = filesystem_for(spec.input.shard_uri(file_key), spec.storage)
+        info = fs.get_file_info(path)
+        if info.type != pafs.FileType.File:
+            work.update({key: None for key in keys})
+            continue
+        size = float(info.size or 0)
+        rows: float | None = None
+        if unit == "rows":
+            with fs.open_input_file(path) as handle:
+                rows = float(pq.ParquetFile(handle).metadata.num_rows)
+        row_ranges = [r for k in keys if (r := split_partition_key(k)[1]) and r.unit == "rows"]
+        rows_seen = max((r.end for r in row_ranges), default=0)
+        for key in keys:
+            part = split_partition_key(key)[1]
+            if unit == "rows":
+                assert rows is not None
+                if part is None:
+                    work[key] = rows
+                elif part.unit == "rows":
+                    work[key] = float(max(0, min(part.end, rows) - part.start))
+                else:  # bytes of a Parquet file: its share of the rows
+                    work[key] = rows * max(0.0, min(part.end, size) - part.start) / max(size, 1.0)
+            elif part is None:
+                work[key] = size
+            elif part.unit == "bytes":
+                work[key] = float(max(0.0, min(part.end, size) - part.start))
+            else:  # rows of a JSONL file: its share of the bytes the file's ranges cover
+                work[key] = size * (part.end - part.start) / max(rows_seen, 1)
+    return work
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+def makespan(durations: Sequence[float], slots: int) -> float:
+    """Wall time of `durations` on `slots` parallel slots: in backfill order (as the daemon
+    launches runs), each to the slot that frees first."""
+    if not durations:
+        return 0.0
+    free = [0.0] * max(1, min(slots, len(durations)))
+    for duration in durations:
+        heapq.heapreplace(free, free[0] + duration)
+    return max(free)
+
+
+def estimate_backfill(
+    spec: InferenceSpec,
+    partition_keys: Sequence[str],
+    *,
+    asset: str,
+    partitions_per_run: int | None,
+    pool_slots: int = 1,
+    speed_per_pod_second: float | None = None,
+    model_load_seconds: float | None = None,
+    run_start_seconds: float = DEFAULT_RUN_START_SECONDS,
+) -> BackfillEstimate:
+    """The estimate for `partition_keys` of the pipeline `spec` (see the module docstring).
+
+    Args:
+        spec: The pipeline's spec as the environment runs it (resource overrides applied).
+        partition_keys: Every partition of the asset; the committed ones give the speed.
+        asset: The asset's name, for the summary.
+        partitions_per_run: The backfill policy's K; None: one run for all.
+        pool_slots: Worker pods that may run at once (the Dagster pool limit).
+        speed_per_pod_second: Overrides the measured speed (work units per pod-second).
+        model_load_seconds: Overrides the measured model load.
+        run_start_seconds: Worker start per run (process, imports, pod start).
+    """
+    unit = work_unit(spec)
+    work = input_work(spec, partition_keys)
+    committed = {}
+    for key in partition_keys:
+        manifest = committed_manifest(spec, key)
+        if manifest is not None:
+            committed[key] = manifest
+    pending = [key for key in partition_keys if key not in committed]
+    measured_work = 0.0
+    measured_seconds = 0.0
+    for key, manifest in committed.items():
+        amount = work.get(key)
+        if amount is None and unit == "rows":
+            amount = float(manifest.rows_in)
+        if amount is None or manifest.wall_seconds <= 0 or manifest.rows_resumed:
+            continue  # input gone (bytes unknown) or a resumed partition (its time is partial)
+        measured_work += amount
+        measured_seconds += manifest.wall_seconds
+    if speed_per_pod_second is not None:
+        speed, source = speed_per_pod_second, "given"
+    elif measured_seconds > 0:
+        speed = measured_work / measured_seconds
+        source = f"measured on {len(committed)} committed partition(s)"
+    else:
+        speed = DEFAULT_ROWS_PER_SECOND if unit == "rows" else DEFAULT_BYTES_PER_SECOND
+        source = "default: nothing committed yet"
+    loads = [m.model_load_seconds for m in committed.values() if m.model_load_seconds > 0]
+    if model_load_seconds is None:
+        model_load_seconds = sum(loads) / len(loads) if loads else DEFAULT_MODEL_LOAD_SECONDS
+    per_run = partitions_per_run or max(1, len(pending))
+    runs = [pending[i : i + per_run] for i in range(0, len(pending), per_run)]
+    missing = [key for key in pending if work.get(key) is None]
+    run_seconds = [
+        run_start_seconds + model_load_seconds + sum((work.get(k) or 0.0) / speed for k in run)
+        for run in runs
+    ]
+    gpus = spec.tensor_parallel_size * spec.replicas
+    return BackfillEstimate(
+        asset=asset,
+        work_unit=unit,
+        partitions=len(partition_keys),
+        partitions_committed=len(committed),
+        partitions_pending=len(pending),
+        pending_work=sum(work.get(k) or 0.0 for k in pending),
+        missing_inputs=missing,
+        speed_per_pod_second=speed,
+        speed_source=source,
+        model_load_seconds=model_load_seconds,
+        run_start_seconds=run_start_seconds,
+        partitions_per_run=per_run,
+        runs=len(runs),
+        gpus_per_pod=gpus,
+        pool_slots=max(1, pool_slots),
+        gpu_hours=sum(run_seconds) * gpus / 3600,
+        wall_seconds=makespan(run_seconds, pool_slots),
+        run_seconds=run_seconds,
+    )
+
+
+# --------------------------------------------------------------------------- Dagster glue
+
+
+def pool_slots_of(instance: Any, pool: str | None) -> int | None:
+    """The instance's limit of `pool` (pods at a time), or None when it has none."""
+    if not pool or instance is None:
+        return None
+    for limit in instance.event_log_storage.get_pool_limits():
+        if limit.name == pool:
+            return int(limit.limit)
+    return None
+
+
+def estimate_asset(
+    assets_def: Any,
+    *,
+    resource: Any = None,
+    instance: Any = None,
+    pool_slots: int | None = None,
+    **overrides: Any,
+) -> BackfillEstimate:
+    """`estimate_backfill` for an output asset made by `inference_assets`.
+
+    Args:
+        assets_def: The output `AssetsDefinition` (its metadata carries the spec).
+        resource: The `GpuInferenceResource` the pipeline runs with (engine overrides, S3).
+        instance: The Dagster instance: dynamic partitions and the pool's limit.
+        pool_slots: Pods at a time; default: the pool's limit in the instance, else 1.
+    """
+    key = assets_def.key
+    raw = assets_def.metadata_by_key[key].get(SPEC_METADATA_KEY)
+    if raw is None:
+        raise ValueError(
+            f"asset {key.to_user_string()!r} was not made by inference_assets (its metadata "
+            f"has no {SPEC_METADATA_KEY!r}); estimates cover inference output assets only"
+        )
+    raw = dict(getattr(raw, "data", raw))
+    partitions_def = assets_def.partitions_def
+    keys = list(partitions_def.get_partition_keys(dynamic_partitions_store=instance))
+    spec = InferenceSpec.model_validate({**raw, "partition_keys": keys})
+    if resource is not None and hasattr(resource, "prepare_spec"):
+        spec = resource.prepare_spec(spec)
+    policy = assets_def.backfill_policy
+    per_run = getattr(policy, "max_partitions_per_run", None) if policy is not None else None
+    pool = getattr(assets_def.op, "pool", None)
+    slots = pool_slots or pool_slots_of(instance, pool) or 1
+    return estimate_backfill(
+        spec,
+        keys,
+        asset=key.to_user_string(),
+        partitions_per_run=per_run,
+        pool_slots=slots,
+        **overrides,
+    )
+
+
+def backfill_estimate_sensor(
+    pipeline: Any,
+    *,
+    resource_key: str = "gpu",
+    name: str | None = None,
+    minimum_interval_seconds: int = 600,
+    default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
+) -> dg.SensorDefinition:
+    """A sensor that records the backfill estimate of `pipeline`'s output asset as an
+    observation (metadata `estimate_gpu_hours`, `estimate_wall_hours`, ...), so the asset's
+    page shows what the missing partitions will cost, refreshed as partitions commit.
+
+    Returns:
+        The sensor definition: add it to `dagster.Definitions(sensors=[...])`.
+    """
+    output = pipeline.output_asset
+    sensor_name = name or f"{output.key.to_python_identifier()}_backfill_estimate"
+
+    @dg.sensor(
+        name=sensor_name,
+        minimum_interval_seconds=minimum_interval_seconds,
+        required_resource_keys={resource_key},
+        default_status=default_status,
+        description=f"Records what backfilling the missing partitions of "
+        f"{output.key.to_user_string()} will cost (GPU-hours, wall time).",
+    )
+    def _estimate_sensor(context: dg.SensorEvaluationContext, **_resources: Any) -> dg.SensorResult:
+        # `**_resources`: invoking a sensor directly (tests) passes its resources as keywords.
+        resource = getattr(context.resources, resource_key)
+        estimate = estimate_asset(output, resource=resource, instance=context.instance)
+        digest = json.dumps(estimate.metadata(), sort_keys=True)
+        if digest == context.cursor:
+            return dg.SensorResult(skip_reason="estimate unchanged", cursor=digest)
+        return dg.SensorResult(
+            asset_events=[dg.AssetObservation(asset_key=output.key, metadata=estimate.metadata())],
+            cursor=digest,
+        )
+
+    return _estimate_sensor
+
+
+def load_definitions(module: str, attribute: str) -> Any:
+    sys.path.insert(0, ".")
+    loaded = getattr(importlib.import_module(module), attribute)
+    return loaded() if callable(loaded) else loaded
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dagster_gpuinfer.estimate",
+        description="Estimate GPU-hours and wall time of the partitions not yet committed.",
+    )
+    parser.add_argument("asset", help="output asset key, e.g. doc_embeddings or prefix/name")
+    parser.add_argument(
+        "-m",
+        "--module",
+        default="assets.definitions",
+        help="module holding the Definitions (default: assets.definitions)",
+    )
+    parser.add_argument("-a", "--attribute", default="defs", help="Definitions attribute")
+    parser.add_argument(
+        "--pool-slots",
+        type=int,
+        default=None,
+        help="worker pods at a time (default: the pool's limit, else 1)",
+    )
+    parser.add_argument(
+        "--speed",
+        type=float,
+        default=None,
+        help="rows (Parquet) or bytes (JSONL) per pod-second, instead of measured",
+    )
+    parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    args = parser.parse_args(argv)
+
+    from dagster_gpuinfer.resource import GpuInferenceResource
+
+    defs = load_definitions(args.module, args.attribute)
+    key = dg.AssetKey.from_user_string(args.asset)
+    assets_def = defs.resolve_assets_def(key)
+    resource_key = next(iter(assets_def.required_resource_keys), "gpu")
+    resource = (defs.resources or {}).get(resource_key)
+    if not isinstance(resource, GpuInferenceResource):
+        resource = None
+    instance = (
+        dg.DagsterInstance.get()
+        if os.environ.get("DAGSTER_HOME")
+        else dg.DagsterInstance.ephemeral()
+    )
+    with instance:
+        estimate = estimate_asset(
+            assets_def,
+            resource=resource,
+            instance=instance,
+            pool_slots=args.pool_slots,
+            speed_per_pod_second=args.speed,
+        )
+    if args.json:
+        print(json.dumps(asdict(estimate), indent=2))
+    else:
+        print(estimate.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

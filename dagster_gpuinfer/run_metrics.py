@@ -1,0 +1,171 @@
+"""The control plane's side of observability: the worker's metrics settings, the launcher's
+own metrics (pod start split, out-of-memory step-downs) pushed to a Pushgateway, and the
+Dagster metadata of a run's timing and a partition's telemetry.
+
+Never imports torch or vllm; `prometheus_client` is imported only when something is pushed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("dagster_gpuinfer")
+
+NOT_AVAILABLE = "n/a"
+PUSH_JOB = "gpuinfer_launcher"
+METRICS_PORT_ENV = "GPUINFER_METRICS_PORT"  # read by worker/metrics.py
+PUSHGATEWAY_ENV = "GPUINFER_PUSHGATEWAY_URL"
+
+# What the launcher pushes (the dashboard test checks panel queries against these too).
+LAUNCHER_METRICS = (
+    "gpuinfer_launcher_queued_seconds",
+    "gpuinfer_launcher_scheduling_seconds",
+    "gpuinfer_launcher_container_start_seconds",
+    "gpuinfer_launcher_oom_step_downs",
+    "gpuinfer_launcher_partitions",
+)
+START_FIELDS = (
+    (
+        "queued_seconds",
+        "gpuinfer_launcher_queued_seconds",
+        "Seconds the worker pod waited for Kueue admission.",
+    ),
+    (
+        "scheduling_seconds",
+        "gpuinfer_launcher_scheduling_seconds",
+        "Seconds from Kueue admission to the pod bound to a node.",
+    ),
+    (
+        "container_start_seconds",
+        "gpuinfer_launcher_container_start_seconds",
+        "Seconds from binding to the worker container running (image pull, mounts).",
+    ),
+)
+
+
+def metrics_env(port: int | None, pushgateway_url: str | None) -> dict[str, str]:
+    """The worker's environment for its metrics port and Pushgateway."""
+    env = {}
+    if port is not None:
+        env[METRICS_PORT_ENV] = str(port)
+    if pushgateway_url:
+        env[PUSHGATEWAY_ENV] = pushgateway_url
+    return env
+
+
+def run_timing(result: Any) -> dict[str, Any]:
+    """The run's time split: pod queue and start (k8s launcher; `n/a` for local workers),
+    then the worker's model load, and the inference and commit seconds of the partitions
+    this run computed (from their manifests, whichever process or replica ran them)."""
+    start = result.pod_start or {}
+    computed = [result.manifests[key] for key in result.computed if key in result.manifests]
+
+    def value(mapping: dict[str, Any], key: str) -> Any:
+        found = mapping.get(key)
+        return NOT_AVAILABLE if found is None else found
+
+    load = result.summary.get("model_load_seconds")
+    return {
+        "queued_seconds": value(start, "queued_seconds"),
+        "start_seconds": value(start, "admission_to_running_seconds"),
+        "model_load_seconds": NOT_AVAILABLE if load is None else load,
+        "inference_seconds": round(sum(m.inference_seconds for m in computed), 3)
+        if computed
+        else NOT_AVAILABLE,
+        "commit_seconds": round(sum(m.telemetry.get("commit_seconds", 0.0) for m in computed), 3)
+        if computed
+        else NOT_AVAILABLE,
+    }
+
+
+def run_timing_fields(result: Any) -> dict[str, Any]:
+    """`run_timing` under `run_`-prefixed names (every partition of the run shares them)."""
+    return {f"run_{k}": v for k, v in run_timing(result).items()}
+
+
+def run_timing_metadata(result: Any) -> dict[str, Any]:
+    """`run_timing_fields` plus the pod start and the run's telemetry, for run metadata."""
+    import dagster as dg
+
+    metadata: dict[str, Any] = run_timing_fields(result)
+    if result.pod_start:
+        metadata["run_pod_start"] = dg.MetadataValue.json(result.pod_start)
+    telemetry = result.summary.get("telemetry")
+    if telemetry:
+        metadata["run_telemetry"] = dg.MetadataValue.json(telemetry)
+    return metadata
+
+
+def telemetry_metadata(telemetry: dict[str, Any]) -> dict[str, Any]:
+    """A partition's telemetry (from its manifest) as metadata: numbers Dagster can chart,
+    `n/a` where nothing was measured (no NVIDIA GPU, no engine gauges)."""
+    import dagster as dg
+
+    if not telemetry:
+        return {}
+
+    def field(key: str) -> Any:
+        found = telemetry.get(key, NOT_AVAILABLE)
+        return NOT_AVAILABLE if found is None else found
+
+    memory = field("gpu_memory_used_max_bytes")
+    metadata: dict[str, Any] = {
+        "gpu_utilization_mean": field("gpu_utilization_mean"),
+        "gpu_utilization_p95": field("gpu_utilization_p95"),
+        "gpu_memory_used_max_gib": round(memory / 2**30, 2)
+        if isinstance(memory, (int, float))
+        else memory,
+        "engine_saturation_mean": field("engine_saturation_mean"),
+        "kv_cache_usage_p95": field("kv_cache_usage_p95"),
+        "commit_seconds": field("commit_seconds"),
+        "telemetry": dg.MetadataValue.json(telemetry),
+    }
+    return metadata
+
+
+def launcher_registry(*, asset: str, run_id: str, result: Any) -> Any:
+    """The launcher's metrics of one run, in a fresh `prometheus_client` registry."""
+    from prometheus_client import CollectorRegistry, Gauge
+
+    registry = CollectorRegistry()
+    labels = ("asset", "run")
+    start = result.pod_start or {}
+    for key, name, doc in START_FIELDS:
+        if start.get(key) is not None:
+            Gauge(name, doc, labels, registry=registry).labels(asset, run_id).set(start[key])
+    Gauge(
+        "gpuinfer_launcher_oom_step_downs",
+        "Relaunches with smaller vLLM batches after the worker ran out of memory.",
+        labels,
+        registry=registry,
+    ).labels(asset, run_id).set(1 if result.memory_step_down else 0)
+    partitions = Gauge(
+        "gpuinfer_launcher_partitions",
+        "Partitions of the run, by outcome.",
+        (*labels, "outcome"),
+        registry=registry,
+    )
+    partitions.labels(asset, run_id, "committed").set(len(result.manifests))
+    partitions.labels(asset, run_id, "failed").set(len(result.failed))
+    return registry
+
+
+def push_run_metrics(pushgateway_url: str | None, *, asset: str, run_id: str, result: Any) -> None:
+    """Push the launcher's numbers for this run (when a Pushgateway is configured); a
+    Pushgateway that cannot be reached is logged, never raised."""
+    if not pushgateway_url:
+        return
+    from prometheus_client import push_to_gateway
+
+    registry = launcher_registry(asset=asset, run_id=run_id, result=result)
+    try:
+        push_to_gateway(
+            pushgateway_url,
+            job=PUSH_JOB,
+            registry=registry,
+            grouping_key={"run": run_id, "asset": asset},
+            timeout=10,
+        )
+    except Exception as exc:  # noqa: BLE001 - metrics never fail a run
+        log.warning("cannot push launcher metrics to %s: %s", pushgateway_url, exc)
