@@ -178,8 +178,14 @@ class ScriptedPods:
     def __init__(self, pods: list[V1Pod]) -> None:
         self.pods = pods
 
+    def _next(self) -> V1Pod:
+        return self.pods.pop(0) if len(self.pods) > 1 else self.pods[0]
+
     def list_namespaced_pod(self, namespace: str, field_selector: str = "", **_):
-        return V1PodList(items=[self.pods.pop(0) if len(self.pods) > 1 else self.pods[0]])
+        return V1PodList(items=[self._next()])
+
+    def read_namespaced_pod(self, name: str, namespace: str, **_):
+        return self._next()
 
 
 def test_launcher_wait_records_the_start_split():

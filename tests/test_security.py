@@ -75,7 +75,13 @@ def load_all(path: Path) -> list[dict[str, Any]]:
 
 
 def kit_objects() -> list[tuple[Path, dict[str, Any]]]:
-    skip = {DEPLOY / "helm" / "values.yaml", DEPLOY / "dagster.yaml"}
+    skip = {
+        DEPLOY / "helm" / "values.yaml",
+        DEPLOY / "dagster.yaml",
+        # Helm values of the DCGM exporter chart and a promtool test file: no Kubernetes objects
+        DEPLOY / "observability" / "dcgm-exporter-values.yaml",
+        DEPLOY / "observability" / "rules-test.yaml",
+    }
     return [
         (path, doc)
         for path in sorted(DEPLOY.rglob("*.yaml"))
