@@ -53,11 +53,11 @@ if TYPE_CHECKING:
     from dagster_gpuinfer.asset_factory import default_backfill_policy as default_backfill_policy
     from dagster_gpuinfer.asset_factory import inference_assets as inference_assets
     from dagster_gpuinfer.aws import gpu_settings_from_s3_resource as gpu_settings_from_s3_resource
-    from dagster_gpuinfer.estimate import backfill_estimate_sensor as backfill_estimate_sensor
-    from dagster_gpuinfer.estimate import estimate_backfill as estimate_backfill
     from dagster_gpuinfer.components.inference_pipeline import (
         InferencePipelineComponent as InferencePipelineComponent,
     )
+    from dagster_gpuinfer.estimate import backfill_estimate_sensor as backfill_estimate_sensor
+    from dagster_gpuinfer.estimate import estimate_backfill as estimate_backfill
     from dagster_gpuinfer.k8s.pod import K8sLauncherConfig as K8sLauncherConfig
     from dagster_gpuinfer.k8s.pod import ModelCache as ModelCache
     from dagster_gpuinfer.k8s.pod import PodSecurity as PodSecurity

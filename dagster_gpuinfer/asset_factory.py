@@ -87,7 +87,9 @@ class InferenceRunConfig(dg.Config):
     temperature: float | None = Field(None, description="Sampling `temperature`.")
 
     ENGINE_FIELDS: ClassVar[tuple[str, ...]] = (
-        "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization"
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "gpu_memory_utilization",
     )
     SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = ("max_tokens", "temperature")
 
@@ -182,6 +184,7 @@ def inference_assets(
         ... )
         >>> defs = dg.Definitions(assets=pipeline.assets, resources={"gpu": GpuInferenceResource()})
     """
+
     def as_dict(value: Any) -> Any:
         return value.model_dump(mode="json") if hasattr(value, "model_dump") else dict(value or {})
 
@@ -226,16 +229,26 @@ def inference_assets(
         group_name=group_name,
         required_resource_keys={resource_key},
         check_specs=[
-            dg.AssetCheckSpec(ROWS_BALANCED, asset=output_key,
-                              description="rows_in == rows_out + rows_errored, from the files"),
-            dg.AssetCheckSpec(ERROR_RATE, asset=output_key,
-                              description=f"quarantined rows at most {max_error_rate:.0%}"),
+            dg.AssetCheckSpec(
+                ROWS_BALANCED,
+                asset=output_key,
+                description="rows_in == rows_out + rows_errored, from the files",
+            ),
+            dg.AssetCheckSpec(
+                ERROR_RATE,
+                asset=output_key,
+                description=f"quarantined rows at most {max_error_rate:.0%}",
+            ),
         ],
         kinds={"vllm", output_format if output_format == "parquet" else "json"},
         description=description or f"{task} with {model} over {input_key.to_user_string()}",
-        metadata={"model": model, "task": task, "output_root": output_root,
-                  # read by dagster_gpuinfer.estimate (CLI and backfill_estimate_sensor)
-                  "gpuinfer/spec": dg.MetadataValue.json(raw_spec)},
+        metadata={
+            "model": model,
+            "task": task,
+            "output_root": output_root,
+            # read by dagster_gpuinfer.estimate (CLI and backfill_estimate_sensor)
+            "gpuinfer/spec": dg.MetadataValue.json(raw_spec),
+        },
     )
     def _inference_asset(context: dg.AssetExecutionContext, config: InferenceRunConfig):
         gpu: GpuInferenceResource = getattr(context.resources, resource_key)
@@ -249,8 +262,12 @@ def inference_assets(
             fail_partitions(context, result, spec)
         for key, manifest in result.manifests.items():
             context.add_asset_metadata(
-                {**partition_metadata(result.spec or spec, manifest, computed=key in result.computed),
-                 **run_timing_fields(result)},  # the run's queue/start/load/inference/commit seconds
+                {
+                    **partition_metadata(
+                        result.spec or spec, manifest, computed=key in result.computed
+                    ),
+                    **run_timing_fields(result),
+                },  # the run's queue/start/load/inference/commit seconds
                 partition_key=key,
             )
         return dg.MaterializeResult(

@@ -19,13 +19,13 @@ from dagster_gpuinfer.k8s.pod import K8sLauncherConfig
 from dagster_gpuinfer.messages import (
     Fatal,
     PartitionCommitted,
-    PodStart,
     PartitionFailed,
+    PodStart,
     RunFinished,
     parse_message,
 )
-from dagster_gpuinfer.secrets import ENV_REFERENCES_VARIABLE
 from dagster_gpuinfer.run_metrics import metrics_env, push_run_metrics
+from dagster_gpuinfer.secrets import ENV_REFERENCES_VARIABLE
 from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
 from dagster_gpuinfer.storage import Manifest, committed_manifest
 
@@ -58,7 +58,9 @@ def validate_spec(raw: Mapping[str, Any], *, where: str) -> InferenceSpec:
             if error.get("type") not in ("missing",) and "input" in error:
                 problem += f" (got {error['input']!r})"
             problems.append(problem)
-        raise InvalidInferenceSpec(f"invalid inference spec for {where}: " + "; ".join(problems)) from None
+        raise InvalidInferenceSpec(
+            f"invalid inference spec for {where}: " + "; ".join(problems)
+        ) from None
 
 
 @dataclass
@@ -189,10 +191,13 @@ class GpuInferenceResource(dg.ConfigurableResource):
             result.summary = {"model_loads": 0, "partitions_computed": 0}
             return result
         worker_spec = spec.model_copy(update={"partition_keys": todo})
-        messages = self._launch_stepping_down_memory(context=context, spec=worker_spec, result=result)
+        messages = self._launch_stepping_down_memory(
+            context=context, spec=worker_spec, result=result
+        )
         self._collect(messages, result)
-        push_run_metrics(self.pushgateway_url, asset=spec.output.asset_name,
-                         run_id=context.run_id, result=result)
+        push_run_metrics(
+            self.pushgateway_url, asset=spec.output.asset_name, run_id=context.run_id, result=result
+        )
         if result.memory_step_down is not None:
             for key in todo:
                 context.add_asset_metadata(

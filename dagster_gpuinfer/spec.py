@@ -30,16 +30,16 @@ PARTITION_KEY_PLACEHOLDER = "{partition_key}"
 # A large file split into several partitions: `<file key>@rows=<start>-<end>` (Parquet rows,
 # or JSONL lines) or `<file key>@bytes=<start>-<end>` (JSONL bytes; a line belongs to the
 # range holding its first byte). Ranges are half-open: `@rows=0-1000` is rows 0..999.
-RANGE_KEY_PATTERN = re.compile(
-    r"^(?P<file>.+)@(?P<unit>rows|bytes)=(?P<start>\d+)-(?P<end>\d+)$"
-)
+RANGE_KEY_PATTERN = re.compile(r"^(?P<file>.+)@(?P<unit>rows|bytes)=(?P<start>\d+)-(?P<end>\d+)$")
 
 
 # vLLM load formats (vllm.model_executor.model_loader.LoadFormats, vLLM 0.32) that read
 # only safetensors (or make no weights at all): no pickle is ever unpickled. The others
 # ("auto" and "hf" fall back to *.bin, "pt", "npcache", ...) may run torch.load on a file
 # from the model source, so a spec must opt in with `allow_pickle_weights=True`.
-SAFE_LOAD_FORMATS = frozenset({"safetensors", "fastsafetensors", "runai_streamer", "mistral", "dummy"})
+SAFE_LOAD_FORMATS = frozenset(
+    {"safetensors", "fastsafetensors", "runai_streamer", "mistral", "dummy"}
+)
 
 
 def unsafe_partition_key_reason(partition_key: str) -> str | None:

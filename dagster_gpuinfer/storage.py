@@ -330,13 +330,7 @@ def plain_file_name(name: str) -> str:
     Manifests name their files; a name with a separator, `..` or a NUL byte would make a
     reader (`read_partition`, `verify_manifest`) open a file outside the partition.
     """
-    if (
-        not name
-        or name in (".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\x00" in name
-    ):
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
         raise ValueError(
             f"manifest file name {name!r} is not a plain file name inside the partition "
             "folder (no '/', '\\', '..' or NUL); the manifest was not written by "
@@ -401,7 +395,9 @@ def read_chunk_markers(
     markers: dict[int, ChunkMarker] = {}
     for name in list_names(fs, directory):
         if name.endswith(".json") and not name.startswith(".tmp-"):
-            marker = ChunkMarker.model_validate_json(read_bytes(fs, posixpath.join(directory, name)))
+            marker = ChunkMarker.model_validate_json(
+                read_bytes(fs, posixpath.join(directory, name))
+            )
             if marker.spec_hash == spec_hash:
                 markers[marker.index] = marker
     return markers
@@ -504,7 +500,10 @@ def create_exclusive(
         client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
         return True
     except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
+        if exc.response.get("Error", {}).get("Code") in (
+            "PreconditionFailed",
+            "ConditionalRequestConflict",
+        ):
             return False
         raise
 
@@ -578,7 +577,9 @@ def verify_manifest(fs: pafs.FileSystem, partition_path: str, manifest: Manifest
     if counted_errors < 0:
         problems.append("errors.parquet named by the manifest is missing")
     if counted_out != manifest.rows_out:
-        problems.append(f"output files hold {counted_out} rows, manifest rows_out={manifest.rows_out}")
+        problems.append(
+            f"output files hold {counted_out} rows, manifest rows_out={manifest.rows_out}"
+        )
     if counted_errors >= 0 and counted_errors != manifest.rows_errored:
         problems.append(
             f"errors.parquet holds {counted_errors} rows, manifest rows_errored="

@@ -4,25 +4,25 @@ The code location reads its settings from environment variables, which the Helm 
 (deploy/helm/values.yaml) set on the user deployment; the defaults match the names of the
 deployment kit (deploy/rbac.yaml, deploy/kueue/, deploy/model-cache/):
 
-| variable                         | default                      | meaning                          |
-|----------------------------------|------------------------------|----------------------------------|
-| GPUINFER_WORKER_IMAGE            | (required)                   | worker image                     |
-| GPUINFER_NAMESPACE               | gpuinfer                     | namespace of worker pods         |
-| GPUINFER_WORKER_SERVICE_ACCOUNT  | gpuinfer-worker              | ServiceAccount of worker pods    |
-| GPUINFER_GPU_TYPE                | (any GPU)                    | nvidia.com/gpu.product value     |
-| GPUINFER_KUEUE_QUEUE             | gpu-inference                | Kueue LocalQueue ('' for none)   |
-| GPUINFER_PRIORITY_CLASS          | gpuinfer-batch               | PriorityClass ('' for none)      |
-| GPUINFER_MODEL_CACHE_PVC         | gpuinfer-model-cache         | model cache PVC (the default)... |
-| GPUINFER_MODEL_CACHE_HOST_PATH   |                              | ... or node directory (opt-in)   |
-| GPUINFER_S3_SECRET               | gpuinfer-s3                  | Secret with AWS_* keys (envFrom) |
-| GPUINFER_HF_TOKEN_SECRET         |                              | Secret with key `token`, HF_TOKEN|
-| GPUINFER_S3_ENDPOINT, _REGION    |                              | S3-compatible endpoint, region   |
-| GPUINFER_GPU_POOL                | gpu                          | Dagster pool of inference assets |
-| GPUINFER_WORKER_CPU, _MEMORY     | 8, 64Gi                      | requests (memory also the limit) |
-| GPUINFER_SHM_SIZE                | 16Gi                         | /dev/shm size                    |
-| GPUINFER_POD_PENDING_TIMEOUT     | 1800                         | seconds to start after admission |
-| GPUINFER_WORKER_METRICS_PORT     | 9400                         | worker Prometheus port ('' none) |
-| GPUINFER_PUSHGATEWAY             |                              | Pushgateway URL for metrics      |
+| variable                        | default              | meaning                           |
+|---------------------------------|----------------------|-----------------------------------|
+| GPUINFER_WORKER_IMAGE           | (required)           | worker image                      |
+| GPUINFER_NAMESPACE              | gpuinfer             | namespace of worker pods          |
+| GPUINFER_WORKER_SERVICE_ACCOUNT | gpuinfer-worker      | ServiceAccount of worker pods     |
+| GPUINFER_GPU_TYPE               | (any GPU)            | nvidia.com/gpu.product value      |
+| GPUINFER_KUEUE_QUEUE            | gpu-inference        | Kueue LocalQueue ('' for none)    |
+| GPUINFER_PRIORITY_CLASS         | gpuinfer-batch       | PriorityClass ('' for none)       |
+| GPUINFER_MODEL_CACHE_PVC        | gpuinfer-model-cache | model cache PVC (the default)...  |
+| GPUINFER_MODEL_CACHE_HOST_PATH  |                      | ... or node directory (opt-in)    |
+| GPUINFER_S3_SECRET              | gpuinfer-s3          | Secret with AWS_* keys (envFrom)  |
+| GPUINFER_HF_TOKEN_SECRET        |                      | Secret with key `token`, HF_TOKEN |
+| GPUINFER_S3_ENDPOINT, _REGION   |                      | S3-compatible endpoint, region    |
+| GPUINFER_GPU_POOL               | gpu                  | Dagster pool of inference assets  |
+| GPUINFER_WORKER_CPU, _MEMORY    | 8, 64Gi              | requests (memory also the limit)  |
+| GPUINFER_SHM_SIZE               | 16Gi                 | /dev/shm size                     |
+| GPUINFER_POD_PENDING_TIMEOUT    | 1800                 | seconds to start after admission  |
+| GPUINFER_WORKER_METRICS_PORT    | 9400                 | worker Prometheus port ('' none)  |
+| GPUINFER_PUSHGATEWAY            |                      | Pushgateway URL for metrics       |
 """
 
 from __future__ import annotations
@@ -67,7 +67,11 @@ def k8s_launcher_config(environ: Mapping[str, str] | None = None) -> K8sLauncher
     # The PVC cache passes Pod Security `restricted`; the node-local hostPath cache is
     # opt-in (GPUINFER_MODEL_CACHE_HOST_PATH) and needs deploy/admission/ (deploy/README.md).
     host_path = env.get("GPUINFER_MODEL_CACHE_HOST_PATH") or None
-    pvc = None if host_path else (env.get("GPUINFER_MODEL_CACHE_PVC", DEFAULT_MODEL_CACHE_PVC) or None)
+    pvc = (
+        None
+        if host_path
+        else (env.get("GPUINFER_MODEL_CACHE_PVC", DEFAULT_MODEL_CACHE_PVC) or None)
+    )
     memory = env.get("GPUINFER_WORKER_MEMORY", "64Gi")
     secret_env = []
     if env.get("GPUINFER_HF_TOKEN_SECRET"):

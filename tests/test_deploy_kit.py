@@ -268,7 +268,9 @@ def test_helm_env_builds_a_valid_pod_that_references_only_objects_the_kit_create
     assert namespace in {ns["metadata"]["name"] for ns in objects("Namespace")}
 
     # The default model cache is the shared PVC: workers read the claim the warmer Job fills.
-    warmer = next(j for j in objects("Job") if j["metadata"]["name"] == "gpuinfer-model-cache-warmer")
+    warmer = next(
+        j for j in objects("Job") if j["metadata"]["name"] == "gpuinfer-model-cache-warmer"
+    )
     warmer_cache = next(
         v for v in warmer["spec"]["template"]["spec"]["volumes"] if v["name"] == "cache"
     )
@@ -278,7 +280,8 @@ def test_helm_env_builds_a_valid_pod_that_references_only_objects_the_kit_create
         "workers read where the warmer writes"
     )
     assert (namespace, claim) in {
-        (c["metadata"]["namespace"], c["metadata"]["name"]) for c in objects("PersistentVolumeClaim")
+        (c["metadata"]["namespace"], c["metadata"]["name"])
+        for c in objects("PersistentVolumeClaim")
     }
     assert warmer["metadata"]["namespace"] == namespace
 
@@ -334,9 +337,9 @@ def test_worker_namespaces_enforce_pod_security_restricted_and_the_default_pod_u
     ]
     assert pod["metadata"]["namespace"] in {ns["metadata"]["name"] for ns in tenants}
     for ns in tenants:
-        assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted", (
-            ns["metadata"]["name"]
-        )
+        assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted", ns[
+            "metadata"
+        ]["name"]
 
 
 def test_rbac_grants_what_the_launcher_calls_and_nothing_more(tmp_path):

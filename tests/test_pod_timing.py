@@ -24,12 +24,12 @@ from kubernetes.client import (
     V1PodStatus,
 )
 
+from dagster_gpuinfer.k8s.client import GpuWorkerPipesClient
 from dagster_gpuinfer.k8s.timing import (
     StartObserver,
     pod_start_timing,
     start_timing_message,
 )
-from dagster_gpuinfer.k8s.client import GpuWorkerPipesClient
 
 T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
 

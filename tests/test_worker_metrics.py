@@ -211,8 +211,8 @@ def test_worker_metrics_carry_asset_partition_run_labels_and_vllm_metrics():
     text = generate_latest(metrics.registry).decode()
     assert 'gpuinfer_rows_out_total{asset="docs",partition="p1",run="r1"} 8.0' in text
     assert (
-        'gpuinfer_rows_errored_total{asset="docs",error_type="too_long",partition="p1",run="r1"} 1.0'
-        in text
+        'gpuinfer_rows_errored_total{asset="docs",error_type="too_long",partition="p1",'
+        'run="r1"} 1.0' in text
     )
     assert 'gpuinfer_generated_tokens_total{asset="docs",partition="p1",run="r1"} 40.0' in text
     assert 'gpuinfer_chunk_seconds_count{asset="docs",partition="p1",run="r1"} 1.0' in text

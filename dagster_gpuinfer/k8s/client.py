@@ -41,6 +41,7 @@ from dagster_gpuinfer.k8s.failures import (
     raise_for,
     start_timeout_failure,
 )
+from dagster_gpuinfer.k8s.metrics_port import with_metrics_port
 from dagster_gpuinfer.k8s.pod import (
     KUEUE_QUEUE_LABEL,
     WORKER_CONTAINER,
@@ -49,7 +50,6 @@ from dagster_gpuinfer.k8s.pod import (
     RunIdentity,
     build_worker_pod,
 )
-from dagster_gpuinfer.k8s.metrics_port import with_metrics_port
 from dagster_gpuinfer.k8s.timing import StartObserver, start_timing_message
 from dagster_gpuinfer.spec import InferenceSpec
 

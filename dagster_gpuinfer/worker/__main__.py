@@ -38,8 +38,8 @@ from dagster_gpuinfer.messages import (
 )
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest
-from dagster_gpuinfer.worker.errors import SpecError, WorkerError
 from dagster_gpuinfer.worker.env_references import apply_env_references
+from dagster_gpuinfer.worker.errors import SpecError, WorkerError
 from dagster_gpuinfer.worker.job import run_job
 from dagster_gpuinfer.worker.metrics import MeteredReporter, start_worker_metrics
 
@@ -77,7 +77,9 @@ def parse_spec(raw: Any) -> InferenceSpec:
         raise SpecError(f"the job spec does not validate: {exc}") from exc
 
 
-def run(raw_spec: Any, reporter: MessageReporter, *, run_id: str = "", retry_number: int = 0) -> None:
+def run(
+    raw_spec: Any, reporter: MessageReporter, *, run_id: str = "", retry_number: int = 0
+) -> None:
     metrics = None
     try:
         spec = parse_spec(raw_spec)
@@ -107,8 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     from dagster_pipes import open_dagster_pipes
 
     with open_dagster_pipes() as pipes:
-        run(pipes.extras.get("spec"), MessageReporter(pipes.report_custom_message),
-            run_id=pipes.run_id, retry_number=pipes.retry_number)
+        run(
+            pipes.extras.get("spec"),
+            MessageReporter(pipes.report_custom_message),
+            run_id=pipes.run_id,
+            retry_number=pipes.retry_number,
+        )
     return 0
 
 

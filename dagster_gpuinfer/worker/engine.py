@@ -63,7 +63,9 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     kwargs["tensor_parallel_size"] = spec.tensor_parallel_size
     if spec.task == "embed":
         kwargs["runner"] = "pooling"
-    kwargs.setdefault("disable_log_stats", False)  # vLLM's own Prometheus metrics: worker/metrics.py
+    kwargs.setdefault(
+        "disable_log_stats", False
+    )  # vLLM's own Prometheus metrics: worker/metrics.py
     return kwargs
 
 
@@ -104,7 +106,8 @@ class InferenceEngine:
             ) from exc
         self.load_seconds = time.perf_counter() - started
         current_metrics().model_loaded(
-            self.load_seconds, max_num_seqs=self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+            self.load_seconds,
+            max_num_seqs=self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -122,7 +125,10 @@ class InferenceEngine:
         if not token_ids:
             return ChunkResult(
                 embeddings=np.zeros((0, 0), np.float32) if self.spec.task == "embed" else None,
-                texts=[], finish_reasons=[], prompt_tokens=[], generated_tokens=[],
+                texts=[],
+                finish_reasons=[],
+                prompt_tokens=[],
+                generated_tokens=[],
             )
         prompts: list[Any] = [{"prompt_token_ids": ids} for ids in token_ids]
         started = time.perf_counter()

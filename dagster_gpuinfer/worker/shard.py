@@ -34,8 +34,8 @@ from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
 from dagster_gpuinfer.storage import (
     CHUNKS_DIR,
     ERRORS_NAME,
-    CommitConflict,
     ChunkMarker,
+    CommitConflict,
     FileEntry,
     Manifest,
     chunk_dir,
@@ -74,8 +74,13 @@ class ShardLocation:
     @classmethod
     def of(cls, spec: InferenceSpec, partition_key: str) -> ShardLocation:
         fs, path = filesystem_for(partition_dir(spec.output, partition_key), spec.storage)
-        return cls(fs=fs, path=path, spec_hash=spec.spec_hash(), partition_key=partition_key,
-                   storage=spec.storage)
+        return cls(
+            fs=fs,
+            path=path,
+            spec_hash=spec.spec_hash(),
+            partition_key=partition_key,
+            storage=spec.storage,
+        )
 
     def committed(self) -> Manifest | None:
         """The manifest if the partition is committed for this spec (by anyone), else None."""
@@ -139,8 +144,12 @@ def process_shard(
             rows_resumed=sum(resumed.values()),
             wall_seconds=time.perf_counter() - started,
             model_load_seconds=engine.load_seconds,
-            worker={"host": socket.gethostname(), "pid": os.getpid(), "replica": replica,
-                    "attempt": attempt},
+            worker={
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "replica": replica,
+                "attempt": attempt,
+            },
         )
     except CommitConflict as conflict:
         return where.yield_to(conflict.manifest, attempt), False
@@ -206,7 +215,10 @@ def commit_chunk(
     )
     log.info(
         "partition %s chunk %d committed: %d rows out, %d quarantined",
-        where.partition_key, chunk.index, marker.rows_out, marker.rows_errored,
+        where.partition_key,
+        chunk.index,
+        marker.rows_out,
+        marker.rows_errored,
     )
     return marker
 
@@ -246,7 +258,9 @@ def commit_chunks(
         wall_seconds=wall_seconds,
         model_load_seconds=model_load_seconds,
         worker=worker,
-        telemetry=current_metrics().partition_telemetry(where.partition_key, rows_resumed=rows_resumed),
+        telemetry=current_metrics().partition_telemetry(
+            where.partition_key, rows_resumed=rows_resumed
+        ),
     )
     return commit_partition(where.fs, where.path, manifest, error_tables, where.storage)
 
