@@ -239,9 +239,8 @@ class EngineBackend:
         return [list(ids) for ids in self.engine.tokenizer(texts)["input_ids"]]
 
     def run(self, token_ids: list[list[int]], *, group_prefixes: bool) -> dict[str, Any]:
-        self.engine.group_prefixes = group_prefixes
         self.engine.llm.reset_prefix_cache()  # each run starts cold, whatever ran before
-        result = self.engine.run(token_ids)
+        result = self.engine.run(token_ids, group_prefixes=group_prefixes)
         return {
             "seconds": result.seconds,
             "rows": len(token_ids),

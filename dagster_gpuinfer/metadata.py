@@ -47,6 +47,11 @@ def run_metadata(result: InferenceRunResult) -> dict[str, Any]:
         "run_replicas": int(summary.get("replicas", 0)),
         "run_wall_seconds": float(summary.get("wall_seconds", 0.0)),
     }
+    # Where the worker's time went: process start to job start (interpreter, imports,
+    # Pipes), engine build, streaming (first engine ready to last commit), engine shutdown.
+    for name in ("start_seconds", "load_seconds", "inference_seconds", "shutdown_seconds"):
+        if name in summary:
+            metadata[f"run_{name}"] = float(summary[name])
     if spec is not None:
         metadata["model"] = spec.model
         metadata["tensor_parallel_size"] = spec.tensor_parallel_size

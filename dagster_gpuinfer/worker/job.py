@@ -299,14 +299,17 @@ def run_replicas(
                 continue
             kind = message[0]
             if kind == "loaded":
+                # Reading starts once every engine is ready: engines of one worker start
+                # together, and the first one ready would otherwise take the head of the
+                # work while the others load (and partition times would include loading).
                 timing.load_seconds.append(message[2])
-                if coordinator is None:
+                if len(timing.load_seconds) == replicas:
                     coordinator = RunCoordinator(
                         spec, partition_keys, on_committed=on_committed, on_failed=on_failed,
                         put=tasks.put, engines=replicas,
                         max_outstanding=max_outstanding_chunks(spec, replicas, message[3]),
                     )
-                    coordinator.start(message[2])
+                    coordinator.start(max(timing.load_seconds))
             elif kind == "chunk":
                 assert coordinator is not None
                 coordinator.chunk_committed(message[2])

@@ -20,7 +20,6 @@ place in its chunk, and a chunk's table is written in input order.
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
@@ -103,8 +102,10 @@ def serve_chunks(
             a retry resumes from the committed chunks.
     """
     window = engine.window
-    read_ahead_chunks = max(2, math.ceil(window / spec.chunk_size) + 1)
-    prepared: queue.Queue[_ChunkInFlight | None] = queue.Queue(maxsize=read_ahead_chunks)
+    # One chunk prepared ahead of the rows waiting: each engine holds at most its window in
+    # flight, a window (or a chunk) waiting, and two chunks in preparation, so engines that
+    # share a queue share its chunks, and memory is bounded by the window.
+    prepared: queue.Queue[_ChunkInFlight | None] = queue.Queue(maxsize=1)
     finished: queue.Queue[_ChunkInFlight | None] = queue.Queue()
     validator = RowValidator(
         task=spec.task, tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
