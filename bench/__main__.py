@@ -5,7 +5,8 @@
     python -m bench --only throughput,prefix --rounds 5
 
 Sections: throughput (platform vs raw vLLM vs transformers vs Ray Data, embed and
-generate), prefix (prefix-cache ordering), amortization (partitions per run), memory
+generate), longtail (long-tailed generation: platform at several chunk sizes vs raw vLLM vs
+`vllm run-batch`), replicas (one embed partition, 1 vs 2 engines), prefix (prefix-cache ordering), amortization (partitions per run), memory
 (worker RSS over a large shard), control-plane (Dagster-side work at dataset sizes, no
 model) and, only when asked for (`--only knobs`), knobs (embedding engine settings one by one).
 
@@ -30,12 +31,16 @@ from typing import Any
 
 from bench.context import FULL, REPO_ROOT, SMOKE, BenchContext, find_ray_python, write_json
 
-SECTIONS = ("throughput", "prefix", "amortization", "memory", "control-plane", "knobs")
+SECTIONS = ("throughput", "longtail", "replicas", "prefix", "amortization", "memory",
+            "control-plane", "knobs")
 DEFAULT_SECTIONS = SECTIONS[:-1]  # `knobs` (engine settings, one start each) only on request
-RESULT_KEYS = {"throughput": "throughput", "prefix": "prefix_cache", "amortization": "amortization",
+RESULT_KEYS = {"throughput": "throughput", "longtail": "longtail", "replicas": "replicas",
+               "prefix": "prefix_cache", "amortization": "amortization",
                "memory": "memory", "control-plane": "control_plane", "knobs": "knobs"}
 # section -> the function that runs it (throughput runs once per task, apart)
-RUNNERS = {"prefix": "bench.prefix_cache:run_prefix_cache",
+RUNNERS = {"longtail": "bench.longtail:run_longtail",
+           "replicas": "bench.replicas:run_replicas",
+           "prefix": "bench.prefix_cache:run_prefix_cache",
            "amortization": "bench.amortization:run_amortization",
            "memory": "bench.memory:run_memory", "knobs": "bench.knobs:run_knobs",
            "control-plane": "bench.control_plane:run_control_plane"}

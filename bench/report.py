@@ -29,7 +29,8 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         "",
     ]
     lines += _headline(results)
-    for section, writer in (("throughput", _throughput), ("prefix_cache", _prefix),
+    for section, writer in (("throughput", _throughput), ("longtail", _longtail),
+                            ("replicas", _replicas), ("prefix_cache", _prefix),
                             ("amortization", _amortization), ("memory", _memory),
                             ("knobs", _knobs), ("control_plane", _control_plane)):
         if section in results:
@@ -64,10 +65,21 @@ def _headline(results: dict[str, Any]) -> list[str]:
         for key, ratio in res["ratios"].items():
             rows.append(f"| {task} | {key} | {_fmt(ratio.get('rows_per_s'))} | "
                         f"{_fmt(ratio.get('tokens_per_s'))} |")
+    longtail = results.get("longtail")
+    if longtail:
+        for key, ratio in longtail["ratios"].items():
+            rows.append(f"| generate, long-tailed | {key} | | {_fmt(ratio)} |")
+    replicas = results.get("replicas")
+    if replicas:
+        rows.append(f"| embed, one partition | replicas=2/replicas=1 | "
+                    f"{_fmt(replicas['ratio_2_over_1'])} | |")
     prefix = results.get("prefix_cache")
     if prefix:
         rows.append(f"| generate, shared headers | grouped/input order | "
                     f"{_fmt(prefix['ratio_grouped_over_input'])} | |")
+        if "ratio_grouped_over_raw" in prefix:
+            rows.append(f"| generate, shared headers | platform grouped/raw-vllm input order | "
+                        f"{_fmt(prefix['ratio_grouped_over_raw'])} | |")
     if not rows:
         return []
     return ["## Headline: ratios (higher favours the first named)", "",
@@ -100,8 +112,49 @@ def _throughput(throughput: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _longtail(lt: dict[str, Any]) -> list[str]:
+    lengths = lt["lengths"]
+    lines = ["## Long-tailed generation: streaming worker, raw vLLM, vllm run-batch", "",
+             f"{lt['rows']} rows of the tiny Llama, sampled (temperature 1), each ending at one "
+             f"of {lt['stop_tokens']} random stop token ids or at max_tokens={lt['max_tokens']}: "
+             f"generated lengths mean {lengths['mean'] or 0:.0f}, median {lengths['median']}, "
+             f"p90 {lengths['p90']}, max {lengths['max']}, min {lengths['min']}. Rates are "
+             "generated tokens/s (sampled outputs differ run to run).", "",
+             "| contestant | tokens/s (engine ready to last commit) | tokens/s end to end "
+             "(engine build included) |", "|---|---|---|"]
+    for name, c in lt["contestants"].items():
+        inner = "n/a (builds its engine inside)" if name == "run-batch" else _fmt(c["tokens_per_s_summary"], 0)
+        lines.append(f"| {name} | {inner} | {_fmt(c['end_to_end_tokens_per_s_summary'], 0)} |")
+    lines += ["", "| ratio (paired within rounds) | tokens/s |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in lt["ratios"].items()]
+    split = lt.get("worker_split_summary", {})
+    lines += ["", "Platform run, fixed cost besides the engine build (Dagster run, worker start "
+              f"and imports, shutdown): {_fmt(lt['fixed_seconds_summary'], 1)} s per run. The "
+              "worker's own split (run metadata): " + ", ".join(
+                  f"{part} {_fmt(split.get(part), 1)} s" for part in
+                  ("start", "load", "inference", "shutdown")) + ".",
+              "", f"Engine arguments (platform, raw, run-batch): `{lt['engine_kwargs']}`", ""]
+    return lines
+
+
+def _replicas(rep: dict[str, Any]) -> list[str]:
+    lines = ["## One partition, one engine or two", "",
+             f"{rep['rows']} rows, {rep['model']}, chunk size {rep['chunk_size']}; with two "
+             "replicas each engine is pinned to its own cores and both pull chunks of the one "
+             "partition.", "",
+             "| replicas | rows/s (engines ready to commit) | rows/s end to end |", "|---|---|---|"]
+    for n, setting in rep["settings"].items():
+        lines.append(f"| {n} | {_fmt(setting['rows_per_s_summary'], 1)} | "
+                     f"{_fmt(setting['end_to_end_rows_per_s_summary'], 1)} |")
+    served = sorted({str(r.get("served_by")) for r in rep["runs"] if r["replicas"] == 2})
+    lines += ["", f"replicas=2/replicas=1: {_fmt(rep['ratio_2_over_1'])} (end to end "
+              f"{_fmt(rep['ratio_2_over_1_end_to_end'])}); chunks served by replicas "
+              f"{', '.join(served)}.", ""]
+    return lines
+
+
 def _prefix(prefix: dict[str, Any]) -> list[str]:
-    lines = ["## Prefix-cache ordering inside a chunk", "",
+    lines = ["## Prefix-cache ordering across the read-ahead", "",
              f"{prefix['rows']} generation rows sharing {prefix['headers']} few-shot headers "
              f"(mean prompt {prefix['mean_prompt_tokens']:.0f} tokens, {prefix['max_tokens']} new "
              f"tokens), KV cache {prefix['kv_cache_mib']:.0f} MiB, cache reset before each run.", "",
@@ -111,7 +164,13 @@ def _prefix(prefix: dict[str, Any]) -> list[str]:
                      f"{_fmt(o['prompt_tokens_per_s_summary'], 0)} | "
                      f"{_fmt(o['cached_fraction_summary'], 2)} |")
     lines += ["", f"Grouped/input order: {_fmt(prefix['ratio_grouped_over_input'])}. Outputs "
-              f"identical in both orders (keyed by row): {prefix['same_outputs_both_orders']}.", ""]
+              f"identical in both orders (keyed by row): {prefix['same_outputs_both_orders']}."]
+    if "ratio_grouped_over_raw" in prefix:
+        lines += [f"Platform streaming loop (chunks of {prefix['chunk_size']}, window "
+                  f"{prefix['window']}), grouped / one raw `LLM.generate` in input order: "
+                  f"{_fmt(prefix['ratio_grouped_over_raw'])}; same outputs as raw: "
+                  f"{prefix['same_outputs_as_raw']}."]
+    lines += [""]
     return lines
 
 
