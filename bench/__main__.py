@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default 1,4,8,32 full)")
     parser.add_argument("--memory-rows", type=int, help="rows of the memory shard "
                         "(default 1,000,000 full, 2,000 smoke)")
+    parser.add_argument("--note", action="append", default=[],
+                        help="a line for the report's notes (e.g. what else loaded the machine)")
     return parser.parse_args(argv)
 
 
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     results_dir = (args.results or (REPO_ROOT / ".data" / suffix / "results" if args.smoke
                                     else REPO_ROOT / "bench" / "results")).resolve()
     ctx = BenchContext(sizes=sizes, work_dir=work, results_dir=results_dir, smoke=args.smoke)
+    ctx.notes.extend(args.note)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     unknown = only - set(SECTIONS)
     if unknown:

@@ -11,7 +11,8 @@ slowest row. Every contestant gets the same rows and the same sampling parameter
   built); its end-to-end rate divides by the whole Dagster run instead;
 - raw-vllm: one `LLM.generate` over all rows, engine arguments as the worker's;
 - run-batch: `python -m vllm.entrypoints.openai.run_batch` on the rows as an OpenAI Batch
-  file (vLLM's own batch runner); it builds its engine inside, so only its end-to-end rate
+  file of chat requests (vLLM's own batch runner; 0.32 serves no `/v1/completions` there,
+  so each row is one user message); it builds its engine inside, so only its end-to-end rate
   (wall time of the command, engine build included) exists, compared with the platform's.
 
 Sampled outputs differ run to run, so rates are generated tokens per second (the length
@@ -168,13 +169,19 @@ def generated_lengths(pipeline: PlatformPipeline) -> list[int]:
 
 def write_openai_batch(path: Path, texts: list[str], model: str,
                        sampling: dict[str, Any]) -> Path:
-    """The rows as OpenAI Batch API requests to `/v1/completions`, same sampling."""
+    """The rows as OpenAI Batch API requests, same sampling. vLLM 0.32's run-batch serves
+    `/v1/chat/completions` (not `/v1/completions`), so each row is one user message: its
+    prompt gains the chat template's few tokens; the generated lengths, which decide the
+    work here, follow the same stop tokens."""
     body_params = {k: v for k, v in sampling.items() if v is not None}
+    if "max_tokens" in body_params:  # the chat API's name for it
+        body_params["max_completion_tokens"] = body_params.pop("max_tokens")
     with open(path, "w") as handle:
         for i, text in enumerate(texts):
             handle.write(json.dumps({
-                "custom_id": f"lt-{i:07d}", "method": "POST", "url": "/v1/completions",
-                "body": {"model": model, "prompt": text, **body_params},
+                "custom_id": f"lt-{i:07d}", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": model, "messages": [{"role": "user", "content": text}],
+                         **body_params},
             }) + "\n")
     return path
 

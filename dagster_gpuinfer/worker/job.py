@@ -141,10 +141,20 @@ def process_age_seconds() -> float:
         return 0.0
 
 
+# How many windows of rows the reader may run ahead of the oldest chunk not yet committed.
+# A chunk commits when its slowest row is done; meanwhile the engine goes on with later rows
+# (on long-tailed work, about max_tokens / mean tokens windows of them), and if the reader
+# stopped handing out chunks, the window would drain behind that row: the barrier the
+# streaming loop removes. Rows are small (prompt, token ids, output): memory stays bounded by
+# the window.
+WINDOWS_AHEAD = 8
+
+
 def max_outstanding_chunks(spec: InferenceSpec, engines: int, window: int) -> int:
-    """Chunks handed out and not yet committed, at most: what each engine reads ahead (its
-    window and as much again) plus two chunks to write behind, per engine."""
-    per_engine = 2 * math.ceil(window / spec.chunk_size) + 3
+    """Chunks handed out and not yet committed, at most, for `engines` engines of `window`
+    requests in flight each: `WINDOWS_AHEAD` windows of rows plus three chunks (one being
+    prepared, one prepared, one being written) per engine."""
+    per_engine = math.ceil(WINDOWS_AHEAD * window / spec.chunk_size) + 3
     return engines * per_engine
 
 
