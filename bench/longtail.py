@@ -111,6 +111,11 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
                         "model_load_seconds": timing.model_load_seconds,
                         "partition_seconds": seconds,
                         "fixed_seconds": timing.run_seconds - timing.model_load_seconds - seconds,
+                        "worker_seconds": timing.worker_seconds,
+                        # Dagster's run and step start, the Pipes launch and the worker's
+                        # exit: the run's time outside the worker's job.
+                        "outside_worker_seconds": timing.run_seconds - timing.worker_seconds
+                        - timing.worker_split.get("start", 0.0),
                         "worker_split": timing.worker_split,
                     })
                     if not lengths:
@@ -153,6 +158,8 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
         "platform_runs": platform_runs,
         "run_batch_runs": run_batch_runs,
         "fixed_seconds_summary": summarize([r["fixed_seconds"] for r in platform_runs]).__dict__,
+        "outside_worker_seconds_summary": summarize(
+            [r["outside_worker_seconds"] for r in platform_runs]).__dict__,
         "worker_split_summary": {
             part: summarize([r["worker_split"].get(part) for r in platform_runs
                              if part in r["worker_split"]]).__dict__

@@ -132,7 +132,9 @@ def _longtail(lt: dict[str, Any]) -> list[str]:
               f"and imports, shutdown): {_fmt(lt['fixed_seconds_summary'], 1)} s per run. The "
               "worker's own split (run metadata): " + ", ".join(
                   f"{part} {_fmt(split.get(part), 1)} s" for part in
-                  ("start", "load", "inference", "shutdown")) + ".",
+                  ("start", "load", "inference", "shutdown")) + "; outside the worker's job "
+              f"(Dagster run and step start, Pipes launch, worker exit): "
+              f"{_fmt(lt.get('outside_worker_seconds_summary'), 1)} s.",
               "", f"Engine arguments (platform, raw, run-batch): `{lt['engine_kwargs']}`", ""]
     return lines
 
