@@ -158,7 +158,7 @@ def serve_chunks(
                     raise thread.error
             # Read ahead: up to a window's worth of rows waits beside the window in flight.
             while not prepared_all and len(incoming) + len(current) < window:
-                idle = engine.in_flight == 0 and not incoming and not current
+                idle = engine.in_flight == 0 and not current
                 try:
                     item = prepared.get(timeout=POLL_SECONDS) if idle else prepared.get_nowait()
                 except queue.Empty:
@@ -172,11 +172,20 @@ def serve_chunks(
                     finished.put(item)
                     continue
                 incoming.extend((item, position) for position in range(item.remaining))
-            # Fill the window. Rows read ahead are ordered a batch at a time (all that waits
-            # when the ordered batch runs out), so no row waits behind later arrivals.
+            # Fill the window. Rows read ahead are ordered a batch at a time, so no row waits
+            # behind later arrivals. A batch is all that waits once a window of rows waits, or
+            # the input is all read, or the engine's batch (`max_num_seqs`) is not full: the
+            # first batch (nothing submitted yet) waits for a full window, so prompts that
+            # share a prefix reach the engine together from the start, for the price of
+            # preparing one window of rows.
             while engine.in_flight < window:
                 if not current:
-                    if not incoming:
+                    batch_ready = (
+                        len(incoming) >= window
+                        or prepared_all
+                        or (sequence > 0 and engine.in_flight < engine.max_num_seqs)
+                    )
+                    if not incoming or not batch_ready:
                         break
                     batch = list(incoming)
                     incoming.clear()
