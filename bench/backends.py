@@ -264,13 +264,13 @@ class EngineBackend:
             "fingerprint": _fingerprint(result.texts or []),
         }
 
-    def raw_generate(self, token_ids: list[list[int]]) -> dict[str, Any]:
-        """One `LLM.generate` over the rows in input order: what a user calls."""
+    def raw_generate(self, texts: list[str]) -> dict[str, Any]:
+        """One `LLM.generate` over the rows' texts in input order: what a user calls (vLLM
+        tokenizes them, as the platform's loop does)."""
         self.engine.llm.reset_prefix_cache()
         params = self.engine.default_params.clone()
         started = time.perf_counter()
-        outputs = self.engine.llm.generate([{"prompt_token_ids": ids} for ids in token_ids],
-                                           params, use_tqdm=False)
+        outputs = self.engine.llm.generate(texts, params, use_tqdm=False)
         return {
             "seconds": time.perf_counter() - started,
             "rows": len(outputs),

@@ -7,8 +7,8 @@ order, go through one engine three ways per round, with its KV cache reset befor
   rows written and committed as in a run), rows submitted grouped by shared prefix across the
   read-ahead (the default, `group_prefixes`);
 - input order: the same loop with `group_prefixes=False`;
-- raw input order: one `LLM.generate` over the rows in input order, prefix caching on (what a
-  user calls).
+- raw input order: one `LLM.generate` over the rows' texts in input order, prefix caching on
+  (what a user calls; vLLM tokenizes, as the worker's loop does).
 
 The KV cache is kept small, as on a busy GPU, so a header computed once can be evicted
 before its next use.
@@ -60,7 +60,7 @@ def run_prefix_cache(ctx: BenchContext) -> dict[str, Any]:
         for round_index, order in enumerate(rotations(list(ORDERS), sizes.rounds)):
             for name in order:
                 if name == "raw input order":
-                    out = engine.call("raw_generate", token_ids)
+                    out = engine.call("raw_generate", texts)
                 else:
                     out = engine.call("stream", texts, chunk_size=chunk_size,
                                       group_prefixes=name == "grouped")
