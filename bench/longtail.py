@@ -149,6 +149,7 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
         },
         "contestants": {
             name: {"tokens_per_s": rates[name],
+                   "end_to_end_tokens_per_s": end_to_end.get(name, []),
                    "tokens_per_s_summary": summarize(rates[name]).__dict__,
                    "end_to_end_tokens_per_s_summary":
                        summarize(end_to_end.get(name, [])).__dict__}
