@@ -104,7 +104,12 @@ class RunCoordinator:
         self._stopping.set()
 
     def done(self) -> bool:
-        """Every partition handed out is settled (committed, yielded or failed)."""
+        """Every partition handed out is settled (committed, yielded or failed).
+
+        Called once the engines are through: the reader has handed out its last chunk by
+        then, and may only be returning from its last `put`."""
+        if self.started is not None:
+            self._thread.join(timeout=30)
         with self._lock:
             return (not self._thread.is_alive() and self.started is not None
                     and all(run.settled for run in self._partitions.values()))
