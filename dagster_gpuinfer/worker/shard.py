@@ -46,7 +46,6 @@ from dagster_gpuinfer.storage import (
     list_names,
     partition_dir,
     read_bytes,
-    read_chunk_markers,
     read_manifest,
     table_to_parquet_bytes,
     write_chunk_marker,
