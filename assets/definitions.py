@@ -74,7 +74,9 @@ embed_docs_job = dg.define_asset_job(
     "embed_docs", selection=[doc_embeddings.output_asset.key], partitions_def=DOC_SHARDS
 )
 complete_prompts_job = dg.define_asset_job(
-    "complete_prompts", selection=[prompt_completions.output_asset.key], partitions_def=PROMPT_SHARDS
+    "complete_prompts",
+    selection=[prompt_completions.output_asset.key],
+    partitions_def=PROMPT_SHARDS,
 )
 
 JOBS = {"doc_embeddings": embed_docs_job, "prompt_completions": complete_prompts_job}

@@ -25,7 +25,10 @@ def partition_batches(keys: list[str], per_run: int | None) -> list[list[str]]:
 
 
 def materialize_all(
-    defs: dg.Definitions, job_name: str, asset_def: dg.AssetsDefinition, instance: dg.DagsterInstance
+    defs: dg.Definitions,
+    job_name: str,
+    asset_def: dg.AssetsDefinition,
+    instance: dg.DagsterInstance,
 ) -> None:
     job = defs.resolve_job_def(job_name)
     keys = job.partitions_def.get_partition_keys()
@@ -36,8 +39,11 @@ def materialize_all(
             instance=instance, tags={RANGE_START: batch[0], RANGE_END: batch[-1]}
         )
         status = "succeeded" if result.success else "FAILED"
-        print(f"run {result.run_id[:8]} {job_name} {batch[0]}...{batch[-1]}: {status} in "
-              f"{time.perf_counter() - started:.1f}s", flush=True)
+        print(
+            f"run {result.run_id[:8]} {job_name} {batch[0]}...{batch[-1]}: {status} in "
+            f"{time.perf_counter() - started:.1f}s",
+            flush=True,
+        )
         if not result.success:
             raise SystemExit(f"demo run of {job_name} failed; see the log above")
 
@@ -53,9 +59,14 @@ def summary_rows(instance: dg.DagsterInstance, asset_key: dg.AssetKey) -> list[l
         md = {k: v.value for k, v in materialization.metadata.items()}
         rows.append(
             [
-                asset_key.to_user_string(), key, str(md["rows_out"]), str(md["rows_errored"]),
-                f"{md['rows_per_second']:.0f}", f"{md['tokens_per_second']:.0f}",
-                f"{md['model_load_seconds']:.1f}", "yes" if md["computed_in_this_run"] else "reused",
+                asset_key.to_user_string(),
+                key,
+                str(md["rows_out"]),
+                str(md["rows_errored"]),
+                f"{md['rows_per_second']:.0f}",
+                f"{md['tokens_per_second']:.0f}",
+                f"{md['model_load_seconds']:.1f}",
+                "yes" if md["computed_in_this_run"] else "reused",
                 str(md["output_path"]),
             ]
         )
@@ -63,8 +74,17 @@ def summary_rows(instance: dg.DagsterInstance, asset_key: dg.AssetKey) -> list[l
 
 
 def print_table(rows: list[list[str]]) -> None:
-    header = ["asset", "partition", "rows", "errors", "rows/s", "tokens/s", "load s", "computed",
-              "output"]
+    header = [
+        "asset",
+        "partition",
+        "rows",
+        "errors",
+        "rows/s",
+        "tokens/s",
+        "load s",
+        "computed",
+        "output",
+    ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, ["-" * w for w in widths], *rows]:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
@@ -86,7 +106,9 @@ def main() -> None:
         rows.extend(summary_rows(instance, pipeline.output_asset.key))
     print()
     print_table(rows)
-    expected = sum(len(p.output_asset.partitions_def.get_partition_keys()) for p in PIPELINES.values())
+    expected = sum(
+        len(p.output_asset.partitions_def.get_partition_keys()) for p in PIPELINES.values()
+    )
     if len(rows) != expected:
         raise SystemExit(f"expected {expected} materialized partitions, found {len(rows)}")
     print(f"\nall {expected} partitions materialized; open the UI with `make dev`")

@@ -15,9 +15,22 @@ from assets.models import make_tiny_llama
 from assets.paths import data_dir, generation_model_dir
 
 TOPICS = [
-    "solar power", "river ecology", "distributed databases", "medieval trade", "protein folding",
-    "jazz history", "urban cycling", "volcanoes", "tax policy", "deep sea fish", "compilers",
-    "bread baking", "glaciers", "chess openings", "supply chains", "bird migration",
+    "solar power",
+    "river ecology",
+    "distributed databases",
+    "medieval trade",
+    "protein folding",
+    "jazz history",
+    "urban cycling",
+    "volcanoes",
+    "tax policy",
+    "deep sea fish",
+    "compilers",
+    "bread baking",
+    "glaciers",
+    "chess openings",
+    "supply chains",
+    "bird migration",
 ]
 VERBS = ["explains", "questions", "summarises", "compares", "criticises", "celebrates"]
 DETAILS = [
@@ -88,8 +101,10 @@ def main() -> None:
     docs = write_doc_shards()
     prompts = write_prompt_shards()
     model = make_tiny_llama(generation_model_dir())
-    print(f"inputs: {len(docs)} doc shards and {len(prompts)} prompt shards written under "
-          f"{data_dir() / 'inputs'} (existing ones kept)")
+    print(
+        f"inputs: {len(docs)} doc shards and {len(prompts)} prompt shards written under "
+        f"{data_dir() / 'inputs'} (existing ones kept)"
+    )
     print(f"models: generation model at {model}")
 
 

@@ -31,11 +31,16 @@ def run_replicas(ctx: BenchContext) -> dict[str, Any]:
     resource = local_resource(env=ctx.engine_env())
     pipelines = {
         n: PlatformPipeline(
-            name=f"replicas_{n}", model=ctx.embed_model(), task="embed",
-            input_uri=str(root / "inputs" / "{partition_key}.parquet"), root=root / f"r{n}",
-            keys=["shard-0"], resource=resource,
+            name=f"replicas_{n}",
+            model=ctx.embed_model(),
+            task="embed",
+            input_uri=str(root / "inputs" / "{partition_key}.parquet"),
+            root=root / f"r{n}",
+            keys=["shard-0"],
+            resource=resource,
             engine=EngineArgs(dtype="float32", extra={"kv_cache_memory_bytes": KV_CACHE_BYTES}),
-            chunk_size=sizes.chunk_size, replicas=n,
+            chunk_size=sizes.chunk_size,
+            replicas=n,
         )
         for n in SETTINGS
     }
@@ -56,16 +61,36 @@ def run_replicas(ctx: BenchContext) -> dict[str, Any]:
             served_by = read_manifest(fs, path).worker.get("replicas")
             rates[n].append(timing.rows / seconds)
             end_to_end[n].append(timing.rows / timing.run_seconds)
-            runs.append({"round": round_index, "replicas": n, "partition_seconds": seconds,
-                         "run_seconds": timing.run_seconds, "served_by": served_by,
-                         "model_loads": timing.model_loads, "worker_split": timing.worker_split})
-            log.info("replicas round %d: replicas=%d %7.1f rows/s (served by %s)", round_index,
-                     n, rates[n][-1], served_by)
+            runs.append(
+                {
+                    "round": round_index,
+                    "replicas": n,
+                    "partition_seconds": seconds,
+                    "run_seconds": timing.run_seconds,
+                    "served_by": served_by,
+                    "model_loads": timing.model_loads,
+                    "worker_split": timing.worker_split,
+                }
+            )
+            log.info(
+                "replicas round %d: replicas=%d %7.1f rows/s (served by %s)",
+                round_index,
+                n,
+                rates[n][-1],
+                served_by,
+            )
     return {
-        "rows": len(texts), "chunk_size": sizes.chunk_size, "model": "all-MiniLM-L6-v2 (embed)",
-        "settings": {str(n): {"rows_per_s": rates[n], "rows_per_s_summary": summarize(rates[n]).__dict__,
-                              "end_to_end_rows_per_s_summary": summarize(end_to_end[n]).__dict__}
-                     for n in SETTINGS},
+        "rows": len(texts),
+        "chunk_size": sizes.chunk_size,
+        "model": "all-MiniLM-L6-v2 (embed)",
+        "settings": {
+            str(n): {
+                "rows_per_s": rates[n],
+                "rows_per_s_summary": summarize(rates[n]).__dict__,
+                "end_to_end_rows_per_s_summary": summarize(end_to_end[n]).__dict__,
+            }
+            for n in SETTINGS
+        },
         "ratio_2_over_1": paired_ratios(rates[2], rates[1]).__dict__,
         "ratio_2_over_1_end_to_end": paired_ratios(end_to_end[2], end_to_end[1]).__dict__,
         "runs": runs,

@@ -17,7 +17,9 @@ ROWS_BALANCED = "rows_balanced"
 ERROR_RATE = "error_rate"
 
 
-def check_results(result: InferenceRunResult, *, max_error_rate: float) -> list[dg.AssetCheckResult]:
+def check_results(
+    result: InferenceRunResult, *, max_error_rate: float
+) -> list[dg.AssetCheckResult]:
     assert result.spec is not None
     spec = result.spec
     problems: dict[str, list[str]] = {}

@@ -28,9 +28,7 @@ PARTITION_KEY_PLACEHOLDER = "{partition_key}"
 # A large file split into several partitions: `<file key>@rows=<start>-<end>` (Parquet rows,
 # or JSONL lines) or `<file key>@bytes=<start>-<end>` (JSONL bytes; a line belongs to the
 # range holding its first byte). Ranges are half-open: `@rows=0-1000` is rows 0..999.
-RANGE_KEY_PATTERN = re.compile(
-    r"^(?P<file>.+)@(?P<unit>rows|bytes)=(?P<start>\d+)-(?P<end>\d+)$"
-)
+RANGE_KEY_PATTERN = re.compile(r"^(?P<file>.+)@(?P<unit>rows|bytes)=(?P<start>\d+)-(?P<end>\d+)$")
 
 
 class _Strict(BaseModel):
@@ -262,8 +260,14 @@ class InferenceSpec(_Strict):
     # Fields that change how the work is scheduled but not its results: left out of the
     # spec hash, so a retry with other settings resumes committed work.
     SCHEDULING_ONLY: ClassVar[frozenset[str]] = frozenset(
-        {"partition_keys", "tensor_parallel_size", "replicas", "storage",
-         "max_requests_in_flight", "group_prefixes"}
+        {
+            "partition_keys",
+            "tensor_parallel_size",
+            "replicas",
+            "storage",
+            "max_requests_in_flight",
+            "group_prefixes",
+        }
     )
 
     @field_validator("partition_keys")

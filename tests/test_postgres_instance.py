@@ -59,8 +59,13 @@ def test_backfill_on_postgres_instance_survives_transient_failures_by_retry(
 ):
     keys = [f"s{i}" for i in range(4)]
     for key in keys:
-        write_parquet(tmp_path / "in" / f"{key}.parquet",
-                      {"id": [f"{key}-{i}" for i in range(20)], "text": [f"row {i} of {key}" for i in range(20)]})
+        write_parquet(
+            tmp_path / "in" / f"{key}.parquet",
+            {
+                "id": [f"{key}-{i}" for i in range(20)],
+                "text": [f"row {i} of {key}" for i in range(20)],
+            },
+        )
     pipeline = inference_assets(
         name="emb",
         model=minilm_dir,

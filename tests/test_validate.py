@@ -36,8 +36,12 @@ def test_bad_rows_are_quarantined_with_their_reason(chat_tokenizer):
     assert out.ids == ["a"]
     reasons = {e.row: e.error_type for e in out.errors}
     assert reasons == {
-        1: "empty_input", 2: "empty_input", 3: "duplicate_id", 4: "missing_id",
-        5: "prompt_too_long", 6: "wrong_type",
+        1: "empty_input",
+        2: "empty_input",
+        3: "duplicate_id",
+        4: "missing_id",
+        5: "prompt_too_long",
+        6: "wrong_type",
     }
     too_long = next(e for e in out.errors if e.row == 5)
     assert too_long.prompt_tokens and too_long.prompt_tokens > 16
@@ -63,8 +67,12 @@ def test_tokens_match_the_tokenizer_with_special_tokens(chat_tokenizer):
 def test_chat_rows_render_the_model_template(chat_tokenizer):
     validator = RowValidator(task="chat", tokenizer=chat_tokenizer, max_model_len=64)
     messages = [{"role": "user", "content": "hi there"}]
-    out = validator.validate(chunk([(0, "a", messages), (1, "b", '[{"role": "user", "content": "x"}]')]))
-    rendered = chat_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = validator.validate(
+        chunk([(0, "a", messages), (1, "b", '[{"role": "user", "content": "x"}]')])
+    )
+    rendered = chat_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     assert out.ids == ["a", "b"]
     assert out.token_ids[0] == chat_tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
@@ -100,10 +108,14 @@ def test_ids_screened_in_shard_order_keep_the_first_occurrence_across_chunks(cha
     second = screen_ids(chunk([(3, "b", "later"), (4, None, "no id"), (5, "c", "z")], 1), seen)
     assert [r[1] for r in first.rows] == ["a", "b"] and [r[1] for r in second.rows] == ["c"]
     assert [(e.row, e.error_type) for e in first.errors] == [(2, "duplicate_id")]
-    assert [(e.row, e.error_type) for e in second.errors] == [(3, "duplicate_id"), (4, "missing_id")]
+    assert [(e.row, e.error_type) for e in second.errors] == [
+        (3, "duplicate_id"),
+        (4, "missing_id"),
+    ]
     assert (first.rows_in, second.rows_in) == (3, 3)
-    engine_side = RowValidator(task="generate", tokenizer=chat_tokenizer, max_model_len=16,
-                               check_ids=False)
+    engine_side = RowValidator(
+        task="generate", tokenizer=chat_tokenizer, max_model_len=16, check_ids=False
+    )
     validated = [engine_side.validate(c) for c in (second, first)]  # any order
     assert [v.ids for v in validated] == [["c"], ["a", "b"]]
     assert engine_side.seen_ids == set()

@@ -41,7 +41,11 @@ class MessageReporter:
 
     def partition_committed(self, manifest: Manifest, *, computed: bool) -> None:
         self.emit(
-            {"type": "partition", "computed": computed, "manifest": manifest.model_dump(mode="json")}
+            {
+                "type": "partition",
+                "computed": computed,
+                "manifest": manifest.model_dump(mode="json"),
+            }
         )
 
     def partition_failed(self, exc: WorkerError) -> None:

@@ -111,8 +111,11 @@ class RunCoordinator:
         if self.started is not None:
             self._thread.join(timeout=30)
         with self._lock:
-            return (not self._thread.is_alive() and self.started is not None
-                    and all(run.settled for run in self._partitions.values()))
+            return (
+                not self._thread.is_alive()
+                and self.started is not None
+                and all(run.settled for run in self._partitions.values())
+            )
 
     def check(self) -> None:
         """Raise what the reader died of, if it died."""
@@ -200,8 +203,11 @@ class RunCoordinator:
             run.settled = True
             where = run.where
             if run.failed is not None:
-                log.error("partition %s failed, the run goes on without it: %s",
-                          where.partition_key, run.failed)
+                log.error(
+                    "partition %s failed, the run goes on without it: %s",
+                    where.partition_key,
+                    run.failed,
+                )
                 self.on_failed(run.failed, where.partition_key)
                 return
             if run.committed_elsewhere is not None:

@@ -52,8 +52,12 @@ class ChunkResult:
             else:
                 embeddings = np.zeros((0, 0), np.float32)
             prompt_tokens = [len(o.prompt_token_ids or ()) for o in outputs]
-            return cls(embeddings=embeddings, prompt_tokens=prompt_tokens,
-                       generated_tokens=[0] * len(outputs), seconds=seconds)
+            return cls(
+                embeddings=embeddings,
+                prompt_tokens=prompt_tokens,
+                generated_tokens=[0] * len(outputs),
+                seconds=seconds,
+            )
         return cls(
             texts=[o.outputs[0].text for o in outputs],
             finish_reasons=[o.outputs[0].finish_reason for o in outputs],
@@ -139,7 +143,9 @@ class InferenceEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.max_num_seqs = int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
-        self.window = spec.max_requests_in_flight or self.WINDOW_PER_MAX_NUM_SEQS * self.max_num_seqs
+        self.window = (
+            spec.max_requests_in_flight or self.WINDOW_PER_MAX_NUM_SEQS * self.max_num_seqs
+        )
         self.default_params: Any
         if spec.task == "embed":
             self.default_params = PoolingParams(task="embed")
@@ -153,8 +159,13 @@ class InferenceEngine:
         if load_log:
             with open(load_log, "a") as handle:
                 handle.write(f"{os.getpid()}\t{spec.model}\n")
-        log.info("engine ready in %.1fs (max_model_len=%d, max_num_seqs=%d, window=%d)",
-                 self.load_seconds, self.max_model_len, self.max_num_seqs, self.window)
+        log.info(
+            "engine ready in %.1fs (max_model_len=%d, max_num_seqs=%d, window=%d)",
+            self.load_seconds,
+            self.max_model_len,
+            self.max_num_seqs,
+            self.window,
+        )
 
     @property
     def in_flight(self) -> int:

@@ -171,8 +171,12 @@ def run_single_engine(
     try:
         chunks: queue.Queue[WorkChunk | None] = queue.Queue()
         coordinator = RunCoordinator(
-            spec, partition_keys, on_committed=on_committed, on_failed=on_failed,
-            put=chunks.put, engines=1,
+            spec,
+            partition_keys,
+            on_committed=on_committed,
+            on_failed=on_failed,
+            put=chunks.put,
+            engines=1,
             max_outstanding=max_outstanding_chunks(spec, 1, engine.window),
         )
         coordinator.start(engine.load_seconds)
@@ -234,7 +238,11 @@ def plan_replica_env(
                 "). Lower replicas or tensor_parallel_size, or request more GPUs per pod"
             )
         return [
-            {"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids[i * tensor_parallel_size : (i + 1) * tensor_parallel_size])}
+            {
+                "CUDA_VISIBLE_DEVICES": ",".join(
+                    gpu_ids[i * tensor_parallel_size : (i + 1) * tensor_parallel_size]
+                )
+            }
             for i in range(replicas)
         ]
     cores = sorted(cpu_ids)
@@ -315,8 +323,12 @@ def run_replicas(
                 timing.load_seconds.append(message[2])
                 if len(timing.load_seconds) == replicas:
                     coordinator = RunCoordinator(
-                        spec, partition_keys, on_committed=on_committed, on_failed=on_failed,
-                        put=tasks.put, engines=replicas,
+                        spec,
+                        partition_keys,
+                        on_committed=on_committed,
+                        on_failed=on_failed,
+                        put=tasks.put,
+                        engines=replicas,
                         max_outstanding=max_outstanding_chunks(spec, replicas, message[3]),
                     )
                     coordinator.start(max(timing.load_seconds))
@@ -362,7 +374,10 @@ def replica_main(spec_json: str, index: int, env: dict[str, str], tasks: Any, re
         engine = InferenceEngine(spec)
         results.put(("loaded", index, engine.load_seconds, engine.window))
         serve_chunks(
-            engine, spec, tasks.get, lambda message: results.put(("chunk", index, message)),
+            engine,
+            spec,
+            tasks.get,
+            lambda message: results.put(("chunk", index, message)),
             replica=index,
         )
         shutdown_started = time.perf_counter()

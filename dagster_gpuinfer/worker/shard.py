@@ -72,8 +72,13 @@ class ShardLocation:
     @classmethod
     def of(cls, spec: InferenceSpec, partition_key: str) -> ShardLocation:
         fs, path = filesystem_for(partition_dir(spec.output, partition_key), spec.storage)
-        return cls(fs=fs, path=path, spec_hash=spec.spec_hash(), partition_key=partition_key,
-                   storage=spec.storage)
+        return cls(
+            fs=fs,
+            path=path,
+            spec_hash=spec.spec_hash(),
+            partition_key=partition_key,
+            storage=spec.storage,
+        )
 
     def committed(self) -> Manifest | None:
         """The manifest if the partition is committed for this spec (by anyone), else None."""
@@ -138,7 +143,10 @@ def write_chunk(
     write_chunk_marker(where.fs, where.path, marker)
     log.debug(
         "partition %s chunk %d committed: %d rows out, %d quarantined",
-        where.partition_key, chunk.index, marker.rows_out, marker.rows_errored,
+        where.partition_key,
+        chunk.index,
+        marker.rows_out,
+        marker.rows_errored,
     )
     return marker
 

@@ -108,7 +108,9 @@ def serve_chunks(
     prepared: queue.Queue[_ChunkInFlight | None] = queue.Queue(maxsize=1)
     finished: queue.Queue[_ChunkInFlight | None] = queue.Queue()
     validator = RowValidator(
-        task=spec.task, tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
+        task=spec.task,
+        tokenizer=engine.tokenizer,
+        max_model_len=engine.max_model_len,
         check_ids=False,
     )
     stopping = threading.Event()
@@ -138,7 +140,9 @@ def serve_chunks(
             where = locations.get(key) or locations.setdefault(key, ShardLocation.of(spec, key))
             seconds = time.perf_counter() - (item.first_submitted or time.perf_counter())
             result = ChunkResult.from_outputs(spec.task, item.outputs, seconds)
-            marker = write_chunk(spec, where, item.work.chunk, item.valid, result, item.work.attempt)
+            marker = write_chunk(
+                spec, where, item.work.chunk, item.valid, result, item.work.attempt
+            )
             committed(ChunkCommitted(partition_key=key, marker=marker, replica=replica))
 
     preparer, writer = _Worker("gpuinfer-prepare", prepare), _Worker("gpuinfer-write", write)

@@ -89,7 +89,10 @@ class RowValidator:
             if len(token_ids) > self.max_prompt_tokens:
                 out.errors.append(
                     RowError(
-                        row_id, chunk.source, row, "prompt_too_long",
+                        row_id,
+                        chunk.source,
+                        row,
+                        "prompt_too_long",
                         f"{chunk.source} row {row} (id {row_id}): {len(token_ids)} prompt "
                         f"tokens, more than the {self.max_prompt_tokens} this engine takes "
                         f"(max_model_len={self.max_model_len}); shorten the input or raise "
@@ -103,7 +106,9 @@ class RowValidator:
             out.token_ids.append(token_ids)
         return out
 
-    def _check_row(self, source: str, row: int, row_id: str | None, payload: Any) -> RowError | None:
+    def _check_row(
+        self, source: str, row: int, row_id: str | None, payload: Any
+    ) -> RowError | None:
         where = f"{source} row {row}"
         if self.check_ids:
             error = id_error(source, row, row_id, self.seen_ids)
@@ -113,12 +118,18 @@ class RowValidator:
             return None  # checked while rendering the chat template
         if payload is None or (isinstance(payload, str) and not payload.strip()):
             return RowError(
-                row_id, source, row, "empty_input",
+                row_id,
+                source,
+                row,
+                "empty_input",
                 f"{where} (id {row_id}): the text is null or empty; the row was quarantined",
             )
         if not isinstance(payload, str):
             return RowError(
-                row_id, source, row, "wrong_type",
+                row_id,
+                source,
+                row,
+                "wrong_type",
                 f"{where} (id {row_id}): expected a string, got {type(payload).__name__}; the "
                 "row was quarantined",
             )
@@ -144,7 +155,10 @@ class RowValidator:
                     problem = f"the model's chat template rejected it ({exc})"
             errors.append(
                 RowError(
-                    row_id, source, row, "invalid_messages",
+                    row_id,
+                    source,
+                    row,
+                    "invalid_messages",
                     f"{source} row {row} (id {row_id}): messages are not a valid chat: "
                     f"{problem}; the row was quarantined",
                 )
@@ -165,13 +179,18 @@ def id_error(source: str, row: int, row_id: str | None, seen_ids: set[str]) -> R
     where = f"{source} row {row}"
     if row_id is None or row_id == "":
         return RowError(
-            None, source, row, "missing_id",
-            f"{where}: the id is null or empty; every row needs an id; the row was "
-            "quarantined",
+            None,
+            source,
+            row,
+            "missing_id",
+            f"{where}: the id is null or empty; every row needs an id; the row was quarantined",
         )
     if row_id in seen_ids:
         return RowError(
-            row_id, source, row, "duplicate_id",
+            row_id,
+            source,
+            row,
+            "duplicate_id",
             f"{where}: id {row_id!r} already appeared earlier in this shard; the first "
             "row was kept and this one quarantined",
         )
@@ -195,8 +214,9 @@ def screen_ids(chunk: RawChunk, seen_ids: set[str]) -> RawChunk:
         assert row_id is not None
         seen_ids.add(row_id)
         rows.append((row, row_id, payload))
-    return RawChunk(index=chunk.index, source=chunk.source, rows=rows, errors=errors,
-                    rows_in=chunk.rows_in)
+    return RawChunk(
+        index=chunk.index, source=chunk.source, rows=rows, errors=errors, rows_in=chunk.rows_in
+    )
 
 
 def parse_messages(value: Any) -> tuple[list[dict[str, Any]], str | None]:
@@ -223,4 +243,3 @@ def parse_messages(value: Any) -> tuple[list[dict[str, Any]], str | None]:
             return [], f"message {i} content must be a string, got {type(content).__name__}"
         messages.append({"role": role, "content": content})
     return messages, None
-

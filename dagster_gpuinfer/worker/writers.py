@@ -81,7 +81,10 @@ def encode_openai_batch(task: str, model: str, spec_hash: str, table: pa.Table) 
                 "object": "list",
                 "model": model,
                 "data": [{"object": "embedding", "index": 0, "embedding": row["embedding"]}],
-                "usage": {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["prompt_tokens"]},
+                "usage": {
+                    "prompt_tokens": usage["prompt_tokens"],
+                    "total_tokens": usage["prompt_tokens"],
+                },
             }
         elif task == "chat":
             body = {
@@ -104,7 +107,9 @@ def encode_openai_batch(task: str, model: str, spec_hash: str, table: pa.Table) 
                 "object": "text_completion",
                 "created": created,
                 "model": model,
-                "choices": [{"index": 0, "text": row["text"], "finish_reason": row["finish_reason"]}],
+                "choices": [
+                    {"index": 0, "text": row["text"], "finish_reason": row["finish_reason"]}
+                ],
                 "usage": usage,
             }
         lines.append(
