@@ -4,10 +4,12 @@
     python -m bench --smoke --results DIR # tiny sizes (the CI test), results in DIR
     python -m bench --only throughput,prefix --rounds 5
 
-Sections: throughput (platform vs raw vLLM vs transformers vs Ray Data, embed and
-generate), prefix (prefix-cache ordering), amortization (partitions per run), memory
-(worker RSS over a large shard), control-plane (Dagster-side work at dataset sizes, no
-model) and, only when asked for (`--only knobs`), knobs (embedding engine settings one by one).
+Sections: throughput (platform vs raw vLLM vs transformers vs Ray Data, embed and generate),
+longtail (long-tailed generation: platform at several chunk sizes vs raw vLLM vs `vllm run-
+batch`), replicas (one embed partition, 1 vs 2 engines), prefix (prefix-cache ordering),
+amortization (partitions per run), memory (worker RSS over a large shard), control-plane
+(Dagster-side work at dataset sizes, no model) and, only when asked for (`--only knobs`),
+knobs (embedding engine settings one by one).
 
 Each section is a function of the `BenchContext` returning a dict, stored as is in
 results.json under its key (`RESULT_KEYS`) and rendered by `bench/report.py`.
@@ -30,10 +32,21 @@ from typing import Any
 
 from bench.context import FULL, REPO_ROOT, SMOKE, BenchContext, find_ray_python, write_json
 
-SECTIONS = ("throughput", "prefix", "amortization", "memory", "control-plane", "knobs")
+SECTIONS = (
+    "throughput",
+    "longtail",
+    "replicas",
+    "prefix",
+    "amortization",
+    "memory",
+    "control-plane",
+    "knobs",
+)
 DEFAULT_SECTIONS = SECTIONS[:-1]  # `knobs` (engine settings, one start each) only on request
 RESULT_KEYS = {
     "throughput": "throughput",
+    "longtail": "longtail",
+    "replicas": "replicas",
     "prefix": "prefix_cache",
     "amortization": "amortization",
     "memory": "memory",
@@ -42,6 +55,8 @@ RESULT_KEYS = {
 }
 # section -> the function that runs it (throughput runs once per task, apart)
 RUNNERS = {
+    "longtail": "bench.longtail:run_longtail",
+    "replicas": "bench.replicas:run_replicas",
     "prefix": "bench.prefix_cache:run_prefix_cache",
     "amortization": "bench.amortization:run_amortization",
     "memory": "bench.memory:run_memory",
@@ -90,6 +105,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         help="rows of the memory shard (default 1,000,000 full, 2,000 smoke)",
     )
+    parser.add_argument(
+        "--note",
+        action="append",
+        default=[],
+        help="a line for the report's notes (e.g. what else loaded the machine)",
+    )
     return parser.parse_args(argv)
 
 
@@ -122,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     ).resolve()
     ctx = BenchContext(sizes=sizes, work_dir=work, results_dir=results_dir, smoke=args.smoke)
+    ctx.notes.extend(args.note)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     unknown = only - set(SECTIONS)
     if unknown:

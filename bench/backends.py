@@ -271,22 +271,38 @@ def _make_ray_actor(
 
 
 class EngineBackend:
-    """The platform's `InferenceEngine` on pre-tokenized rows (the worker's own call)."""
+    """The platform's `InferenceEngine` in a bench process: its streaming loop (the worker's
+    `serve_chunks`, files and markers written as in a run) or a raw `LLM.generate` call on the
+    same engine, to compare the order in which rows reach the engine."""
 
     def __init__(self, *, spec_json: str) -> None:
         from dagster_gpuinfer.spec import InferenceSpec
         from dagster_gpuinfer.worker.engine import InferenceEngine
 
-        self.engine = InferenceEngine(InferenceSpec.model_validate_json(spec_json))
-        self.info = {"engine_seconds": self.engine.load_seconds, "pid": os.getpid()}
+        self.spec = InferenceSpec.model_validate_json(spec_json)
+        self.engine = InferenceEngine(self.spec)
+        self.info = {
+            "engine_seconds": self.engine.load_seconds,
+            "pid": os.getpid(),
+            "window": self.engine.window,
+        }
+        self.cached_tokens = 0
+        step = self.engine.step
+
+        def counting_step() -> list[tuple[str, Any]]:
+            finished = step()
+            self.cached_tokens += sum(out.num_cached_tokens or 0 for _, out in finished)
+            return finished
+
+        self.engine.step = counting_step  # type: ignore[method-assign]
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [list(ids) for ids in self.engine.tokenizer(texts)["input_ids"]]
 
     def run(self, token_ids: list[list[int]], *, group_prefixes: bool) -> dict[str, Any]:
-        self.engine.group_prefixes = group_prefixes
+        """`InferenceEngine.run` over all rows (one barrier), grouped or in input order."""
         self.engine.llm.reset_prefix_cache()  # each run starts cold, whatever ran before
-        result = self.engine.run(token_ids)
+        result = self.engine.run(token_ids, group_prefixes=group_prefixes)
         return {
             "seconds": result.seconds,
             "rows": len(token_ids),
@@ -294,6 +310,80 @@ class EngineBackend:
             "generated_tokens": sum(result.generated_tokens or ()),
             "cached_tokens": sum(getattr(result, "cached_tokens", None) or ()),
             "fingerprint": _fingerprint(result.texts or []),
+        }
+
+    def raw_generate(self, texts: list[str]) -> dict[str, Any]:
+        """One `LLM.generate` over the rows' texts in input order: what a user calls (vLLM
+        tokenizes them, as the platform's loop does)."""
+        self.engine.llm.reset_prefix_cache()
+        params = self.engine.default_params.clone()
+        started = time.perf_counter()
+        outputs = self.engine.llm.generate(texts, params, use_tqdm=False)
+        return {
+            "seconds": time.perf_counter() - started,
+            "rows": len(outputs),
+            "prompt_tokens": sum(len(o.prompt_token_ids or ()) for o in outputs),
+            "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+            "cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
+            "fingerprint": _fingerprint([o.outputs[0].text for o in outputs]),
+        }
+
+    def stream(self, texts: list[str], *, chunk_size: int, group_prefixes: bool) -> dict[str, Any]:
+        """The worker's streaming loop over the rows as one shard of `chunk_size` chunks;
+        chunks are written and committed (markers) under the spec's output, as in a run."""
+        import queue
+        import shutil
+        import uuid
+
+        from dagster_gpuinfer.storage import read_partition
+        from dagster_gpuinfer.worker.readers import RawChunk
+        from dagster_gpuinfer.worker.shard import ShardLocation, commit_chunks
+        from dagster_gpuinfer.worker.stream import WorkChunk, serve_chunks
+
+        spec = self.spec.model_copy(
+            update={"chunk_size": chunk_size, "group_prefixes": group_prefixes}
+        )
+        key = f"stream-{uuid.uuid4().hex[:6]}"
+        where = ShardLocation.of(spec, key)
+        work: queue.Queue[Any] = queue.Queue()
+        for index, start in enumerate(range(0, len(texts), chunk_size)):
+            rows = [
+                (i, f"r{i:07d}", texts[i])
+                for i in range(start, min(start + chunk_size, len(texts)))
+            ]
+            work.put(
+                WorkChunk(key, "bench0000", RawChunk(index, "bench", rows=rows, rows_in=len(rows)))
+            )
+        work.put(None)
+        markers: dict[int, Any] = {}
+        self.engine.llm.reset_prefix_cache()
+        self.cached_tokens = 0
+        started = time.perf_counter()
+        serve_chunks(
+            self.engine,
+            spec,
+            work.get,
+            lambda message: markers.__setitem__(message.marker.index, message.marker),
+        )
+        manifest = commit_chunks(
+            where,
+            spec,
+            markers,
+            rows_resumed=0,
+            wall_seconds=time.perf_counter() - started,
+            model_load_seconds=0.0,
+            worker={},
+        )
+        seconds = time.perf_counter() - started
+        table = read_partition(spec.output, key)
+        shutil.rmtree(where.path, ignore_errors=True)
+        return {
+            "seconds": seconds,
+            "rows": manifest.rows_out,
+            "prompt_tokens": manifest.prompt_tokens,
+            "generated_tokens": manifest.generated_tokens,
+            "cached_tokens": self.cached_tokens,
+            "fingerprint": _fingerprint(table.column("text").to_pylist()),
         }
 
     def close(self) -> None:

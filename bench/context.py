@@ -34,6 +34,13 @@ class Sizes:
     prefix_header_examples: int
     prefix_max_tokens: int
     prefix_kv_cache_bytes: int
+    # Long-tailed generation: outputs end at random stop token ids (sampled, temperature 1).
+    longtail_rows: int = 2048
+    longtail_max_tokens: int = 384
+    longtail_stop_tokens: int = 517  # ~1/59 of the tiny Llama's 30,522 tokens: mean ~59
+    longtail_chunk_sizes: tuple[int, ...] = (128, 512, 2048)
+    # One embed partition served by 1 and by 2 replicas (cores split).
+    replicas_rows: int = 4000
 
 
 FULL = Sizes(
@@ -73,6 +80,11 @@ SMOKE = Sizes(
     prefix_header_examples=4,
     prefix_max_tokens=2,
     prefix_kv_cache_bytes=64 << 20,
+    longtail_rows=24,
+    longtail_max_tokens=16,
+    longtail_stop_tokens=2000,
+    longtail_chunk_sizes=(8, 32),
+    replicas_rows=48,
 )
 
 

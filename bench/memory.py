@@ -101,7 +101,10 @@ def run_memory(ctx: BenchContext) -> dict[str, Any]:
         ready = sampler.ready_at or 0.0
         after_ready = [s for s in samples if s["t"] >= ready] or samples
         baseline = after_ready[0]["worker_mib"] if after_ready else float("nan")
-        peak_worker = max((s["worker_mib"] for s in samples), default=float("nan"))
+        # Growth counts from engine ready: before it, the sampler can catch vLLM's spawned
+        # engine process while it still carries the worker's command line (seen: one
+        # sample counting the worker twice while the engine started).
+        peak_worker = max((s["worker_mib"] for s in after_ready), default=float("nan"))
         peak_engine = max((s["engine_mib"] for s in samples), default=float("nan"))
         row = {
             "chunk_size": chunk_size,
@@ -112,6 +115,9 @@ def run_memory(ctx: BenchContext) -> dict[str, Any]:
             "worker_peak_mib": peak_worker,
             "worker_growth_mib": peak_worker - baseline,
             "engine_peak_mib": peak_engine,
+            "worker_peak_mib_whole_run": max(
+                (s["worker_mib"] for s in samples), default=float("nan")
+            ),
             "samples": samples,
             "engine_ready_t": ready,
         }

@@ -60,6 +60,8 @@ class RunTiming:
     rows: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    # The worker's own split (start, load, inference, shutdown seconds), from run metadata.
+    worker_split: dict[str, float] = field(default_factory=dict)
 
 
 class PlatformPipeline:
@@ -88,6 +90,7 @@ class PlatformPipeline:
         sampling: SamplingParams | None = None,
         chunk_size: int = 512,
         partitions_per_run: int | None = None,
+        replicas: int = 1,
     ) -> None:
         self.name = name
         self.keys = keys
@@ -104,6 +107,7 @@ class PlatformPipeline:
             engine=engine,
             sampling=sampling if task != "embed" else None,
             chunk_size=chunk_size,
+            replicas=replicas,
             backfill_policy=dg.BackfillPolicy.multi_run(partitions_per_run or len(keys)),
         )
         self.job_name = f"bench_{name}"
@@ -157,6 +161,11 @@ class PlatformPipeline:
             model_load_seconds=0.0,
             model_loads=int(run_md.get("run_model_loads", 0)),
             worker_seconds=float(run_md.get("run_wall_seconds", 0.0)),
+            worker_split={
+                name: float(run_md[f"run_{name}_seconds"])
+                for name in ("start", "load", "inference", "shutdown")
+                if f"run_{name}_seconds" in run_md
+            },
         )
         for key in keys:
             fs, path = filesystem_for(partition_dir(self.output(), key))

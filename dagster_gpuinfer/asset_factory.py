@@ -138,6 +138,8 @@ def inference_assets(
     tensor_parallel_size: int = 1,
     replicas: int = 1,
     chunk_size: int = 512,
+    max_requests_in_flight: int | None = None,
+    group_prefixes: bool = True,
     max_error_rate: float = 0.10,
     backfill_policy: dg.BackfillPolicy | None = None,
     retry_policy: dg.RetryPolicy | None = None,
@@ -163,7 +165,10 @@ def inference_assets(
         sampling: vLLM sampling parameters (generate, chat).
         tensor_parallel_size: GPUs per engine.
         replicas: Data-parallel engines per worker.
-        chunk_size: Rows per chunk (streaming, commit and resume unit).
+        chunk_size: Rows per chunk (the unit of writing, commit and resume).
+        max_requests_in_flight: Requests each engine keeps in flight across chunks and
+            shards; default 2 x the engine's `max_num_seqs` (for experts).
+        group_prefixes: Submit generation rows grouped by shared prompt prefix.
         max_error_rate: Quarantined share of rows above which the error-rate check fails.
         backfill_policy: Dagster's; defaults to multi-run with 4 partitions per run.
         retry_policy, pool, op_tags, group_name, key_prefix: passed to `@dg.asset` as is.
@@ -199,6 +204,10 @@ def inference_assets(
         "replicas": replicas,
         "chunk_size": chunk_size,
     }
+    if max_requests_in_flight is not None:
+        raw_spec["max_requests_in_flight"] = max_requests_in_flight
+    if not group_prefixes:
+        raw_spec["group_prefixes"] = False
     validate_spec(raw_spec, where=f"asset {name!r}")
 
     prefix = [key_prefix] if isinstance(key_prefix, str) else list(key_prefix or [])

@@ -55,27 +55,35 @@ def metrics_env(port: int | None, pushgateway_url: str | None) -> dict[str, str]
 
 
 def run_timing(result: Any) -> dict[str, Any]:
-    """The run's time split: pod queue and start (k8s launcher; `n/a` for local workers),
-    then the worker's model load, and the inference and commit seconds of the partitions
-    this run computed (from their manifests, whichever process or replica ran them)."""
+    """The run's time split, in order: the pod queued behind Kueue admission and started
+    (k8s launcher; `n/a` for local workers); the worker process start (interpreter, imports,
+    Pipes) to its job; the engine build (vllm import included); inference (first engine
+    ready to last commit, as the worker measured it; else the partitions' own sums); the
+    partitions' commit seconds (from their manifests, whichever process or replica ran
+    them); the engine shutdown."""
     start = result.pod_start or {}
+    summary = result.summary
     computed = [result.manifests[key] for key in result.computed if key in result.manifests]
 
-    def value(mapping: dict[str, Any], key: str) -> Any:
-        found = mapping.get(key)
-        return NOT_AVAILABLE if found is None else found
+    def value(mapping: dict[str, Any], key: str, *fallbacks: str) -> Any:
+        for name in (key, *fallbacks):
+            if mapping.get(name) is not None:
+                return mapping[name]
+        return NOT_AVAILABLE
 
-    load = result.summary.get("model_load_seconds")
+    inference = value(summary, "inference_seconds")
+    if inference == NOT_AVAILABLE and computed:
+        inference = round(sum(m.inference_seconds for m in computed), 3)
     return {
         "queued_seconds": value(start, "queued_seconds"),
-        "start_seconds": value(start, "admission_to_running_seconds"),
-        "model_load_seconds": NOT_AVAILABLE if load is None else load,
-        "inference_seconds": round(sum(m.inference_seconds for m in computed), 3)
-        if computed
-        else NOT_AVAILABLE,
+        "pod_start_seconds": value(start, "admission_to_running_seconds"),
+        "start_seconds": value(summary, "start_seconds"),
+        "load_seconds": value(summary, "load_seconds", "model_load_seconds"),
+        "inference_seconds": inference,
         "commit_seconds": round(sum(m.telemetry.get("commit_seconds", 0.0) for m in computed), 3)
         if computed
         else NOT_AVAILABLE,
+        "shutdown_seconds": value(summary, "shutdown_seconds"),
     }
 
 

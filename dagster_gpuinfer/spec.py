@@ -325,7 +325,31 @@ class InferenceSpec(_Strict):
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine (replica).")
     replicas: int = Field(1, ge=1, description="Data-parallel vLLM engines in this worker.")
     chunk_size: int = Field(
-        512, ge=1, description="Rows per chunk: the unit of streaming, writing and resume."
+        512, ge=1, description="Rows per chunk: the unit of writing, commit and resume."
+    )
+    max_requests_in_flight: int | None = Field(
+        None,
+        ge=1,
+        description="Requests each engine holds in flight, across chunk and shard boundaries "
+        "(for experts). Default: 2 x the engine's `max_num_seqs`.",
+    )
+    group_prefixes: bool = Field(
+        True,
+        description="Submit generation requests grouped by shared prompt prefix across the "
+        "read-ahead (feeds vLLM's prefix cache); outputs stay keyed by row.",
+    )
+
+    # Fields that change how the work is scheduled but not its results: left out of the
+    # spec hash, so a retry with other settings resumes committed work.
+    SCHEDULING_ONLY: ClassVar[frozenset[str]] = frozenset(
+        {
+            "partition_keys",
+            "tensor_parallel_size",
+            "replicas",
+            "storage",
+            "max_requests_in_flight",
+            "group_prefixes",
+        }
     )
 
     @field_validator("partition_keys")
@@ -364,10 +388,7 @@ class InferenceSpec(_Strict):
         Leaves out the partition keys, parallelism and the performance-only engine knobs, so a
         retry with fewer sequences or another replica count resumes committed work.
         """
-        payload = self.model_dump(
-            mode="json",
-            exclude={"partition_keys", "tensor_parallel_size", "replicas", "storage"},
-        )
+        payload = self.model_dump(mode="json", exclude=set(self.SCHEDULING_ONLY))
         for name in EngineArgs.PERFORMANCE_ONLY:
             payload["engine"].pop(name, None)
         payload["model"] = os.path.normpath(self.model) if _looks_local(self.model) else self.model

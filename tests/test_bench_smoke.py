@@ -63,8 +63,19 @@ def test_bench_smoke_runs_every_section_and_writes_the_report(tmp_path: Path) ->
     assert data["throughput"]["embed"]["engine_kwargs"]["runner"] == "pooling"
 
     prefix = data["prefix_cache"]
-    assert set(prefix["orders"]) == {"grouped", "input order"}
+    assert set(prefix["orders"]) == {"grouped", "input order", "raw input order"}
     assert prefix["same_outputs_both_orders"] is True
+
+    longtail = data["longtail"]
+    assert {"raw-vllm", "run-batch"} <= set(longtail["contestants"])
+    for chunk_size in data["sizes"]["longtail_chunk_sizes"]:
+        assert f"platform c{chunk_size}/raw-vllm" in longtail["ratios"]
+    assert 1 <= longtail["lengths"]["min"] <= longtail["lengths"]["max"] <= longtail["max_tokens"]
+    assert set(longtail["worker_split_summary"]) == {"start", "load", "inference", "shutdown"}
+
+    replicas = data["replicas"]
+    assert set(replicas["settings"]) == {"1", "2"}
+    assert all(run["model_loads"] == run["replicas"] for run in replicas["runs"])
 
     settings = data["amortization"]["settings"]
     assert [s["model_loads"] for s in settings] == [s["runs"] for s in settings]
@@ -82,6 +93,7 @@ def test_bench_smoke_runs_every_section_and_writes_the_report(tmp_path: Path) ->
 
     report = (results / "RESULTS.md").read_text()
     assert "## Headline" in report and "## Model-load amortization" in report
+    assert "## Long-tailed generation" in report and "## One partition, one engine or two" in report
     assert "## Control plane" in report and "runs planned" in report
     for plot in ("throughput.png", "prefix_cache.png", "amortization.png", "memory.png"):
         assert (results / plot).stat().st_size > 0

@@ -136,7 +136,7 @@ def test_partition_metadata_shows_telemetry_and_the_runs_time_split(observed_run
         assert metadata["telemetry"]["samples"] >= 1
         assert metadata["commit_seconds"] > 0
         assert metadata["run_queued_seconds"] == "n/a"  # local launcher: no queue
-        assert metadata["run_start_seconds"] == "n/a"
-        assert metadata["run_model_load_seconds"] > 0
+        assert metadata["run_pod_start_seconds"] == "n/a"
+        assert metadata["run_load_seconds"] > 0
         assert metadata["run_inference_seconds"] > 0
         assert metadata["run_commit_seconds"] > 0

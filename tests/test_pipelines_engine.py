@@ -149,6 +149,27 @@ def test_row_count_checks_pass_on_every_partition(embed_run):
     assert balanced.metadata["partitions_checked"].value == 3
 
 
+def test_run_metadata_splits_the_worker_time(embed_run):
+    result = embed_run["result"]
+    materialization = next(
+        e.event_specific_data.materialization
+        for e in result.all_events
+        if e.event_type_value == "ASSET_MATERIALIZATION"
+        and "run_model_loads" in e.event_specific_data.materialization.metadata
+    )
+    md = {k: v.value for k, v in materialization.metadata.items()}
+    for name in (
+        "run_start_seconds",
+        "run_load_seconds",
+        "run_inference_seconds",
+        "run_shutdown_seconds",
+    ):
+        assert md[name] > 0, name
+    # The parts are parts of the worker's own wall time.
+    parts = md["run_load_seconds"] + md["run_inference_seconds"] + md["run_shutdown_seconds"]
+    assert parts <= md["run_wall_seconds"]
+
+
 def test_rerun_reuses_committed_partitions_without_loading_the_model(embed_run):
     assert embed_run["rerun"].success
     assert embed_run["loads_after_rerun"] == embed_run["loads_after_first"]
@@ -184,9 +205,12 @@ def generate_runs(tmp_path_factory, tiny_llama_dir):
             {"id": "ok-2", "prompt": "Another fine prompt."},
         ],
     )
-    partitions = dg.StaticPartitionsDefinition(["bad", "g0", "g1"])
+    # A wider shard, for two replicas to share: the same prompts under other ids.
+    records = [{"id": f"w-{i}", "prompt": PROMPTS[i % len(PROMPTS)]} for i in range(120)]
+    write_jsonl(root / "in" / "w.jsonl", records)
+    partitions = dg.StaticPartitionsDefinition(["bad", "g0", "g1", "w"])
 
-    def pipeline(out: str, replicas: int):
+    def pipeline(out: str, replicas: int, chunk_size: int = 5, **kwargs):
         return inference_assets(
             name="gen",
             model=tiny_llama_dir,
@@ -197,17 +221,21 @@ def generate_runs(tmp_path_factory, tiny_llama_dir):
             engine={"max_model_len": 256, "seed": 0},
             sampling={"temperature": 0.0, "max_tokens": 16},
             replicas=replicas,
-            chunk_size=5,
+            chunk_size=chunk_size,
+            **kwargs,
         )
 
-    one, two = pipeline("out1", 1), pipeline("out2", 2)
+    # Two replicas with small chunks and a small window, so that both engines hold few rows
+    # and must share the chunks of the one wide shard.
+    one = pipeline("out1", 1)
+    two = pipeline("out2", 2, chunk_size=4, max_requests_in_flight=4)
     logs = {name: root / f"{name}.log" for name in ("one", "two", "changed")}
     with dg.instance_for_test() as instance:
         result_one = materialize_partitions(
             one, ["bad", "g0", "g1"], resource=cpu_resource(logs["one"]), instance=instance
         )
         result_two = materialize_partitions(
-            two, ["g0", "g1"], resource=cpu_resource(logs["two"]), instance=instance
+            two, ["g0", "w"], resource=cpu_resource(logs["two"]), instance=instance
         )
         parts_before = sorted(os.listdir(partition_dir(output_of(one), "g0")))
         texts_before_change = {key: texts_by_id(one, key) for key in ("g0", "g1")}
@@ -237,25 +265,50 @@ def texts_by_id(pipeline, key):
     return dict(zip(table.column("id").to_pylist(), table.column("text").to_pylist(), strict=True))
 
 
-def test_greedy_generation_is_identical_across_runs_and_replica_counts(generate_runs):
+def test_greedy_generation_is_identical_across_runs_replicas_and_chunk_sizes(generate_runs):
     assert generate_runs["result_one"].success and generate_runs["result_two"].success
-    for key in ("g0", "g1"):
-        one = generate_runs["texts_one"][key]
-        two = texts_by_id(generate_runs["two"], key)
-        assert len(one) == 12 and one == two
-        assert all(text for text in one.values())
+    # g0 and g1 in run one: one engine, chunks of 5; g0 in run two: two engines, chunks of 4,
+    # 4 requests in flight. Streaming does not change what a row gets.
+    one = generate_runs["texts_one"]["g0"]
+    two = texts_by_id(generate_runs["two"], "g0")
+    assert len(one) == 12 and one == two
+    assert all(text for text in one.values())
     g0 = generate_runs["texts_one"]["g0"]
     assert g0["g0-0"] == g0["g0-5"]  # same prompt, same answer
+    assert len(generate_runs["texts_one"]["g1"]) == 12
 
 
-def test_two_replicas_load_one_engine_each_and_take_whole_shards(generate_runs):
+def test_streamed_chunks_commit_one_part_per_chunk_in_input_order(generate_runs):
+    output = output_of(generate_runs["two"])
+    fs, path = filesystem_for(partition_dir(output, "w"))
+    manifest = read_manifest(fs, path)
+    # 120 rows in chunks of 4: 30 parts, one per chunk, each holding its chunk's rows in
+    # input order, whichever engine wrote it and whenever its slowest row finished.
+    assert [p.name.split("-")[2] for p in manifest.parts] == [f"{i:05d}" for i in range(30)]
+    table = read_partition(output, "w")
+    assert table.column("id").to_pylist() == [f"w-{i}" for i in range(120)]
+
+
+def test_two_replicas_share_one_shard_chunk_by_chunk_exactly_once(generate_runs):
     assert generate_runs["loads"]["one"] == 1
     assert generate_runs["loads"]["two"] == 2
-    # Which replica takes which shard depends on which engine is ready first; each shard is
-    # made whole by one replica (its chunks carry one replica id in the manifest).
-    for key in ("g0", "g1"):
-        fs, path = filesystem_for(partition_dir(output_of(generate_runs["two"]), key))
-        assert read_manifest(fs, path).worker["replica"] in {0, 1}
+    output = output_of(generate_runs["two"])
+    fs, path = filesystem_for(partition_dir(output, "w"))
+    manifest = read_manifest(fs, path)
+    assert manifest.worker["replicas"] == [0, 1], "both engines must serve the wide shard"
+    assert (manifest.rows_in, manifest.rows_out, manifest.rows_errored) == (120, 120, 0)
+    table = read_partition(output, "w")
+    ids = table.column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == 120
+    # Same prompt, same greedy answer as the single engine gave in run one.
+    by_prompt = {
+        PROMPTS[i % len(PROMPTS)]: text
+        for i, text in enumerate(generate_runs["texts_one"]["g0"][f"g0-{i}"] for i in range(12))
+    }
+    texts = dict(zip(ids, table.column("text").to_pylist(), strict=True))
+    assert all(texts[f"w-{i}"] == by_prompt[PROMPTS[i % len(PROMPTS)]] for i in range(120))
+    md = partition_metadata(generate_runs["instance"], generate_runs["two"].output_asset.key, "w")
+    assert md["computed_in_this_run"] is True
 
 
 def test_bad_rows_are_quarantined_and_the_shard_still_commits(generate_runs):
@@ -289,7 +342,7 @@ def test_error_rate_check_fails_with_the_top_error_types(generate_runs):
 
 
 def test_generation_metadata_counts_generated_tokens(generate_runs):
-    md = partition_metadata(generate_runs["instance"], generate_runs["two"].output_asset.key, "g1")
+    md = partition_metadata(generate_runs["instance"], generate_runs["two"].output_asset.key, "g0")
     assert md["generated_tokens"] > 0 and md["generated_tokens"] <= 12 * 16
     assert md["tokens_per_second"] > 0
 

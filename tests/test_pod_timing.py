@@ -231,10 +231,12 @@ def test_the_launchers_message_becomes_the_runs_queue_and_start_metadata():
     )
     assert run_timing(result) == {
         "queued_seconds": 600.0,
-        "start_seconds": 50.0,
-        "model_load_seconds": 41.5,
+        "pod_start_seconds": 50.0,
+        "start_seconds": "n/a",  # this run message carries no worker split
+        "load_seconds": 41.5,
         "inference_seconds": "n/a",
         "commit_seconds": "n/a",  # no partition computed
+        "shutdown_seconds": "n/a",
     }
     metadata = run_timing_metadata(result)
     assert metadata["run_queued_seconds"] == 600.0

@@ -96,3 +96,26 @@ def test_invalid_chat_rows_are_quarantined(chat_tokenizer):
     validator = RowValidator(task="chat", tokenizer=chat_tokenizer, max_model_len=64)
     out = validator.validate(chunk([(0, "a", [{"role": "wizard", "content": "x"}])]))
     assert out.ids == [] and out.errors[0].error_type == "invalid_messages"
+
+
+def test_ids_screened_in_shard_order_keep_the_first_occurrence_across_chunks(chat_tokenizer):
+    # The streaming worker screens ids where the shard is read, in shard order; engines then
+    # validate chunks in any order without tracking ids, and still agree on which row wins.
+    from dagster_gpuinfer.worker.validate import screen_ids
+
+    seen: set[str] = set()
+    first = screen_ids(chunk([(0, "a", "x"), (1, "b", "y"), (2, "a", "again")]), seen)
+    second = screen_ids(chunk([(3, "b", "later"), (4, None, "no id"), (5, "c", "z")], 1), seen)
+    assert [r[1] for r in first.rows] == ["a", "b"] and [r[1] for r in second.rows] == ["c"]
+    assert [(e.row, e.error_type) for e in first.errors] == [(2, "duplicate_id")]
+    assert [(e.row, e.error_type) for e in second.errors] == [
+        (3, "duplicate_id"),
+        (4, "missing_id"),
+    ]
+    assert (first.rows_in, second.rows_in) == (3, 3)
+    engine_side = RowValidator(
+        task="generate", tokenizer=chat_tokenizer, max_model_len=16, check_ids=False
+    )
+    validated = [engine_side.validate(c) for c in (second, first)]  # any order
+    assert [v.ids for v in validated] == [["c"], ["a", "b"]]
+    assert engine_side.seen_ids == set()

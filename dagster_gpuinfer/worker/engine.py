@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,9 @@ log = logging.getLogger("dagster_gpuinfer.worker")
 # Written once per engine built when set: lets tests and benchmarks count model loads from
 # outside the worker (a line per load: pid and model).
 LOAD_LOG_ENV = "GPUINFER_MODEL_LOAD_LOG"
+# Seconds the engine process gets to exit at shutdown before it is killed.
+SHUTDOWN_GRACE_ENV = "GPUINFER_ENGINE_SHUTDOWN_GRACE_SECONDS"
+DEFAULT_SHUTDOWN_GRACE_SECONDS = 1.0
 
 
 @dataclass
@@ -37,6 +41,33 @@ class ChunkResult:
     generated_tokens: list[int] | None = None
     cached_tokens: list[int] | None = None  # prompt tokens served from vLLM's prefix cache
     seconds: float = 0.0
+
+    @classmethod
+    def from_outputs(cls, task: str, outputs: Sequence[Any], seconds: float = 0.0) -> ChunkResult:
+        """The columns of a chunk from vLLM's finished outputs, one per row in input order
+        (`RequestOutput` for generate and chat, `PoolingRequestOutput` for embed)."""
+        if task == "embed":
+            if outputs:
+                embeddings = np.stack(
+                    [np.asarray(o.outputs.data, dtype=np.float32) for o in outputs]
+                )
+            else:
+                embeddings = np.zeros((0, 0), np.float32)
+            prompt_tokens = [len(o.prompt_token_ids or ()) for o in outputs]
+            return cls(
+                embeddings=embeddings,
+                prompt_tokens=prompt_tokens,
+                generated_tokens=[0] * len(outputs),
+                seconds=seconds,
+            )
+        return cls(
+            texts=[o.outputs[0].text for o in outputs],
+            finish_reasons=[o.outputs[0].finish_reason for o in outputs],
+            prompt_tokens=[len(o.prompt_token_ids or ()) for o in outputs],
+            generated_tokens=[len(o.outputs[0].token_ids) for o in outputs],
+            cached_tokens=[o.num_cached_tokens or 0 for o in outputs],
+            seconds=seconds,
+        )
 
 
 def check_model_dir(spec: InferenceSpec) -> None:
@@ -80,19 +111,29 @@ def prefix_order(token_ids: list[list[int]]) -> list[int]:
 
 
 class InferenceEngine:
-    """A vLLM `LLM` configured from the spec, with the task's one call."""
+    """A vLLM engine configured from the spec, fed one request at a time.
 
-    # Generation submits a chunk's prompts grouped by shared prefix (see `prefix_order`)
-    # and restores input order after; the benchmark turns it off to measure the gain.
-    group_prefixes: bool = True
+    The worker keeps a bounded window of requests in flight (`submit` while
+    `in_flight < window`, `step` to advance and collect the finished ones), across chunk and
+    shard boundaries, so the engine never drains to a chunk's slowest row. This is what
+    `LLM.generate` does inside (`LLMEngine.add_request` + `LLMEngine.step`), minus the
+    barrier at the end of each call.
+
+    Args:
+        spec: The job spec; `spec.max_requests_in_flight` sets the window (default
+            `WINDOW_PER_MAX_NUM_SEQS` x the engine's `max_num_seqs`).
+    """
+
+    WINDOW_PER_MAX_NUM_SEQS = 2
 
     def __init__(self, spec: InferenceSpec) -> None:
         check_model_dir(spec)
-        from vllm import LLM, SamplingParams
+        started = time.perf_counter()  # the build counts vllm's import (seconds, once)
+        from vllm import LLM, PoolingParams, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         self.spec = spec
         kwargs = engine_kwargs(spec)
-        started = time.perf_counter()
         try:
             self.llm = LLM(model=os.path.expanduser(spec.model.removeprefix("file://")), **kwargs)
         except (OSError, ValueError) as exc:
@@ -111,57 +152,101 @@ class InferenceEngine:
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        self.sampling_params = (
-            SamplingParams(**spec.sampling.to_vllm_kwargs()) if spec.task != "embed" else None
+        self.max_num_seqs = int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+        self.window = (
+            spec.max_requests_in_flight or self.WINDOW_PER_MAX_NUM_SEQS * self.max_num_seqs
         )
+        self.default_params: Any
+        if spec.task == "embed":
+            self.default_params = PoolingParams(task="embed")
+        else:
+            self.default_params = SamplingParams(**spec.sampling.to_vllm_kwargs())
+            # Only the finished output of each request comes back (as in `LLM.generate`).
+            self.default_params.output_kind = RequestOutputKind.FINAL_ONLY
+        self._final_only = RequestOutputKind.FINAL_ONLY
+        self._in_flight: set[str] = set()
         load_log = os.environ.get(LOAD_LOG_ENV)
         if load_log:
             with open(load_log, "a") as handle:
                 handle.write(f"{os.getpid()}\t{spec.model}\n")
-        log.info("engine ready in %.1fs (max_model_len=%d)", self.load_seconds, self.max_model_len)
+        log.info(
+            "engine ready in %.1fs (max_model_len=%d, max_num_seqs=%d, window=%d)",
+            self.load_seconds,
+            self.max_model_len,
+            self.max_num_seqs,
+            self.window,
+        )
 
-    def run(self, token_ids: list[list[int]]) -> ChunkResult:
-        """Run the task over pre-tokenized prompts; returns results in the same order."""
-        if not token_ids:
-            return ChunkResult(
-                embeddings=np.zeros((0, 0), np.float32) if self.spec.task == "embed" else None,
-                texts=[],
-                finish_reasons=[],
-                prompt_tokens=[],
-                generated_tokens=[],
-            )
-        prompts: list[Any] = [{"prompt_token_ids": ids} for ids in token_ids]
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self._in_flight)
+
+    def submit(self, request_id: str, token_ids: list[int], params: Any = None) -> None:
+        """Add one pre-tokenized request to the engine.
+
+        Args:
+            request_id: Unique among the requests in flight; `step` returns it back.
+            token_ids: The prompt's token ids (the worker tokenized it once, to validate).
+            params: This request's `vllm.SamplingParams` (generate, chat) or
+                `vllm.PoolingParams` (embed); None takes the spec's.
+        """
+        if params is None:
+            params = self.default_params
+        elif self.spec.task != "embed":
+            params.output_kind = self._final_only
+        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
+        self._in_flight.add(request_id)
+
+    def step(self) -> list[tuple[str, Any]]:
+        """One engine step; returns `(request_id, output)` for each request that finished
+        (`RequestOutput` for generate and chat, `PoolingRequestOutput` for embed)."""
+        finished = []
+        for output in self.llm.llm_engine.step():
+            if output.finished:
+                self._in_flight.discard(output.request_id)
+                finished.append((output.request_id, output))
+        return finished
+
+    def run(self, token_ids: list[list[int]], *, group_prefixes: bool = True) -> ChunkResult:
+        """Run the task over pre-tokenized prompts until all are done; results in the same
+        order. One barrier for the whole list: the worker streams instead; the benchmark uses
+        this to compare row orders."""
         started = time.perf_counter()
-        if self.spec.task == "embed":
-            outputs = self.llm.embed(prompts, use_tqdm=False)
-            embeddings = np.asarray([o.outputs.embedding for o in outputs], dtype=np.float32)
-            return ChunkResult(
-                embeddings=embeddings,
-                prompt_tokens=[len(ids) for ids in token_ids],
-                generated_tokens=[0] * len(token_ids),
-                seconds=time.perf_counter() - started,
-            )
-        order = prefix_order(token_ids) if self.group_prefixes else list(range(len(prompts)))
-        submitted = self.llm.generate(
-            [prompts[i] for i in order], self.sampling_params, use_tqdm=False
+        order = (
+            prefix_order(token_ids)
+            if group_prefixes and self.spec.task != "embed"
+            else list(range(len(token_ids)))
         )
-        outputs: list[Any] = [None] * len(prompts)
-        for position, output in zip(order, submitted, strict=True):
-            outputs[position] = output  # back to input order: results stay keyed by row
-        return ChunkResult(
-            texts=[o.outputs[0].text for o in outputs],
-            finish_reasons=[o.outputs[0].finish_reason for o in outputs],
-            prompt_tokens=[len(o.prompt_token_ids or ()) for o in outputs],
-            generated_tokens=[len(o.outputs[0].token_ids) for o in outputs],
-            cached_tokens=[o.num_cached_tokens or 0 for o in outputs],
-            seconds=time.perf_counter() - started,
-        )
+        outputs: list[Any] = [None] * len(token_ids)
+        pending = iter(order)
+        done = 0
+        while done < len(token_ids):
+            while self.in_flight < self.window:
+                position = next(pending, None)
+                if position is None:
+                    break
+                self.submit(f"run-{position}", token_ids[position])
+            for request_id, output in self.step():
+                outputs[int(request_id.removeprefix("run-"))] = output
+                done += 1
+        return ChunkResult.from_outputs(self.spec.task, outputs, time.perf_counter() - started)
 
     def shutdown(self) -> None:
-        """Stop the engine's processes now; left to garbage collection they can hang at exit."""
+        """Stop the engine's processes now; left to garbage collection they can hang at exit.
+
+        vLLM sends its engine process SIGTERM and waits up to a grace period (5 s by default)
+        before killing it; its CPU engine process never exits within it (measured: every
+        shutdown took the full 5 s, then killed it). Every output is committed by now, so the
+        worker gives it `SHUTDOWN_GRACE_ENV` seconds (default 1), then vLLM kills the tree.
+        """
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
-            engine_core.shutdown()
+            grace = float(os.environ.get(SHUTDOWN_GRACE_ENV, DEFAULT_SHUTDOWN_GRACE_SECONDS))
+            try:
+                engine_core.shutdown(timeout=grace)
+            except TypeError:  # an engine client whose shutdown takes no timeout
+                engine_core.shutdown()
 
 
 def _is_memory_error(message: str) -> bool:

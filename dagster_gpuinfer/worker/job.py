@@ -4,32 +4,44 @@ A shard that cannot be processed (`ShardError`: missing, unreadable, missing a c
 that partition alone: it is reported and the run's other partitions go on. Shards that fail
 their preflight never cost a model load; when every shard of the run fails it, none loads.
 
-With `replicas=N > 1` the worker starts N engine processes, each pinned to its own devices
-(`CUDA_VISIBLE_DEVICES` slice of `tensor_parallel_size` GPUs, or its own CPU cores), and
-each takes whole shards from a shared queue: data parallel inside one worker.
+The worker streams: one coordinator (`worker/coordinator.py`) reads the shards in order and
+commits partitions; each engine keeps a bounded window of requests in flight across chunk and
+shard boundaries (`worker/stream.py`). With `replicas=N > 1` the worker starts N engine
+processes, each pinned to its own devices (`CUDA_VISIBLE_DEVICES` slice of
+`tensor_parallel_size` GPUs, or its own CPU cores), and each pulls chunks (not shards) from
+one queue: one large shard keeps every engine busy.
+
+The run summary splits the worker's time: `start_seconds` (process start to job start:
+interpreter, imports, Pipes), `load_seconds` (engine build), `inference_seconds` (first
+engine ready to last partition committed) and `shutdown_seconds` (engine shutdown).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing as mp
 import os
 import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest, committed_manifest
+from dagster_gpuinfer.worker.coordinator import RunCoordinator
 from dagster_gpuinfer.worker.engine import InferenceEngine, check_model_dir
 from dagster_gpuinfer.worker.errors import ShardError, SpecError, WorkerError
 from dagster_gpuinfer.worker.metrics import start_worker_metrics
 from dagster_gpuinfer.worker.readers import ShardReader
-from dagster_gpuinfer.worker.shard import process_shard
+from dagster_gpuinfer.worker.stream import WorkChunk, serve_chunks
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 
+POLL_SECONDS = 0.2
 USER_ERRORS: dict[str, type[WorkerError]] = {"ShardError": ShardError, "SpecError": SpecError}
 
 
@@ -52,6 +64,7 @@ def run_job(spec: InferenceSpec, reporter: Reporter) -> dict[str, Any]:
         WorkerError: the spec cannot run (model directory, arguments); retrying will not help.
     """
     started = time.perf_counter()
+    start_seconds = process_age_seconds()
     check_model_dir(spec)
     todo: list[str] = []
     failed: list[str] = []
@@ -74,25 +87,23 @@ def run_job(spec: InferenceSpec, reporter: Reporter) -> dict[str, Any]:
             continue
         todo.append(key)
 
-    replicas = min(spec.replicas, len(todo))
-    load_seconds: list[float] = []
-    if replicas == 1:
-        engine = InferenceEngine(spec)
-        load_seconds.append(engine.load_seconds)
-        try:
-            for key in todo:
-                try:
-                    manifest, computed = process_shard(engine, spec, key)
-                except ShardError as exc:
-                    shard_failed(exc, key)
-                    continue
+    replicas = spec.replicas if todo else 0
+    timing = RunTiming()
+    if todo:
+        lock = threading.Lock()
+
+        def committed(manifest: Manifest, computed: bool) -> None:
+            with lock:
                 reporter.partition_committed(manifest, computed=computed)
-        finally:
-            engine.shutdown()
-    elif replicas > 1:
-        load_seconds = run_replicas(
-            spec, todo, replicas, reporter.partition_committed, on_failed=shard_failed
-        )
+
+        def shard_failed_locked(exc: ShardError, key: str) -> None:
+            with lock:
+                shard_failed(exc, key)
+
+        if replicas == 1:
+            timing = run_single_engine(spec, todo, committed, shard_failed_locked)
+        else:
+            timing = run_replicas(spec, todo, replicas, committed, shard_failed_locked)
     computed_keys = [key for key in todo if key not in failed]
     summary = {
         "partitions": len(spec.partition_keys),
@@ -100,12 +111,89 @@ def run_job(spec: InferenceSpec, reporter: Reporter) -> dict[str, Any]:
         "partitions_failed": len(failed),
         "partitions_skipped": len(spec.partition_keys) - len(computed_keys) - len(failed),
         "replicas": replicas,
-        "model_loads": len(load_seconds),
-        "model_load_seconds": round(max(load_seconds), 3) if load_seconds else 0.0,
+        "model_loads": len(timing.load_seconds),
+        "model_load_seconds": round(max(timing.load_seconds, default=0.0), 3),
         "wall_seconds": round(time.perf_counter() - started, 3),
+        "start_seconds": round(start_seconds, 3),
+        "load_seconds": round(max(timing.load_seconds, default=0.0), 3),
+        "inference_seconds": round(timing.inference_seconds, 3),
+        "shutdown_seconds": round(max(timing.shutdown_seconds, default=0.0), 3),
     }
     reporter.run_finished(summary)
     return summary
+
+
+@dataclass
+class RunTiming:
+    """Where a run's engine time went: per-engine build and shutdown, and the streaming."""
+
+    load_seconds: list[float] = field(default_factory=list)
+    shutdown_seconds: list[float] = field(default_factory=list)
+    inference_seconds: float = 0.0
+
+
+def process_age_seconds() -> float:
+    """Seconds since this process started (interpreter start, imports, Pipes setup)."""
+    try:
+        import psutil  # vLLM's dependency, present wherever the worker runs
+
+        return max(time.time() - psutil.Process().create_time(), 0.0)
+    except Exception:  # pragma: no cover - psutil missing or /proc unreadable
+        return 0.0
+
+
+# How many windows of rows the reader may run ahead of the oldest chunk not yet committed.
+# A chunk commits when its slowest row is done; meanwhile the engine goes on with later rows
+# (on long-tailed work, about max_tokens / mean tokens windows of them), and if the reader
+# stopped handing out chunks, the window would drain behind that row: the barrier the
+# streaming loop removes. Rows are small (prompt, token ids, output): memory stays bounded by
+# the window.
+WINDOWS_AHEAD = 8
+
+
+def max_outstanding_chunks(spec: InferenceSpec, engines: int, window: int) -> int:
+    """Chunks handed out and not yet committed, at most, for `engines` engines of `window`
+    requests in flight each: `WINDOWS_AHEAD` windows of rows plus three chunks (one being
+    prepared, one prepared, one being written) per engine."""
+    per_engine = math.ceil(WINDOWS_AHEAD * window / spec.chunk_size) + 3
+    return engines * per_engine
+
+
+def run_single_engine(
+    spec: InferenceSpec,
+    partition_keys: list[str],
+    on_committed: Callable[[Manifest, bool], None],
+    on_failed: Callable[[ShardError, str], None],
+) -> RunTiming:
+    """One engine in this process, fed by the coordinator's reader thread."""
+    timing = RunTiming()
+    engine = InferenceEngine(spec)
+    timing.load_seconds.append(engine.load_seconds)
+    try:
+        chunks: queue.Queue[WorkChunk | None] = queue.Queue()
+        coordinator = RunCoordinator(
+            spec,
+            partition_keys,
+            on_committed=on_committed,
+            on_failed=on_failed,
+            put=chunks.put,
+            engines=1,
+            max_outstanding=max_outstanding_chunks(spec, 1, engine.window),
+        )
+        coordinator.start(engine.load_seconds)
+        try:
+            serve_chunks(engine, spec, chunks.get, coordinator.chunk_committed)
+        finally:
+            coordinator.stop()
+        coordinator.check()
+        timing.inference_seconds = time.perf_counter() - (coordinator.started or 0.0)
+    finally:
+        shutdown_started = time.perf_counter()
+        engine.shutdown()
+        timing.shutdown_seconds.append(time.perf_counter() - shutdown_started)
+    if not coordinator.done():
+        raise RuntimeError("the engine stopped before every partition of the run was settled")
+    return timing
 
 
 # --------------------------------------------------------------------------- placement
@@ -179,12 +267,14 @@ def run_replicas(
     spec: InferenceSpec,
     partition_keys: list[str],
     replicas: int,
-    on_committed: Callable[..., None],
+    on_committed: Callable[[Manifest, bool], None],
     on_failed: Callable[[ShardError, str], None],
-) -> list[float]:
-    """Serve `partition_keys` with `replicas` engine processes; returns their load seconds.
+) -> RunTiming:
+    """Serve `partition_keys` with `replicas` engine processes pulling chunks from one queue.
 
-    A shard a replica cannot process goes to `on_failed`; the replica takes the next one.
+    This process reads the shards and commits the partitions (`RunCoordinator`); replicas
+    validate, tokenize, infer and write chunks. A shard that cannot be processed goes to
+    `on_failed`; the others go on.
     """
     device = detect_device()
     envs = plan_replica_env(
@@ -197,10 +287,6 @@ def run_replicas(
     ctx = mp.get_context("spawn")
     tasks: Any = ctx.Queue()
     results: Any = ctx.Queue()
-    for key in partition_keys:
-        tasks.put(key)
-    for _ in range(replicas):
-        tasks.put(None)
     spec_json = spec.model_dump_json()
     processes = [
         ctx.Process(
@@ -211,42 +297,59 @@ def run_replicas(
         )
         for index in range(replicas)
     ]
+    coordinator: RunCoordinator | None = None
     for process in processes:
         process.start()
-    load_seconds: list[float] = []
-    pending = set(partition_keys)
+    timing = RunTiming()
     finished_replicas = 0
     try:
         while finished_replicas < replicas:
+            if coordinator is not None:
+                coordinator.check()
             try:
-                message = results.get(timeout=5)
+                message = results.get(timeout=POLL_SECONDS)
             except queue.Empty:
                 dead = [p for p in processes if p.exitcode not in (None, 0)]
                 if dead:
                     raise RuntimeError(
                         f"replica process {dead[0].name} died with exit code {dead[0].exitcode} "
-                        f"before finishing; partitions not committed: {sorted(pending)}"
+                        f"before finishing; partitions not committed: {partition_keys}"
                     ) from None
                 continue
             kind = message[0]
             if kind == "loaded":
-                load_seconds.append(message[2])
-            elif kind == "committed":
-                manifest = Manifest.model_validate_json(message[2])
-                pending.discard(manifest.partition_key)
-                on_committed(manifest, computed=message[3])
+                # Reading starts once every engine is ready: engines of one worker start
+                # together, and the first one ready would otherwise take the head of the
+                # work while the others load (and partition times would include loading).
+                timing.load_seconds.append(message[2])
+                if len(timing.load_seconds) == replicas:
+                    coordinator = RunCoordinator(
+                        spec,
+                        partition_keys,
+                        on_committed=on_committed,
+                        on_failed=on_failed,
+                        put=tasks.put,
+                        engines=replicas,
+                        max_outstanding=max_outstanding_chunks(spec, replicas, message[3]),
+                    )
+                    coordinator.start(max(timing.load_seconds))
+            elif kind == "chunk":
+                assert coordinator is not None
+                coordinator.chunk_committed(message[2])
             elif kind == "finished":
                 finished_replicas += 1
-            elif kind == "shard_error":
-                _, _, text, key = message
-                pending.discard(key)
-                on_failed(ShardError(text, partition_key=key), key)
+                timing.shutdown_seconds.append(message[2])
             elif kind == "user_error":
                 _, _, error_class, text, key = message
                 raise USER_ERRORS.get(error_class, WorkerError)(text, partition_key=key)
             else:  # "crashed"
                 raise RuntimeError(f"replica {message[1]} failed:\n{message[2]}")
+        assert coordinator is not None
+        coordinator.check()
+        timing.inference_seconds = time.perf_counter() - (coordinator.started or 0.0)
     except BaseException:
+        if coordinator is not None:
+            coordinator.stop()
         for process in processes:
             if process.is_alive():
                 process.terminate()
@@ -257,15 +360,13 @@ def run_replicas(
             if process.is_alive():
                 process.terminate()
                 process.join(timeout=10)
-    if pending:
-        raise RuntimeError(
-            f"replicas finished but partitions were not committed: {sorted(pending)}"
-        )
-    return load_seconds
+    if not coordinator.done():
+        raise RuntimeError("replicas finished before every partition of the run was settled")
+    return timing
 
 
 def replica_main(spec_json: str, index: int, env: dict[str, str], tasks: Any, results: Any) -> None:
-    """Body of one replica process: pin devices, build one engine, take shards until done."""
+    """Body of one replica process: pin devices, build one engine, serve chunks until done."""
     os.environ.update(env)
     logging.basicConfig(level=logging.INFO, format=f"[replica {index}] %(message)s")
     spec = InferenceSpec.model_validate_json(spec_json)
@@ -273,18 +374,18 @@ def replica_main(spec_json: str, index: int, env: dict[str, str], tasks: Any, re
     engine = None
     try:
         engine = InferenceEngine(spec)
-        results.put(("loaded", index, engine.load_seconds))
-        while True:
-            key = tasks.get()
-            if key is None:
-                break
-            try:
-                manifest, computed = process_shard(engine, spec, key, replica=index)
-            except ShardError as exc:
-                results.put(("shard_error", index, str(exc), exc.partition_key or key))
-                continue
-            results.put(("committed", index, manifest.model_dump_json(), computed))
-        results.put(("finished", index))
+        results.put(("loaded", index, engine.load_seconds, engine.window))
+        serve_chunks(
+            engine,
+            spec,
+            tasks.get,
+            lambda message: results.put(("chunk", index, message)),
+            replica=index,
+        )
+        shutdown_started = time.perf_counter()
+        engine.shutdown()
+        engine = None
+        results.put(("finished", index, time.perf_counter() - shutdown_started))
     except WorkerError as exc:
         results.put(("user_error", index, type(exc).__name__, str(exc), exc.partition_key))
     except BaseException:

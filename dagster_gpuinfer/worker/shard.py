@@ -1,4 +1,4 @@
-"""One shard, end to end: stream chunks, validate, infer, write, commit.
+"""One shard's files: chunk part files and markers, then the partition's commit.
 
 Chunk i covers input rows [i * chunk_size, (i + 1) * chunk_size). When a chunk is done, its
 part file and its errors file are written under names unique to this attempt, then its
@@ -7,6 +7,11 @@ A worker that restarts (after SIGKILL, eviction, a retry) reads the markers of t
 spec hash, skips those chunks, and rebuilds the set of ids already taken from their files,
 so no row is computed twice and no id lands twice. When every chunk is committed, the
 partition is committed: `errors.parquet`, then the `_SUCCESS` manifest.
+
+The chunks of one partition may be written by several engines of a run (replicas pull
+chunks, not shards): they all write under the run's attempt name for the partition, each
+chunk once; only the run's coordinator (`worker/coordinator.py`) commits the partition,
+once the markers of all its chunks are in.
 
 Two workers racing on one partition never write the same file (attempt-unique names), and
 each checks before every chunk and before committing whether the partition has been
@@ -18,11 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import posixpath
-import socket
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass
 
@@ -35,7 +37,6 @@ from dagster_gpuinfer.storage import (
     CHUNKS_DIR,
     ERRORS_NAME,
     ChunkMarker,
-    CommitConflict,
     FileEntry,
     Manifest,
     chunk_dir,
@@ -46,16 +47,15 @@ from dagster_gpuinfer.storage import (
     list_names,
     partition_dir,
     read_bytes,
-    read_chunk_markers,
     read_manifest,
     table_to_parquet_bytes,
     write_chunk_marker,
     write_file_entry,
 )
-from dagster_gpuinfer.worker.engine import InferenceEngine
+from dagster_gpuinfer.worker.engine import ChunkResult
 from dagster_gpuinfer.worker.metrics import current_metrics
-from dagster_gpuinfer.worker.readers import RawChunk, ShardReader
-from dagster_gpuinfer.worker.validate import RowValidator
+from dagster_gpuinfer.worker.readers import RawChunk
+from dagster_gpuinfer.worker.validate import ValidChunk
 from dagster_gpuinfer.worker.writers import encode_openai_batch, errors_table, output_table
 
 log = logging.getLogger("dagster_gpuinfer.worker")
@@ -101,82 +101,16 @@ class ShardLocation:
         return manifest
 
 
-def process_shard(
-    engine: InferenceEngine, spec: InferenceSpec, partition_key: str, *, replica: int = 0
-) -> tuple[Manifest, bool]:
-    """Make partition `partition_key` committed for `spec`.
-
-    Returns:
-        The manifest, and whether this call committed it (False: it was committed already,
-        before this call or by a concurrent worker while this one ran).
-    """
-    started = time.perf_counter()
-    where = ShardLocation.of(spec, partition_key)
-    existing = where.committed()
-    if existing is not None:
-        return existing, False
-
-    attempt = uuid.uuid4().hex[:8]
-    current_metrics().partition_started(partition_key)
-    markers = read_chunk_markers(where.fs, where.path, where.spec_hash)
-    validator = RowValidator(
-        task=spec.task,
-        tokenizer=engine.tokenizer,
-        max_model_len=engine.max_model_len,
-        seen_ids=committed_ids(where, markers),
-    )
-    resumed = {index: marker.rows_in for index, marker in markers.items()}
-    try:
-        for chunk in ShardReader(spec, partition_key).chunks(spec.chunk_size):
-            if chunk.index in markers:
-                continue
-            concurrent = where.committed()
-            if concurrent is not None:
-                return where.yield_to(concurrent, attempt), False
-            markers[chunk.index] = commit_chunk(engine, spec, where, validator, chunk, attempt)
-        concurrent = where.committed()
-        if concurrent is not None:
-            return where.yield_to(concurrent, attempt), False
-        manifest = commit_chunks(
-            where,
-            spec,
-            markers,
-            rows_resumed=sum(resumed.values()),
-            wall_seconds=time.perf_counter() - started,
-            model_load_seconds=engine.load_seconds,
-            worker={
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "replica": replica,
-                "attempt": attempt,
-            },
-        )
-    except CommitConflict as conflict:
-        return where.yield_to(conflict.manifest, attempt), False
-    except OSError:
-        # A concurrent worker that commits first removes the chunk files it does not need,
-        # which can pull a file from under this one: then this one stops, as above.
-        concurrent = where.committed()
-        if concurrent is None:
-            raise
-        return where.yield_to(concurrent, attempt), False
-    return manifest, True
-
-
-def commit_chunk(
-    engine: InferenceEngine,
+def write_chunk(
     spec: InferenceSpec,
     where: ShardLocation,
-    validator: RowValidator,
     chunk: RawChunk,
+    valid: ValidChunk,
+    result: ChunkResult,
     attempt: str,
 ) -> ChunkMarker:
-    """Validate, infer and write one chunk; its marker, written last, commits it."""
-    valid = validator.validate(chunk)
-    current_metrics().requests_started(len(valid.token_ids))
-    result = engine.run(valid.token_ids)
-    current_metrics().requests_finished(len(valid.token_ids))
-    inferred = time.perf_counter()
+    """Write one chunk's outputs and quarantined rows; its marker, written last, commits it."""
+    started = time.perf_counter()
     part = None
     if valid.ids:
         table = output_table(spec.task, valid.ids, result)
@@ -211,9 +145,9 @@ def commit_chunk(
     )
     write_chunk_marker(where.fs, where.path, marker)
     current_metrics().chunk_committed(
-        where.partition_key, marker, valid.errors, write_seconds=time.perf_counter() - inferred
+        where.partition_key, marker, valid.errors, write_seconds=time.perf_counter() - started
     )
-    log.info(
+    log.debug(
         "partition %s chunk %d committed: %d rows out, %d quarantined",
         where.partition_key,
         chunk.index,

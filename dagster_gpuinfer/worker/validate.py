@@ -27,6 +27,9 @@ class ValidChunk:
     ids: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     errors: list[RowError] = field(default_factory=list)
+    # Per-row vLLM params (`SamplingParams` / `PoolingParams`), in step with `ids`; empty:
+    # every row takes the spec's.
+    params: list[Any] = field(default_factory=list)
 
 
 class RowValidator:
@@ -38,6 +41,9 @@ class RowValidator:
         max_model_len: the engine's context length.
         seen_ids: ids already taken in this shard (from committed chunks on resume); the
             first occurrence of an id wins, later ones are quarantined.
+        check_ids: False when the chunks were already screened by `screen_ids` (the
+            streaming worker screens ids where the shard is read, in shard order, so that
+            engines serving chunks of one shard in any order agree on the first occurrence).
     """
 
     def __init__(
@@ -47,19 +53,22 @@ class RowValidator:
         tokenizer: Any,
         max_model_len: int,
         seen_ids: set[str] | None = None,
+        check_ids: bool = True,
     ) -> None:
         self.task = task
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.seen_ids: set[str] = seen_ids if seen_ids is not None else set()
+        self.check_ids = check_ids
         # Generation needs room for at least one new token.
         self.max_prompt_tokens = max_model_len if task == "embed" else max_model_len - 1
 
     def validate(self, chunk: RawChunk) -> ValidChunk:
         out = ValidChunk(index=chunk.index, errors=list(chunk.errors))
-        for error in chunk.errors:
-            if error.id is not None:
-                self.seen_ids.add(error.id)
+        if self.check_ids:
+            for error in chunk.errors:
+                if error.id is not None:
+                    self.seen_ids.add(error.id)
         candidates: list[tuple[int, str, Any]] = []
         for row, row_id, payload in chunk.rows:
             error = self._check_row(chunk.source, row, row_id, payload)
@@ -67,7 +76,8 @@ class RowValidator:
                 out.errors.append(error)
                 continue
             assert row_id is not None
-            self.seen_ids.add(row_id)
+            if self.check_ids:
+                self.seen_ids.add(row_id)
             candidates.append((row, row_id, payload))
         if not candidates:
             return out
@@ -100,23 +110,10 @@ class RowValidator:
         self, source: str, row: int, row_id: str | None, payload: Any
     ) -> RowError | None:
         where = f"{source} row {row}"
-        if row_id is None or row_id == "":
-            return RowError(
-                None,
-                source,
-                row,
-                "missing_id",
-                f"{where}: the id is null or empty; every row needs an id; the row was quarantined",
-            )
-        if row_id in self.seen_ids:
-            return RowError(
-                row_id,
-                source,
-                row,
-                "duplicate_id",
-                f"{where}: id {row_id!r} already appeared earlier in this shard; the first "
-                "row was kept and this one quarantined",
-            )
+        if self.check_ids:
+            error = id_error(source, row, row_id, self.seen_ids)
+            if error is not None:
+                return error
         if self.task == "chat":
             return None  # checked while rendering the chat template
         if payload is None or (isinstance(payload, str) and not payload.strip()):
@@ -175,6 +172,51 @@ class RowValidator:
         add_special = self.task != "chat"
         encoded = self.tokenizer(prompts, add_special_tokens=add_special)
         return [list(ids) for ids in encoded["input_ids"]]
+
+
+def id_error(source: str, row: int, row_id: str | None, seen_ids: set[str]) -> RowError | None:
+    """The reason a row's id cannot be used (missing, or taken earlier in the shard), or None."""
+    where = f"{source} row {row}"
+    if row_id is None or row_id == "":
+        return RowError(
+            None,
+            source,
+            row,
+            "missing_id",
+            f"{where}: the id is null or empty; every row needs an id; the row was quarantined",
+        )
+    if row_id in seen_ids:
+        return RowError(
+            row_id,
+            source,
+            row,
+            "duplicate_id",
+            f"{where}: id {row_id!r} already appeared earlier in this shard; the first "
+            "row was kept and this one quarantined",
+        )
+    return None
+
+
+def screen_ids(chunk: RawChunk, seen_ids: set[str]) -> RawChunk:
+    """The chunk with rows whose id is missing or already taken in the shard moved to its
+    errors; `seen_ids` (the shard's ids so far) gains this chunk's ids. Chunks must be
+    screened in shard order, so that the first occurrence of an id is the one kept."""
+    for error in chunk.errors:
+        if error.id is not None:
+            seen_ids.add(error.id)
+    rows = []
+    errors = list(chunk.errors)
+    for row, row_id, payload in chunk.rows:
+        error = id_error(chunk.source, row, row_id, seen_ids)
+        if error is not None:
+            errors.append(error)
+            continue
+        assert row_id is not None
+        seen_ids.add(row_id)
+        rows.append((row, row_id, payload))
+    return RawChunk(
+        index=chunk.index, source=chunk.source, rows=rows, errors=errors, rows_in=chunk.rows_in
+    )
 
 
 def parse_messages(value: Any) -> tuple[list[dict[str, Any]], str | None]:

@@ -1,0 +1,307 @@
+"""Long-tailed generation: the platform's streaming worker against raw vLLM and `vllm run-batch`.
+
+Outputs end at random stop tokens: rows are sampled (temperature 1, no per-request seed) and
+`stop_token_ids` holds `longtail_stop_tokens` random token ids, so each generated token ends
+its row with a small fixed chance and lengths run from a few tokens to `max_tokens`
+(geometric, capped): the work where a barrier per chunk drains the engine to each chunk's
+slowest row. Every contestant gets the same rows and the same sampling parameters:
+
+- platform cN: a Dagster run of an `inference_assets` pipeline with chunk_size N; its rate is
+  generated tokens over the partition's wall time in the worker (starts once the engine is
+  built); its end-to-end rate divides by the whole Dagster run instead;
+- raw-vllm: one `LLM.generate` over all rows, engine arguments as the worker's;
+- run-batch: `python -m vllm.entrypoints.openai.run_batch` on the rows as an OpenAI Batch
+  file of chat requests (vLLM's own batch runner; 0.32 serves no `/v1/completions` there,
+  so each row is one user message); it builds its engine inside, so only its end-to-end rate
+  (wall time of the command, engine build included) exists, compared with the platform's.
+
+Sampled outputs differ run to run, so rates are generated tokens per second (the length
+distribution is the same for all; its summary is reported).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.context import KV_CACHE_BYTES, REPO_ROOT, BenchContext
+from bench.platform_run import PlatformPipeline, local_resource
+from bench.server import ContestantProcess
+from bench.stats import paired_ratios, rotations, summarize
+from bench.workloads import generate_texts, write_shard
+from dagster_gpuinfer import EngineArgs, SamplingParams
+
+log = logging.getLogger("bench")
+RAW = "raw-vllm"
+RUN_BATCH = "run-batch"
+
+
+def platform_name(chunk_size: int) -> str:
+    return f"platform c{chunk_size}"
+
+
+def run_longtail(ctx: BenchContext) -> dict[str, Any]:
+    sizes = ctx.sizes
+    root = ctx.fresh_dir("longtail")
+    model = ctx.generate_model()
+    texts = generate_texts(sizes.longtail_rows, seed=31)
+    # Token ids 0-998 of the BERT vocabulary are [PAD], [unused*] and specials: leave them.
+    stop_ids = sorted(random.Random(3).sample(range(999, 30522), sizes.longtail_stop_tokens))
+    engine = EngineArgs(max_model_len=512, extra={"kv_cache_memory_bytes": KV_CACHE_BYTES})
+    sampling = SamplingParams(
+        temperature=1.0, max_tokens=sizes.longtail_max_tokens, extra={"stop_token_ids": stop_ids}
+    )
+    write_shard(root / "inputs" / "shard-0.parquet", texts, id_prefix="lt")
+    resource = local_resource(env=ctx.engine_env())
+    pipelines = {
+        chunk_size: PlatformPipeline(
+            name=f"longtail_c{chunk_size}",
+            model=model,
+            task="generate",
+            input_uri=str(root / "inputs" / "{partition_key}.parquet"),
+            root=root / f"c{chunk_size}",
+            keys=["shard-0"],
+            resource=resource,
+            engine=engine,
+            sampling=sampling,
+            chunk_size=chunk_size,
+        )
+        for chunk_size in sizes.longtail_chunk_sizes
+    }
+    spec = next(iter(pipelines.values())).worker_spec()
+    from dagster_gpuinfer.worker.engine import engine_kwargs
+
+    kwargs = engine_kwargs(spec)
+    sampling_kwargs = spec.sampling.to_vllm_kwargs()
+    batch_in = write_openai_batch(root / "batch-in.jsonl", texts, model, sampling_kwargs)
+    env = dict(resource.env)
+    raw = ContestantProcess(
+        "longtail-raw",
+        "bench.backends:VllmBackend",
+        dict(model=model, task="generate", engine_kwargs=kwargs, sampling=sampling_kwargs),
+        env=env,
+        log_dir=ctx.log_dir,
+    )
+    names = [platform_name(c) for c in pipelines] + [RAW, RUN_BATCH]
+    rates: dict[str, list[float]] = {n: [] for n in names}  # generated tokens/s
+    end_to_end: dict[str, list[float]] = {n: [] for n in names if n != RAW}
+    platform_runs: list[dict[str, Any]] = []
+    run_batch_runs: list[dict[str, Any]] = []
+    lengths: list[int] = []
+    try:
+        for round_index, order in enumerate(rotations(names, sizes.rounds)):
+            for name in order:
+                if name == RAW:
+                    out = raw.call("run", texts)
+                    rows, tokens, seconds = out["rows"], out["generated_tokens"], out["seconds"]
+                elif name == RUN_BATCH:
+                    out = run_vllm_batch(
+                        batch_in,
+                        root / "batch-out.jsonl",
+                        model,
+                        kwargs,
+                        env,
+                        ctx.log_dir / "longtail-run-batch.log",
+                    )
+                    rows, tokens, seconds = (
+                        out["rows"],
+                        out["generated_tokens"],
+                        out["wall_seconds"],
+                    )
+                    end_to_end[name].append(tokens / seconds)
+                    run_batch_runs.append({"round": round_index, **out})
+                else:
+                    chunk_size = int(name.split("c")[-1])
+                    pipeline = pipelines[chunk_size]
+                    pipeline.clear_outputs()
+                    timing = pipeline.run(pipeline.keys)
+                    seconds = timing.partition_seconds["shard-0"]
+                    rows, tokens = timing.rows, timing.generated_tokens
+                    end_to_end[name].append(tokens / timing.run_seconds)
+                    platform_runs.append(
+                        {
+                            "round": round_index,
+                            "chunk_size": chunk_size,
+                            "run_seconds": timing.run_seconds,
+                            "model_load_seconds": timing.model_load_seconds,
+                            "partition_seconds": seconds,
+                            "fixed_seconds": timing.run_seconds
+                            - timing.model_load_seconds
+                            - seconds,
+                            "worker_seconds": timing.worker_seconds,
+                            # Dagster's run and step start, the Pipes launch and the worker's
+                            # exit: the run's time outside the worker's job.
+                            "outside_worker_seconds": timing.run_seconds
+                            - timing.worker_seconds
+                            - timing.worker_split.get("start", 0.0),
+                            "worker_split": timing.worker_split,
+                        }
+                    )
+                    if not lengths:
+                        lengths = generated_lengths(pipeline)
+                if rows != len(texts):
+                    raise RuntimeError(f"longtail {name}: {rows} rows out of {len(texts)}")
+                rates[name].append(tokens / seconds)
+                log.info(
+                    "longtail round %d %-14s %8.1f generated tokens/s (%d tokens, %.1fs)",
+                    round_index,
+                    name,
+                    rates[name][-1],
+                    tokens,
+                    seconds,
+                )
+    finally:
+        raw.close()
+    ratios = {
+        f"{platform_name(c)}/{RAW}": paired_ratios(rates[platform_name(c)], rates[RAW]).__dict__
+        for c in pipelines
+    }
+    for c in pipelines:
+        ratios[f"{platform_name(c)} end-to-end/{RUN_BATCH}"] = paired_ratios(
+            end_to_end[platform_name(c)], end_to_end[RUN_BATCH]
+        ).__dict__
+    ordered = sorted(lengths)
+    return {
+        "rows": len(texts),
+        "max_tokens": sizes.longtail_max_tokens,
+        "stop_tokens": len(stop_ids),
+        "sampling": {k: v for k, v in sampling_kwargs.items() if k != "stop_token_ids"},
+        "engine_kwargs": kwargs,
+        "lengths": {
+            "mean": statistics.mean(ordered) if ordered else None,
+            "median": ordered[len(ordered) // 2] if ordered else None,
+            "p90": ordered[int(0.9 * len(ordered))] if ordered else None,
+            "max": ordered[-1] if ordered else None,
+            "min": ordered[0] if ordered else None,
+        },
+        "contestants": {
+            name: {
+                "tokens_per_s": rates[name],
+                "end_to_end_tokens_per_s": end_to_end.get(name, []),
+                "tokens_per_s_summary": summarize(rates[name]).__dict__,
+                "end_to_end_tokens_per_s_summary": summarize(end_to_end.get(name, [])).__dict__,
+            }
+            for name in names
+        },
+        "ratios": ratios,
+        "platform_runs": platform_runs,
+        "run_batch_runs": run_batch_runs,
+        "fixed_seconds_summary": summarize([r["fixed_seconds"] for r in platform_runs]).__dict__,
+        "outside_worker_seconds_summary": summarize(
+            [r["outside_worker_seconds"] for r in platform_runs]
+        ).__dict__,
+        "worker_split_summary": {
+            part: summarize(
+                [r["worker_split"].get(part) for r in platform_runs if part in r["worker_split"]]
+            ).__dict__
+            for part in ("start", "load", "inference", "shutdown")
+        },
+    }
+
+
+def generated_lengths(pipeline: PlatformPipeline) -> list[int]:
+    from dagster_gpuinfer.storage import read_partition
+
+    return read_partition(pipeline.output(), "shard-0").column("generated_tokens").to_pylist()
+
+
+def write_openai_batch(path: Path, texts: list[str], model: str, sampling: dict[str, Any]) -> Path:
+    """The rows as OpenAI Batch API requests, same sampling. vLLM 0.32's run-batch serves
+    `/v1/chat/completions` (not `/v1/completions`), so each row is one user message: its
+    prompt gains the chat template's few tokens; the generated lengths, which decide the
+    work here, follow the same stop tokens."""
+    body_params = {k: v for k, v in sampling.items() if v is not None}
+    if "max_tokens" in body_params:  # the chat API's name for it
+        body_params["max_completion_tokens"] = body_params.pop("max_tokens")
+    with open(path, "w") as handle:
+        for i, text in enumerate(texts):
+            handle.write(
+                json.dumps(
+                    {
+                        "custom_id": f"lt-{i:07d}",
+                        "method": "POST",
+                        "url": "/v1/chat/completions",
+                        "body": {
+                            "model": model,
+                            "messages": [{"role": "user", "content": text}],
+                            **body_params,
+                        },
+                    }
+                )
+                + "\n"
+            )
+    return path
+
+
+def run_batch_command(
+    batch_in: Path, batch_out: Path, model: str, engine_kwargs: dict[str, Any]
+) -> list[str]:
+    """`python -m vllm.entrypoints.openai.run_batch` with the worker's engine arguments."""
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.run_batch",
+        "-i",
+        str(batch_in),
+        "-o",
+        str(batch_out),
+        "--model",
+        model,
+        "--disable-log-stats",
+    ]
+    for key, value in engine_kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            command.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            command += [flag, str(value)]
+    return command
+
+
+def run_vllm_batch(
+    batch_in: Path,
+    batch_out: Path,
+    model: str,
+    engine_kwargs: dict[str, Any],
+    env: dict[str, str],
+    log_path: Path,
+) -> dict[str, Any]:
+    batch_out.unlink(missing_ok=True)
+    command = run_batch_command(batch_in, batch_out, model, engine_kwargs)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with open(log_path, "ab") as log_file:
+        done = subprocess.run(
+            command,
+            env={**os.environ, **env},
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=str(REPO_ROOT),
+            timeout=7200,
+        )
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm run-batch exited {done.returncode}; see {log_path}")
+    rows = tokens = errors = 0
+    for line in batch_out.read_text().splitlines():
+        record = json.loads(line)
+        rows += 1
+        if record.get("error"):
+            errors += 1
+            continue
+        tokens += record["response"]["body"]["usage"]["completion_tokens"]
+    return {
+        "rows": rows - errors,
+        "errors": errors,
+        "generated_tokens": tokens,
+        "wall_seconds": wall,
+        "command": " ".join(command[1:4]) + " ...",
+    }

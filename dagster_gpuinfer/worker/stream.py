@@ -1,0 +1,233 @@
+"""The streaming loop of one engine: a bounded window of requests in flight, across chunks.
+
+An engine serves chunks (`WorkChunk`: rows of one shard, ids already screened where the shard
+is read) that it takes from its run's queue, wherever they come from: one shard or several,
+in any order. Three threads share the work:
+
+- prepare (ahead): takes the next chunk when the read-ahead has room, validates it, renders
+  chat templates and tokenizes it;
+- engine (this thread): keeps `engine.window` requests in flight (`submit` / `step`), taking
+  rows from the read-ahead grouped by shared prompt prefix (`spec.group_prefixes`), so the
+  engine never drains to a chunk's slowest row;
+- write (behind): when the last row of a chunk is done, writes its part file and its errors,
+  then its marker (the chunk's commit), and reports the chunk as committed.
+
+The chunk stays the unit of commit and resume, and memory stays bounded by the window and
+the read-ahead, never by the shard. Outputs are keyed by row: each request carries its row's
+place in its chunk, and a chunk's table is written in input order.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.storage import ChunkMarker
+from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine
+from dagster_gpuinfer.worker.metrics import current_metrics
+from dagster_gpuinfer.worker.readers import RawChunk
+from dagster_gpuinfer.worker.shard import ShardLocation, write_chunk
+from dagster_gpuinfer.worker.validate import RowValidator, ValidChunk
+
+log = logging.getLogger("dagster_gpuinfer.worker")
+
+POLL_SECONDS = 0.2
+
+
+@dataclass
+class WorkChunk:
+    """One chunk of a shard, for any engine of the run (picklable: it crosses processes)."""
+
+    partition_key: str
+    attempt: str  # names this run's files of the partition (see `chunk_part_name`)
+    chunk: RawChunk  # ids screened in shard order (`screen_ids`)
+
+
+@dataclass
+class ChunkCommitted:
+    """An engine wrote a chunk and its marker (picklable: it crosses processes)."""
+
+    partition_key: str
+    marker: ChunkMarker
+    replica: int
+
+
+@dataclass
+class _ChunkInFlight:
+    work: WorkChunk
+    valid: ValidChunk
+    outputs: list[Any] = field(default_factory=list)
+    remaining: int = 0
+    first_submitted: float | None = None
+
+    def __post_init__(self) -> None:
+        self.outputs = [None] * len(self.valid.ids)
+        self.remaining = len(self.valid.ids)
+
+
+class _Worker(threading.Thread):
+    """A daemon thread that keeps the exception it died of."""
+
+    def __init__(self, name: str, target: Callable[[], None]) -> None:
+        super().__init__(name=name, daemon=True)
+        self._target_fn = target
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._target_fn()
+        except BaseException as exc:  # handed to the engine thread, which raises it
+            self.error = exc
+
+
+def serve_chunks(
+    engine: InferenceEngine,
+    spec: InferenceSpec,
+    take: Callable[[], WorkChunk | None],
+    committed: Callable[[ChunkCommitted], None],
+    *,
+    replica: int = 0,
+) -> int:
+    """Serve chunks from `take` (None: no more) until all are committed; returns the rows
+    inferred. `committed` is called (from the writer thread) after each chunk's marker.
+
+    Raises:
+        Exception: whatever a thread died of (reading, the engine, storage): the run fails and
+            a retry resumes from the committed chunks.
+    """
+    window = engine.window
+    metrics = current_metrics()
+    # One chunk prepared ahead of the rows waiting: each engine holds at most its window in
+    # flight, a window (or a chunk) waiting, and two chunks in preparation, so engines that
+    # share a queue share its chunks, and memory is bounded by the window.
+    prepared: queue.Queue[_ChunkInFlight | None] = queue.Queue(maxsize=1)
+    finished: queue.Queue[_ChunkInFlight | None] = queue.Queue()
+    validator = RowValidator(
+        task=spec.task,
+        tokenizer=engine.tokenizer,
+        max_model_len=engine.max_model_len,
+        check_ids=False,
+    )
+    stopping = threading.Event()
+
+    def prepare() -> None:
+        while not stopping.is_set():
+            work = take()
+            if work is None:
+                break
+            item = _ChunkInFlight(work, validator.validate(work.chunk))
+            while not stopping.is_set():
+                try:
+                    prepared.put(item, timeout=POLL_SECONDS)
+                    break
+                except queue.Full:
+                    continue
+        prepared.put(None)
+
+    locations: dict[str, ShardLocation] = {}
+
+    def write() -> None:
+        while True:
+            item = finished.get()
+            if item is None:
+                return
+            key = item.work.partition_key
+            where = locations.get(key) or locations.setdefault(key, ShardLocation.of(spec, key))
+            seconds = time.perf_counter() - (item.first_submitted or time.perf_counter())
+            result = ChunkResult.from_outputs(spec.task, item.outputs, seconds)
+            marker = write_chunk(
+                spec, where, item.work.chunk, item.valid, result, item.work.attempt
+            )
+            committed(ChunkCommitted(partition_key=key, marker=marker, replica=replica))
+
+    preparer, writer = _Worker("gpuinfer-prepare", prepare), _Worker("gpuinfer-write", write)
+    preparer.start()
+    writer.start()
+    group = spec.group_prefixes and spec.task != "embed"
+    requests: dict[str, tuple[_ChunkInFlight, int]] = {}
+    incoming: deque[tuple[_ChunkInFlight, int]] = deque()  # read ahead, not yet ordered
+    current: deque[tuple[_ChunkInFlight, int]] = deque()  # ordered, being submitted
+    prepared_all = False
+    sequence = 0
+    rows = 0
+    try:
+        while True:
+            for thread in (preparer, writer):
+                if thread.error is not None:
+                    raise thread.error
+            # Read ahead: up to a window's worth of rows waits beside the window in flight.
+            while not prepared_all and len(incoming) + len(current) < window:
+                idle = engine.in_flight == 0 and not current
+                try:
+                    item = prepared.get(timeout=POLL_SECONDS) if idle else prepared.get_nowait()
+                except queue.Empty:
+                    if idle and preparer.error is None and writer.error is None:
+                        continue
+                    break
+                if item is None:
+                    prepared_all = True
+                    break
+                if item.remaining == 0:  # every row quarantined: nothing for the engine
+                    finished.put(item)
+                    continue
+                incoming.extend((item, position) for position in range(item.remaining))
+            # Fill the window. Rows read ahead are ordered a batch at a time, so no row waits
+            # behind later arrivals. A batch is all that waits once a window of rows waits, or
+            # the input is all read, or the engine's batch (`max_num_seqs`) is not full: the
+            # first batch (nothing submitted yet) waits for a full window, so prompts that
+            # share a prefix reach the engine together from the start, for the price of
+            # preparing one window of rows.
+            while engine.in_flight < window:
+                if not current:
+                    batch_ready = (
+                        len(incoming) >= window
+                        or prepared_all
+                        or (sequence > 0 and engine.in_flight < engine.max_num_seqs)
+                    )
+                    if not incoming or not batch_ready:
+                        break
+                    batch = list(incoming)
+                    incoming.clear()
+                    if group:
+                        batch.sort(key=lambda entry: entry[0].valid.token_ids[entry[1]])
+                    current.extend(batch)
+                item, position = current.popleft()
+                request_id = str(sequence)
+                sequence += 1
+                requests[request_id] = (item, position)
+                params = item.valid.params[position] if item.valid.params else None
+                engine.submit(request_id, item.valid.token_ids[position], params)
+                metrics.requests_started(1)
+                if item.first_submitted is None:
+                    item.first_submitted = time.perf_counter()
+            if engine.in_flight == 0:
+                if prepared_all and not incoming and not current:
+                    break
+                continue
+            done = engine.step()
+            if done:
+                metrics.requests_finished(len(done))
+            for request_id, output in done:
+                item, position = requests.pop(request_id)
+                item.outputs[position] = output
+                item.remaining -= 1
+                rows += 1
+                if item.remaining == 0:
+                    finished.put(item)
+        finished.put(None)
+        while writer.is_alive():
+            writer.join(POLL_SECONDS)
+        if writer.error is not None:
+            raise writer.error
+        return rows
+    finally:
+        stopping.set()
+        if writer.is_alive():
+            finished.put(None)
