@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.spec import POOLING_TASKS, InferenceSpec
+from dagster_gpuinfer.worker.completions import choices_of
 from dagster_gpuinfer.worker.errors import SpecError
 
 log = logging.getLogger("dagster_gpuinfer.worker")
@@ -34,6 +35,7 @@ class ChunkResult:
     prompt_tokens: list[int] | None = None
     generated_tokens: list[int] | None = None
     cached_tokens: list[int] | None = None  # prompt tokens served from vLLM's prefix cache
+    choices: list[list[dict[str, Any]]] | None = None  # every choice of each row (n >= 1)
     seconds: float = 0.0
 
 
@@ -59,7 +61,7 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     gives the raw engine the very same ones."""
     kwargs = spec.engine.to_vllm_kwargs()
     kwargs["tensor_parallel_size"] = spec.tensor_parallel_size
-    if spec.task == "embed":
+    if spec.task in POOLING_TASKS:
         kwargs["runner"] = "pooling"
     return kwargs
 
@@ -83,7 +85,7 @@ class InferenceEngine:
 
     def __init__(self, spec: InferenceSpec) -> None:
         check_model_dir(spec)
-        from vllm import LLM, SamplingParams
+        from vllm import LLM
 
         self.spec = spec
         kwargs = engine_kwargs(spec)
@@ -101,17 +103,28 @@ class InferenceEngine:
         self.load_seconds = time.perf_counter() - started
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        self.sampling_params = (
-            SamplingParams(**spec.sampling.to_vllm_kwargs()) if spec.task != "embed" else None
-        )
+        self.requests = request_builder(spec, self.llm)
+        self.sampling_params = None
+        if spec.task not in POOLING_TASKS:
+            from dagster_gpuinfer.worker.request_params import ParameterError
+
+            try:
+                self.sampling_params = self.requests.build(None).sampling
+            except ParameterError as exc:
+                self.shutdown()
+                raise SpecError(f"the pipeline's sampling parameters: {exc}") from None
         load_log = os.environ.get(LOAD_LOG_ENV)
         if load_log:
             with open(load_log, "a") as handle:
                 handle.write(f"{os.getpid()}\t{spec.model}\n")
         log.info("engine ready in %.1fs (max_model_len=%d)", self.load_seconds, self.max_model_len)
 
-    def run(self, token_ids: list[list[int]]) -> ChunkResult:
-        """Run the task over pre-tokenized prompts; returns results in the same order."""
+    def run(self, token_ids: list[list[int]], requests: list[Any] | None = None) -> ChunkResult:
+        """Run the task over pre-tokenized prompts; returns results in the same order.
+
+        `requests[i]` (a `request_params.RowRequest`) carries row i's own sampling parameters
+        and logprobs; without them every row runs the pipeline's defaults.
+        """
         if not token_ids:
             return ChunkResult(
                 embeddings=np.zeros((0, 0), np.float32) if self.spec.task == "embed" else None,
@@ -129,18 +142,24 @@ class InferenceEngine:
                 seconds=time.perf_counter() - started,
             )
         order = prefix_order(token_ids) if self.group_prefixes else list(range(len(prompts)))
+        sampling: Any = self.sampling_params
+        if requests is not None:
+            sampling = [requests[i].sampling or self.sampling_params for i in order]
         submitted = self.llm.generate(
-            [prompts[i] for i in order], self.sampling_params, use_tqdm=False
+            [prompts[i] for i in order], sampling, use_tqdm=False
         )
         outputs: list[Any] = [None] * len(prompts)
         for position, output in zip(order, submitted, strict=True):
             outputs[position] = output  # back to input order: results stay keyed by row
+        top = [r.top_logprobs for r in requests] if requests else [None] * len(outputs)
+        choices = [choices_of(o, k) for o, k in zip(outputs, top, strict=True)]
         return ChunkResult(
-            texts=[o.outputs[0].text for o in outputs],
-            finish_reasons=[o.outputs[0].finish_reason for o in outputs],
+            texts=[c[0]["text"] for c in choices],
+            finish_reasons=[c[0]["finish_reason"] for c in choices],
             prompt_tokens=[len(o.prompt_token_ids or ()) for o in outputs],
-            generated_tokens=[len(o.outputs[0].token_ids) for o in outputs],
+            generated_tokens=[sum(choice["generated_tokens"] for choice in c) for c in choices],
             cached_tokens=[o.num_cached_tokens or 0 for o in outputs],
+            choices=choices,
             seconds=time.perf_counter() - started,
         )
 
@@ -149,6 +168,23 @@ class InferenceEngine:
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()
+
+
+def request_builder(spec: InferenceSpec, llm: Any) -> Any:
+    """Builds each row's request from its parameters, checked against this engine."""
+    from dagster_gpuinfer.worker.request_params import RequestBuilder
+
+    config = llm.llm_engine.vllm_config
+    tokenizer = llm.get_tokenizer()
+
+    def verify(params: Any) -> None:
+        params.verify(
+            config.model_config, config.speculative_config, config.structured_outputs_config,
+            tokenizer,
+        )
+
+    defaults = spec.sampling.to_vllm_kwargs() if spec.task not in POOLING_TASKS else {}
+    return RequestBuilder(task=spec.task, defaults=defaults, verify=verify)
 
 
 def _is_memory_error(message: str) -> bool:

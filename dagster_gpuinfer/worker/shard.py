@@ -52,10 +52,18 @@ from dagster_gpuinfer.storage import (
     write_chunk_marker,
     write_file_entry,
 )
+from dagster_gpuinfer.spec import POOLING_TASKS
 from dagster_gpuinfer.worker.engine import InferenceEngine
+from dagster_gpuinfer.worker.openai_batch import openai_error_lines
+from dagster_gpuinfer.worker.pooling_tasks import run_pooling_chunk
 from dagster_gpuinfer.worker.readers import RawChunk, ShardReader
 from dagster_gpuinfer.worker.validate import RowValidator
-from dagster_gpuinfer.worker.writers import encode_openai_batch, errors_table, output_table
+from dagster_gpuinfer.worker.writers import (
+    encode_openai_batch,
+    errors_table,
+    output_table,
+    rows_invalid_output,
+)
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 
@@ -117,6 +125,7 @@ def process_shard(
         tokenizer=engine.tokenizer,
         max_model_len=engine.max_model_len,
         seen_ids=committed_ids(where, markers),
+        requests=engine.requests,
     )
     resumed = {index: marker.rows_in for index, marker in markers.items()}
     try:
@@ -162,12 +171,17 @@ def commit_chunk(
 ) -> ChunkMarker:
     """Validate, infer and write one chunk; its marker, written last, commits it."""
     valid = validator.validate(chunk)
-    result = engine.run(valid.token_ids)
+    if spec.task in ("score", "classify"):
+        result = run_pooling_chunk(engine, spec.task, valid)
+    else:
+        result = engine.run(valid.token_ids, valid.requests if spec.task not in POOLING_TASKS else None)
     part = None
+    invalid_outputs = 0
     if valid.ids:
-        table = output_table(spec.task, valid.ids, result)
+        table = output_table(spec, valid, result)
+        invalid_outputs = rows_invalid_output(table)
         if spec.output.format == "openai_batch":
-            data = encode_openai_batch(spec.task, spec.model, where.spec_hash, table)
+            data = encode_openai_batch(spec.task, spec.model, where.spec_hash, table, valid)
             suffix = ".jsonl"
         else:
             data = table_to_parquet_bytes(table)
@@ -189,6 +203,7 @@ def commit_chunk(
         rows_in=chunk.rows_in,
         rows_out=len(valid.ids),
         rows_errored=len(valid.errors),
+        rows_invalid_output=invalid_outputs,
         prompt_tokens=sum(result.prompt_tokens or ()),
         generated_tokens=sum(result.generated_tokens or ()),
         inference_seconds=result.seconds,
@@ -229,6 +244,7 @@ def commit_chunks(
         rows_out=sum(m.rows_out for m in ordered),
         rows_errored=sum(m.rows_errored for m in ordered),
         rows_resumed=rows_resumed,
+        rows_invalid_output=sum(m.rows_invalid_output for m in ordered),
         prompt_tokens=sum(m.prompt_tokens for m in ordered),
         generated_tokens=sum(m.generated_tokens for m in ordered),
         parts=[m.part for m in ordered if m.part is not None],
@@ -239,7 +255,12 @@ def commit_chunks(
         model_load_seconds=model_load_seconds,
         worker=worker,
     )
-    return commit_partition(where.fs, where.path, manifest, error_tables, where.storage)
+    openai_errors = None
+    if spec.output.format == "openai_batch":
+        openai_errors = openai_error_lines(where.spec_hash, error_tables)
+    return commit_partition(
+        where.fs, where.path, manifest, error_tables, where.storage, openai_errors=openai_errors
+    )
 
 
 def read_chunk_errors(where: ShardLocation, marker: ChunkMarker) -> pa.Table:
