@@ -152,3 +152,50 @@ def make_tiny_llama_bpe(dst: str | os.PathLike[str], *, seed: int = 0) -> str:
     )
     tmp.rename(dst)
     return str(dst)
+
+
+SENTIMENT_LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def make_minilm_classifier(
+    dst: str | os.PathLike[str], *, num_labels: int, seed: int = 0
+) -> str:
+    """Write a `BertForSequenceClassification` on the packaged MiniLM encoder to `dst`.
+
+    The encoder is the real all-MiniLM-L6-v2; the classification head (and the pooler, which
+    the sentence-transformers checkpoint lacks) is random but seeded. `num_labels=1` makes a
+    cross-encoder vLLM serves through `LLM.score`; `num_labels=3` a classifier for
+    `LLM.classify`, with labels negative / neutral / positive. Reuses `dst` when complete.
+
+    Returns:
+        The model directory.
+    """
+    dst = Path(dst)
+    if (dst / "config.json").exists() and (dst / "model.safetensors").exists():
+        return str(dst)
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    labels = {0: "relevance"} if num_labels == 1 else {
+        i: SENTIMENT_LABELS.get(i, f"label_{i}") for i in range(num_labels)
+    }
+    model = BertForSequenceClassification.from_pretrained(
+        minilm_path(),
+        num_labels=num_labels,
+        id2label=labels,
+        label2id={v: k for k, v in labels.items()},
+    )
+    with torch.no_grad():  # a head that separates inputs visibly, not one near zero
+        model.classifier.weight.normal_(0.0, 0.5)
+        model.classifier.bias.zero_()
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    tmp = dst.with_name(dst.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "MODEL_CARD.json").write_text(
+        json.dumps({"what": f"MiniLM encoder + seeded {num_labels}-label head", "seed": seed},
+                   indent=2)
+    )
+    tmp.rename(dst)
+    return str(dst)
