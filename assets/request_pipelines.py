@@ -31,7 +31,9 @@ class TicketFields(BaseModel):
 
     product: Literal["app", "website", "billing", "hardware"]
     urgency: int = Field(ge=1, le=5, description="1 (whenever) to 5 (now)")
-    summary: str = Field(max_length=40)
+    # A pattern rather than max_length: xgrammar (vLLM's default structured-output backend)
+    # lets raw control characters into max_length strings, which is not valid JSON.
+    summary: str = Field(pattern=r"^[A-Za-z0-9 ,.'-]{0,40}$")
 
 
 # vLLM's JSON whitespace switch is an engine setting: compact JSON, and a weak model cannot

@@ -121,7 +121,9 @@ class ShardReader:
         return ShardError(
             f"shard {self.source} has no column {', '.join(repr(m) for m in missing)} "
             f"(columns: {', '.join(present) or 'none'}). Set input.id_column / "
-            f"input.{'messages' if self.spec.task == 'chat' else 'text'}_column to the "
+            f"input.{'messages' if self.spec.task == 'chat' else 'text'}_column"
+            f"{' / input.text_pair_column' if self.spec.task == 'score' else ''}"
+            f"{' / input.params_column' if self.spec.input.params_column else ''} to the "
             "right names",
             partition_key=self.partition_key,
         )
