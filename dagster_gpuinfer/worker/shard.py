@@ -52,7 +52,6 @@ from dagster_gpuinfer.storage import (
     write_chunk_marker,
     write_file_entry,
 )
-from dagster_gpuinfer.spec import POOLING_TASKS
 from dagster_gpuinfer.worker.engine import InferenceEngine
 from dagster_gpuinfer.worker.openai_batch import openai_error_lines
 from dagster_gpuinfer.worker.pooling_tasks import run_pooling_chunk
@@ -174,7 +173,7 @@ def commit_chunk(
     if spec.task in ("score", "classify"):
         result = run_pooling_chunk(engine, spec.task, valid)
     else:
-        result = engine.run(valid.token_ids, valid.requests if spec.task not in POOLING_TASKS else None)
+        result = engine.run(valid.token_ids, valid.requests if spec.task != "embed" else None)
     part = None
     invalid_outputs = 0
     if valid.ids:
