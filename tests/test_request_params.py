@@ -161,3 +161,8 @@ def test_unsupported_row_parameters_quarantine_only_their_row(tiny_llama_dir):
     assert [(e.id, e.error_type) for e in out.errors] == [("b", "unsupported_parameter")]
     assert "'guided_json'" in out.errors[0].message
     assert [r.sampling.max_tokens for r in out.requests] == [8, 2]
+
+
+def test_null_parameters_keep_the_default_as_a_struct_column_gives_them():
+    request = builder(max_tokens=9).build({"max_tokens": None, "guided_json": None, "seed": 4})
+    assert request.sampling.max_tokens == 9 and request.sampling.seed == 4

@@ -192,7 +192,11 @@ class RequestBuilder:
         Raises:
             ParameterError: naming the first unsupported key or rejected value.
         """
-        params = {k: v for k, v in (params or {}).items() if k not in NEUTRAL_KEYS}
+        # A null value is the default (as in OpenAI's API; and a Parquet struct column gives
+        # every row every field, null where the row sets none).
+        params = {
+            k: v for k, v in (params or {}).items() if k not in NEUTRAL_KEYS and v is not None
+        }
         allowed = REQUEST_KEYS.get(self.task, frozenset())
         for key in params:
             if key not in allowed:
