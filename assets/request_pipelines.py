@@ -38,7 +38,9 @@ class TicketFields(BaseModel):
 
 # vLLM's JSON whitespace switch is an engine setting: compact JSON, and a weak model cannot
 # pad an object with whitespace until it runs out of tokens.
-COMPACT_JSON = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
+COMPACT_JSON = {
+    "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}
+}
 
 ticket_fields = inference_assets(
     name="ticket_fields",
@@ -75,7 +77,9 @@ passage_rerank = inference_assets(
 )
 
 extract_tickets_job = dg.define_asset_job(
-    "extract_ticket_fields", selection=[ticket_fields.output_asset.key], partitions_def=TICKET_SHARDS
+    "extract_ticket_fields",
+    selection=[ticket_fields.output_asset.key],
+    partitions_def=TICKET_SHARDS,
 )
 rerank_job = dg.define_asset_job(
     "rerank_passages", selection=[passage_rerank.output_asset.key], partitions_def=RERANK_SHARDS

@@ -150,11 +150,17 @@ def test_unsupported_row_parameters_quarantine_only_their_row(tiny_llama_dir):
     from dagster_gpuinfer.worker.validate import RowValidator
 
     validator = RowValidator(
-        task="generate", tokenizer=AutoTokenizer.from_pretrained(tiny_llama_dir),
-        max_model_len=64, requests=builder("generate", max_tokens=8),
+        task="generate",
+        tokenizer=AutoTokenizer.from_pretrained(tiny_llama_dir),
+        max_model_len=64,
+        requests=builder("generate", max_tokens=8),
     )
-    chunk = RawChunk(index=0, source="s.jsonl", rows=[(0, "a", "one"), (1, "b", "two"),
-                                                      (2, "c", "three")], rows_in=3)
+    chunk = RawChunk(
+        index=0,
+        source="s.jsonl",
+        rows=[(0, "a", "one"), (1, "b", "two"), (2, "c", "three")],
+        rows_in=3,
+    )
     chunk.params = {1: {"guided_json": {}}, 2: {"max_tokens": 2}}
     out = validator.validate(chunk)
     assert out.ids == ["a", "c"]

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import dagster as dg
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 from pydantic import BaseModel, Field
 from support import cpu_resource, materialize_partitions, write_jsonl, write_parquet
@@ -27,7 +26,9 @@ from dagster_gpuinfer.worker.openai_batch import BatchOutputLine, ChatCompletion
 pytestmark = pytest.mark.engine
 
 # Whitespace inside JSON is an engine setting in vLLM (the per-request flag is ignored).
-COMPACT_JSON = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
+COMPACT_JSON = {
+    "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}
+}
 
 TOPIC_SCHEMA = {
     "type": "object",
@@ -60,7 +61,9 @@ def committed_lines(root: Path, asset: str, key: str) -> tuple[list[dict], list[
     for part in manifest.parts:
         lines += [json.loads(x) for x in Path(path, part.name).read_text().splitlines() if x]
     assert manifest.openai_errors is not None
-    errors = [json.loads(x) for x in Path(path, manifest.openai_errors.name).read_text().splitlines() if x]
+    errors = [
+        json.loads(x) for x in Path(path, manifest.openai_errors.name).read_text().splitlines() if x
+    ]
     return lines, errors, manifest
 
 
@@ -74,8 +77,12 @@ MESSAGES = [{"role": "user", "content": "Describe a river in a few words."}]
 
 
 def chat_line(custom_id: str, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "tiny", "messages": MESSAGES, **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "tiny", "messages": MESSAGES, **body},
+    }
 
 
 CHAT_LINES = [
@@ -86,9 +93,14 @@ CHAT_LINES = [
     chat_line("hot-2", temperature=1.0, seed=22, max_tokens=10, ignore_eos=True),
     chat_line("three", n=3, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True),
     chat_line("logprobs", logprobs=True, top_logprobs=3, max_tokens=4, ignore_eos=True),
-    chat_line("schema", response_format={
-        "type": "json_schema", "json_schema": {"name": "topic", "schema": TOPIC_SCHEMA}},
-        max_tokens=100),
+    chat_line(
+        "schema",
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "topic", "schema": TOPIC_SCHEMA},
+        },
+        max_tokens=100,
+    ),
     chat_line("cut-json", response_format={"type": "json_object"}, max_tokens=3),
     chat_line("legacy", guided_json=TOPIC_SCHEMA),
     chat_line("tools", tools=[{"type": "function", "function": {"name": "f"}}]),
@@ -116,10 +128,17 @@ def chat_run(tmp_path_factory, structured_llama_dir):
         max_error_rate=0.5,
     )
     with dg.instance_for_test() as instance:
-        result = materialize_partitions(pipeline, ["b0"], resource=cpu_resource(), instance=instance)
+        result = materialize_partitions(
+            pipeline, ["b0"], resource=cpu_resource(), instance=instance
+        )
         lines, errors, manifest = committed_lines(root, "chat_lines", "b0")
-        yield {"result": result, "lines": {line["custom_id"]: line for line in lines},
-               "errors": errors, "manifest": manifest, "model": structured_llama_dir}
+        yield {
+            "result": result,
+            "lines": {line["custom_id"]: line for line in lines},
+            "errors": errors,
+            "manifest": manifest,
+            "model": structured_llama_dir,
+        }
 
 
 def choices(line: dict) -> list[dict]:
@@ -127,8 +146,10 @@ def choices(line: dict) -> list[dict]:
 
 
 def test_per_line_max_tokens_bounds_each_rows_generated_tokens(chat_run):
-    usage = {cid: line["response"]["body"]["usage"]["completion_tokens"]
-             for cid, line in chat_run["lines"].items()}
+    usage = {
+        cid: line["response"]["body"]["usage"]["completion_tokens"]
+        for cid, line in chat_run["lines"].items()
+    }
     # ignore_eos makes every row run to its own bound: the line's, else the pipeline's 6.
     assert usage["short"] == 2
     assert usage["long"] == 12
@@ -212,8 +233,13 @@ def test_per_line_temperature_and_seed_match_raw_vllm(chat_run, tmp_path):
         """
     )
     (tmp_path / "raw.py").write_text(script)
-    done = subprocess.run([sys.executable, str(tmp_path / "raw.py"), str(tmp_path / "raw.json")],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "raw.py"), str(tmp_path / "raw.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     raw = json.loads((tmp_path / "raw.json").read_text())
     ours = [choices(chat_run["lines"][cid])[0]["message"]["content"] for cid in ("hot-1", "hot-2")]
@@ -236,8 +262,10 @@ def extraction_run(tmp_path_factory, structured_llama_dir):
     params = [None] * 12
     params[3] = json.dumps({"max_tokens": 90, "temperature": 0.9, "seed": 3})
     params[5] = json.dumps({"stream": True})  # streaming is not a batch thing: quarantined
-    write_parquet(root / "in" / "n0.parquet", {"id": [f"n{i}" for i in range(12)],
-                                              "text": texts, "params": params})
+    write_parquet(
+        root / "in" / "n0.parquet",
+        {"id": [f"n{i}" for i in range(12)], "text": texts, "params": params},
+    )
     pipeline = inference_assets(
         name="extract",
         model=structured_llama_dir,
@@ -250,7 +278,9 @@ def extraction_run(tmp_path_factory, structured_llama_dir):
         chunk_size=8,
     )
     with dg.instance_for_test() as instance:
-        result = materialize_partitions(pipeline, ["n0"], resource=cpu_resource(), instance=instance)
+        result = materialize_partitions(
+            pipeline, ["n0"], resource=cpu_resource(), instance=instance
+        )
         output = OutputSpec(root=str(root / "out"), asset_name="extract")
         yield {"result": result, "table": read_partition(output, "n0"), "output": output}
 
@@ -258,8 +288,9 @@ def extraction_run(tmp_path_factory, structured_llama_dir):
 def test_every_output_of_a_json_schema_pipeline_parses_and_validates(extraction_run):
     table = extraction_run["table"]
     assert table.num_rows == 11  # row 5 asked for streaming: quarantined
-    for text, flag in zip(table.column("text").to_pylist(), table.column("output_valid").to_pylist(),
-                          strict=True):
+    for text, flag in zip(
+        table.column("text").to_pylist(), table.column("output_valid").to_pylist(), strict=True
+    ):
         Topic.model_validate_json(text)
         assert flag is True
     check = check_results(extraction_run["result"])["valid_structured_output"]
@@ -285,17 +316,24 @@ def embedding_lines_run(tmp_path_factory, minilm_dir):
     token_ids = AutoTokenizer.from_pretrained(minilm_dir)("Glaciers carve valleys.")["input_ids"]
 
     def line(custom_id, value, **body):
-        return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings",
-                "body": {"model": "minilm", "input": value, **body}}
+        return {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "minilm", "input": value, **body},
+        }
 
-    write_jsonl(root / "in" / "e0.jsonl", [
-        line("one", "Glaciers carve valleys."),
-        line("many", ["Glaciers carve valleys.", "Jazz is improvised.", "Bread needs time."]),
-        line("tokens", token_ids),
-        line("token-lists", [token_ids, token_ids[:4]]),
-        line("base64", "x", encoding_format="base64"),
-        line("mixed", ["ok", 3]),
-    ])
+    write_jsonl(
+        root / "in" / "e0.jsonl",
+        [
+            line("one", "Glaciers carve valleys."),
+            line("many", ["Glaciers carve valleys.", "Jazz is improvised.", "Bread needs time."]),
+            line("tokens", token_ids),
+            line("token-lists", [token_ids, token_ids[:4]]),
+            line("base64", "x", encoding_format="base64"),
+            line("mixed", ["ok", 3]),
+        ],
+    )
     pipeline = inference_assets(
         name="embed_lines",
         model=minilm_dir,
@@ -308,14 +346,18 @@ def embedding_lines_run(tmp_path_factory, minilm_dir):
         max_error_rate=0.5,
     )
     with dg.instance_for_test() as instance:
-        result = materialize_partitions(pipeline, ["e0"], resource=cpu_resource(), instance=instance)
-        lines, errors, manifest = committed_lines(root, "embed_lines", "e0")
+        result = materialize_partitions(
+            pipeline, ["e0"], resource=cpu_resource(), instance=instance
+        )
+        lines, errors, _ = committed_lines(root, "embed_lines", "e0")
         yield {"result": result, "lines": {x["custom_id"]: x for x in lines}, "errors": errors}
 
 
 def test_list_inputs_to_embeddings_give_one_vector_per_element(embedding_lines_run):
-    bodies = {cid: EmbeddingList.model_validate(line["response"]["body"])
-              for cid, line in embedding_lines_run["lines"].items()}
+    bodies = {
+        cid: EmbeddingList.model_validate(line["response"]["body"])
+        for cid, line in embedding_lines_run["lines"].items()
+    }
     assert [d.index for d in bodies["many"].data] == [0, 1, 2]
     assert len(bodies["token-lists"].data) == 2
     one = np.asarray(bodies["one"].data[0].embedding)
@@ -331,8 +373,12 @@ def test_list_inputs_to_embeddings_give_one_vector_per_element(embedding_lines_r
 # --------------------------------------------------------------------------- score / classify
 
 QUERIES = ["what carves valleys?", "how is bread made?", "who plays jazz?"]
-DOCUMENTS = ["Glaciers carve valleys over thousands of years.", "Sourdough needs a starter.",
-             "Jazz musicians improvise over chords.", "Solar panels make electricity."]
+DOCUMENTS = [
+    "Glaciers carve valleys over thousands of years.",
+    "Sourdough needs a starter.",
+    "Jazz musicians improvise over chords.",
+    "Solar panels make electricity.",
+]
 # vLLM's scores against transformers on the same weights: float32 on both sides, different
 # kernels; seen here within 1e-5, held to 1e-3.
 TOLERANCE = 1e-3
@@ -358,40 +404,78 @@ def classifier_dir_fixture():
 def score_run(tmp_path_factory, cross_encoder_dir_fixture):
     root = tmp_path_factory.mktemp("score")
     pairs = [(q, d) for q in QUERIES for d in DOCUMENTS]
-    write_parquet(root / "in" / "pairs.parquet", {
-        "id": [f"pair-{i}" for i in range(len(pairs))],
-        "query": [q for q, _ in pairs], "document": [d for _, d in pairs],
-    })
-    write_jsonl(root / "in" / "lines.jsonl", [
-        {"custom_id": "rr", "method": "POST", "url": "/v1/rerank",
-         "body": {"model": "x", "query": QUERIES[0], "documents": DOCUMENTS, "top_n": 2}},
-        {"custom_id": "sc", "method": "POST", "url": "/v1/score",
-         "body": {"model": "x", "text_1": QUERIES[1], "text_2": DOCUMENTS[:2]}},
-        {"custom_id": "bad", "method": "POST", "url": "/v1/score",
-         "body": {"model": "x", "text_1": ["a", "b"], "text_2": ["c", "d", "e"]}},
-    ])
+    write_parquet(
+        root / "in" / "pairs.parquet",
+        {
+            "id": [f"pair-{i}" for i in range(len(pairs))],
+            "query": [q for q, _ in pairs],
+            "document": [d for _, d in pairs],
+        },
+    )
+    write_jsonl(
+        root / "in" / "lines.jsonl",
+        [
+            {
+                "custom_id": "rr",
+                "method": "POST",
+                "url": "/v1/rerank",
+                "body": {"model": "x", "query": QUERIES[0], "documents": DOCUMENTS, "top_n": 2},
+            },
+            {
+                "custom_id": "sc",
+                "method": "POST",
+                "url": "/v1/score",
+                "body": {"model": "x", "text_1": QUERIES[1], "text_2": DOCUMENTS[:2]},
+            },
+            {
+                "custom_id": "bad",
+                "method": "POST",
+                "url": "/v1/score",
+                "body": {"model": "x", "text_1": ["a", "b"], "text_2": ["c", "d", "e"]},
+            },
+        ],
+    )
     columns = inference_assets(
-        name="pair_scores", model=cross_encoder_dir_fixture, task="score",
-        input=InputSpec(uri=str(root / "in" / "{partition_key}.parquet"), text_column="query",
-                        text_pair_column="document"),
-        output_root=str(root / "out"), partitions_def=dg.StaticPartitionsDefinition(["pairs"]),
+        name="pair_scores",
+        model=cross_encoder_dir_fixture,
+        task="score",
+        input=InputSpec(
+            uri=str(root / "in" / "{partition_key}.parquet"),
+            text_column="query",
+            text_pair_column="document",
+        ),
+        output_root=str(root / "out"),
+        partitions_def=dg.StaticPartitionsDefinition(["pairs"]),
         engine={"dtype": "float32"},
     )
     lines = inference_assets(
-        name="rerank_lines", model=cross_encoder_dir_fixture, task="score",
+        name="rerank_lines",
+        model=cross_encoder_dir_fixture,
+        task="score",
         input=InputSpec(uri=str(root / "in" / "{partition_key}.jsonl"), format="openai_batch"),
-        output_root=str(root / "out"), output_format="openai_batch",
+        output_root=str(root / "out"),
+        output_format="openai_batch",
         partitions_def=dg.StaticPartitionsDefinition(["lines"]),
-        engine={"dtype": "float32"}, max_error_rate=0.5,
+        engine={"dtype": "float32"},
+        max_error_rate=0.5,
     )
     with dg.instance_for_test() as instance:
-        first = materialize_partitions(columns, ["pairs"], resource=cpu_resource(), instance=instance)
-        second = materialize_partitions(lines, ["lines"], resource=cpu_resource(), instance=instance)
+        first = materialize_partitions(
+            columns, ["pairs"], resource=cpu_resource(), instance=instance
+        )
+        second = materialize_partitions(
+            lines, ["lines"], resource=cpu_resource(), instance=instance
+        )
         out_lines, errors, _ = committed_lines(root, "rerank_lines", "lines")
-        yield {"results": (first, second), "pairs": pairs,
-               "table": read_partition(OutputSpec(root=str(root / "out"), asset_name="pair_scores"),
-                                       "pairs"),
-               "lines": {x["custom_id"]: x for x in out_lines}, "errors": errors}
+        yield {
+            "results": (first, second),
+            "pairs": pairs,
+            "table": read_partition(
+                OutputSpec(root=str(root / "out"), asset_name="pair_scores"), "pairs"
+            ),
+            "lines": {x["custom_id"]: x for x in out_lines},
+            "errors": errors,
+        }
 
 
 def transformers_scores(model_dir: str, firsts: list[str], seconds: list[str] | None) -> np.ndarray:
@@ -434,19 +518,32 @@ def test_rerank_and_score_lines_answer_in_vllms_shapes(score_run, cross_encoder_
 @pytest.fixture(scope="module")
 def classify_run(tmp_path_factory, classifier_dir_fixture):
     root = tmp_path_factory.mktemp("classify")
-    texts = ["I love this product.", "Terrible service, never again.", "It arrived on Tuesday.",
-             "Absolutely wonderful staff!", "The box was damaged."]
+    texts = [
+        "I love this product.",
+        "Terrible service, never again.",
+        "It arrived on Tuesday.",
+        "Absolutely wonderful staff!",
+        "The box was damaged.",
+    ]
     write_jsonl(root / "in" / "t0.jsonl", [{"id": f"t{i}", "text": t} for i, t in enumerate(texts)])
     pipeline = inference_assets(
-        name="labels", model=classifier_dir_fixture, task="classify",
+        name="labels",
+        model=classifier_dir_fixture,
+        task="classify",
         input=InputSpec(uri=str(root / "in" / "{partition_key}.jsonl")),
-        output_root=str(root / "out"), partitions_def=dg.StaticPartitionsDefinition(["t0"]),
+        output_root=str(root / "out"),
+        partitions_def=dg.StaticPartitionsDefinition(["t0"]),
         engine={"dtype": "float32"},
     )
     with dg.instance_for_test() as instance:
-        result = materialize_partitions(pipeline, ["t0"], resource=cpu_resource(), instance=instance)
-        yield {"result": result, "texts": texts,
-               "table": read_partition(OutputSpec(root=str(root / "out"), asset_name="labels"), "t0")}
+        result = materialize_partitions(
+            pipeline, ["t0"], resource=cpu_resource(), instance=instance
+        )
+        yield {
+            "result": result,
+            "texts": texts,
+            "table": read_partition(OutputSpec(root=str(root / "out"), asset_name="labels"), "t0"),
+        }
 
 
 def test_classify_matches_transformers_with_label_names(classify_run, classifier_dir_fixture):

@@ -47,7 +47,9 @@ def choices_of(output: Any, top_logprobs: int | None) -> list[dict[str, Any]]:
         if top_logprobs is not None and completion.logprobs is not None:
             logprobs = [
                 _token_logprob(token_id, position, top_logprobs)
-                for token_id, position in zip(completion.token_ids, completion.logprobs, strict=False)
+                for token_id, position in zip(
+                    completion.token_ids, completion.logprobs, strict=False
+                )
             ]
         choices.append(
             {

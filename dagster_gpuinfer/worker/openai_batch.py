@@ -183,7 +183,9 @@ def error_line(spec_hash: str, custom_id: str | None, row: int, code: str, messa
     """An `errors.jsonl` line for a quarantined request."""
     rid = request_id(spec_hash, custom_id, row)
     line = BatchOutputLine(
-        id=f"batch_req_{rid}", custom_id=custom_id, response=None,
+        id=f"batch_req_{rid}",
+        custom_id=custom_id,
+        response=None,
         error=BatchError(code=code, message=message),
     )
     return line.model_dump_json()

@@ -36,11 +36,29 @@ NEUTRAL_KEYS = frozenset({"model", "user"})
 # Sampling keys a generate/chat row may set, under OpenAI's or vLLM's name.
 GENERATION_KEYS = frozenset(
     {
-        "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-        "stop", "stop_token_ids", "n", "presence_penalty", "frequency_penalty",
-        "repetition_penalty", "min_tokens", "ignore_eos", "logprobs", "top_logprobs",
-        "response_format", "structured_outputs", "logit_bias", "skip_special_tokens",
-        "include_stop_str_in_output", "stream",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "structured_outputs",
+        "logit_bias",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "stream",
     }
 )
 EMBEDDING_KEYS = frozenset({"encoding_format"})
@@ -160,7 +178,8 @@ def parse_params_value(value: Any) -> dict[str, Any]:
             ) from None
     if not isinstance(value, dict):
         raise ParameterError(
-            "invalid_parameter", "params",
+            "invalid_parameter",
+            "params",
             f"the params value must be an object of parameters, got {type(value).__name__}",
         )
     return value
@@ -202,10 +221,12 @@ class RequestBuilder:
             if key not in allowed:
                 hint = (
                     f"; supported here: {', '.join(sorted(allowed | NEUTRAL_KEYS))}"
-                    if allowed else f"; task {self.task!r} takes no per-request parameters"
+                    if allowed
+                    else f"; task {self.task!r} takes no per-request parameters"
                 )
                 raise ParameterError(
-                    "unsupported_parameter", key,
+                    "unsupported_parameter",
+                    key,
                     f"parameter {key!r} is not supported{hint}",
                 )
         if self.task == "embed":
@@ -236,8 +257,9 @@ class RequestBuilder:
         kwargs = dict(self.defaults)
         kwargs.pop("structured_outputs", None)
         constraint = self.default_constraint
-        overrides = typed.model_dump(exclude_none=True, exclude={"response_format",
-                                                                  "structured_outputs"})
+        overrides = typed.model_dump(
+            exclude_none=True, exclude={"response_format", "structured_outputs"}
+        )
         overrides.pop("stream", None)
         if "max_completion_tokens" in overrides:
             overrides["max_tokens"] = overrides.pop("max_completion_tokens")
@@ -246,7 +268,8 @@ class RequestBuilder:
                 overrides["logit_bias"] = {int(k): v for k, v in overrides["logit_bias"].items()}
             except ValueError:
                 raise ParameterError(
-                    "invalid_parameter", "logit_bias",
+                    "invalid_parameter",
+                    "logit_bias",
                     "parameter 'logit_bias' must map token ids (integers as strings) to biases",
                 ) from None
         top_logprobs = overrides.pop("top_logprobs", None)
@@ -259,7 +282,8 @@ class RequestBuilder:
                 overrides["logprobs"] = logprobs
         elif top_logprobs is not None:
             raise ParameterError(
-                "invalid_parameter", "top_logprobs",
+                "invalid_parameter",
+                "top_logprobs",
                 "parameter 'top_logprobs' needs 'logprobs': true",
             )
         kwargs.update(overrides)
@@ -268,7 +292,8 @@ class RequestBuilder:
         if typed.response_format is not None:
             if "structured_outputs" in given:
                 raise ParameterError(
-                    "invalid_parameter", "response_format",
+                    "invalid_parameter",
+                    "response_format",
                     "set either 'response_format' or 'structured_outputs', not both",
                 )
             constraint = _constraint_of(typed.response_format, default=constraint)
@@ -305,7 +330,8 @@ def _constraint_of(
         return StructuredOutputs(json_object=True)
     if response_format.json_schema is None:
         raise ParameterError(
-            "invalid_parameter", "response_format",
+            "invalid_parameter",
+            "response_format",
             "parameter 'response_format' of type json_schema needs a 'json_schema' object with "
             "a 'schema'",
         )
@@ -319,7 +345,8 @@ def _typed(model: type[BaseModel], params: dict[str, Any]) -> Any:
         error = exc.errors()[0]
         key = str(error["loc"][0]) if error["loc"] else "params"
         raise ParameterError(
-            "invalid_parameter", key,
+            "invalid_parameter",
+            key,
             f"parameter {key!r} has an invalid value {error.get('input')!r}: {error['msg']}",
         ) from None
 
