@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: install prepare demo test test-fast dev bench lock clean
+.PHONY: install prepare demo lint test test-fast dev bench lock clean
 
 install: $(STAMP)
 
@@ -33,8 +33,14 @@ prepare: install $(DAGSTER_HOME)/dagster.yaml
 demo: prepare
 	$(PY) -W ignore -m assets.demo
 
+# The rules live in pyproject.toml ([tool.ruff]); ruff is pinned in the test extra.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
 # The suite includes a Dagster instance on a real PostgreSQL server: start a throwaway one.
-test: prepare
+# The linters run first, so CI fails on a lint error before the long suite starts.
+test: lint prepare
 	GPUINFER_TEST_POSTGRES_URL=$$(bash deploy/local/test-postgres.sh) $(PY) -m pytest tests
 
 test-fast: install

@@ -120,7 +120,7 @@ def print_table(rows: list[list[str]]) -> None:
               "output"]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, ["-" * w for w in widths], *rows]:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
 
 
 def main() -> None:

@@ -39,9 +39,11 @@ def structured_model_dir() -> str:
 
 def cross_encoder_dir() -> str:
     """MiniLM with a seeded 1-label head: a cross-encoder for `score`."""
-    return os.environ.get("GPUINFER_SCORE_MODEL", str(data_dir() / "models" / "minilm-cross-encoder"))
+    default = data_dir() / "models" / "minilm-cross-encoder"
+    return os.environ.get("GPUINFER_SCORE_MODEL", str(default))
 
 
 def classifier_dir() -> str:
     """MiniLM with a seeded 3-label head (negative / neutral / positive) for `classify`."""
-    return os.environ.get("GPUINFER_CLASSIFY_MODEL", str(data_dir() / "models" / "minilm-classifier"))
+    default = data_dir() / "models" / "minilm-classifier"
+    return os.environ.get("GPUINFER_CLASSIFY_MODEL", str(default))

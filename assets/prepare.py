@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import random
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -158,7 +158,7 @@ def write_rerank_shards(shards: int = 2, queries_per_shard: int = 12, seed: int 
 def daily_note_days(today: date | None = None) -> list[str]:
     """Every day of `daily_note_embeddings` from its start to today (UTC), so every partition
     the UI offers, including today's once it ends, has its input file."""
-    today = today or datetime.now(timezone.utc).date()
+    today = today or datetime.now(UTC).date()
     first = date.fromisoformat(DAILY_START)
     return [(first + timedelta(days=d)).isoformat() for d in range((today - first).days + 1)]
 

@@ -17,8 +17,13 @@ from typing import Any
 
 import dagster as dg
 
-from dagster_gpuinfer import EngineArgs, GpuInferenceResource, InputSpec, SamplingParams
-from dagster_gpuinfer import inference_assets
+from dagster_gpuinfer import (
+    EngineArgs,
+    GpuInferenceResource,
+    InputSpec,
+    SamplingParams,
+    inference_assets,
+)
 from dagster_gpuinfer.spec import InferenceSpec, OutputSpec
 from dagster_gpuinfer.storage import filesystem_for, partition_dir, read_manifest
 

@@ -93,9 +93,10 @@ def _throughput(throughput: dict[str, Any]) -> list[str]:
         runs = res.get("platform_runs", [])
         if runs:
             fixed = sorted(r["fixed_seconds"] - r["model_load_seconds"] for r in runs)
+            builds = sorted(r["model_load_seconds"] for r in runs)
             lines += ["", f"Platform run fixed cost besides the engine build (Dagster run, worker "
                       f"start and imports, engine shutdown): median {fixed[len(fixed) // 2]:.1f}s "
-                      f"per run; engine build {sorted(r['model_load_seconds'] for r in runs)[len(runs) // 2]:.1f}s."]
+                      f"per run; engine build {builds[len(builds) // 2]:.1f}s."]
         lines += ["", f"Engine arguments (both platform and raw): `{res['engine_kwargs']}`", ""]
     return lines
 
@@ -118,7 +119,8 @@ def _prefix(prefix: dict[str, Any]) -> list[str]:
 def _amortization(am: dict[str, Any]) -> list[str]:
     lines = ["## Model-load amortization", "",
              f"{am['partitions']} partitions of {am['rows_per_partition']} rows ({am['model']}).", "",
-             "| partitions per run | runs | model loads | wall s | engine build s (sum) | rows/s end to end |",
+             "| partitions per run | runs | model loads | wall s | engine build s (sum) | "
+             "rows/s end to end |",
              "|---|---|---|---|---|---|"]
     for s in am["settings"]:
         lines.append(f"| {s['partitions_per_run']} | {s['runs']} | {s['model_loads']} | "
@@ -172,11 +174,11 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     throughput = results.get("throughput", {})
     if throughput:
         fig, axes = plt.subplots(1, len(throughput), figsize=(5.5 * len(throughput), 4), squeeze=False)
-        for ax, (task, res) in zip(axes[0], throughput.items()):
+        for ax, (task, res) in zip(axes[0], throughput.items(), strict=True):
             names = list(res["contestants"])
             med = [res["contestants"][n]["rows_per_s_summary"]["median"] for n in names]
-            low = [m - res["contestants"][n]["rows_per_s_summary"]["low"] for m, n in zip(med, names)]
-            high = [res["contestants"][n]["rows_per_s_summary"]["high"] - m for m, n in zip(med, names)]
+            low = [m - res["contestants"][n]["rows_per_s_summary"]["low"] for m, n in zip(med, names, strict=True)]
+            high = [res["contestants"][n]["rows_per_s_summary"]["high"] - m for m, n in zip(med, names, strict=True)]
             ax.bar(names, med, yerr=[low, high], capsize=4, color="#4c72b0")
             ax.set_title(f"{task}: rows/s (median, min-max)")
             ax.tick_params(axis="x", rotation=20)

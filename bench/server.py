@@ -144,7 +144,9 @@ def _accept(listener: Listener, process: subprocess.Popen, *, timeout: float, lo
                     f"connecting; log tail:\n{_tail(log)}"
                 ) from None
             if time.monotonic() > deadline:
-                raise ContestantError(f"contestant process did not connect in {timeout:.0f}s")
+                raise ContestantError(
+                    f"contestant process did not connect in {timeout:.0f}s"
+                ) from None
 
 
 def _tail(path: Path, lines: int = 40) -> str:

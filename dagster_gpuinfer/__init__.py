@@ -25,10 +25,14 @@ _EXPORTS = {
     "EngineArgs": "dagster_gpuinfer.spec",
     "SamplingParams": "dagster_gpuinfer.spec",
     "StorageOptions": "dagster_gpuinfer.spec",
-    "K8sLauncherConfig": "dagster_gpuinfer.pod_builder",
-    "SecretEnvRef": "dagster_gpuinfer.pod_builder",
-    "Toleration": "dagster_gpuinfer.pod_builder",
-    "build_worker_pod": "dagster_gpuinfer.pod_builder",
+    "K8sLauncherConfig": "dagster_gpuinfer.k8s.pod",
+    "SecretEnvRef": "dagster_gpuinfer.k8s.pod",
+    "Toleration": "dagster_gpuinfer.k8s.pod",
+    "WorkerPlacement": "dagster_gpuinfer.k8s.pod",
+    "ModelCache": "dagster_gpuinfer.k8s.pod",
+    "PodSecurity": "dagster_gpuinfer.k8s.pod",
+    "SecretRefs": "dagster_gpuinfer.k8s.pod",
+    "build_worker_pod": "dagster_gpuinfer.k8s.pod",
     "arrival_sensor": "dagster_gpuinfer.sensors",
     "SplitLargeFiles": "dagster_gpuinfer.arrivals",
     "InferencePipelineComponent": "dagster_gpuinfer.components.inference_pipeline",
@@ -50,10 +54,14 @@ if TYPE_CHECKING:
     from dagster_gpuinfer.components.inference_pipeline import (
         InferencePipelineComponent as InferencePipelineComponent,
     )
-    from dagster_gpuinfer.pod_builder import K8sLauncherConfig as K8sLauncherConfig
-    from dagster_gpuinfer.pod_builder import SecretEnvRef as SecretEnvRef
-    from dagster_gpuinfer.pod_builder import Toleration as Toleration
-    from dagster_gpuinfer.pod_builder import build_worker_pod as build_worker_pod
+    from dagster_gpuinfer.k8s.pod import K8sLauncherConfig as K8sLauncherConfig
+    from dagster_gpuinfer.k8s.pod import ModelCache as ModelCache
+    from dagster_gpuinfer.k8s.pod import PodSecurity as PodSecurity
+    from dagster_gpuinfer.k8s.pod import SecretEnvRef as SecretEnvRef
+    from dagster_gpuinfer.k8s.pod import SecretRefs as SecretRefs
+    from dagster_gpuinfer.k8s.pod import Toleration as Toleration
+    from dagster_gpuinfer.k8s.pod import WorkerPlacement as WorkerPlacement
+    from dagster_gpuinfer.k8s.pod import build_worker_pod as build_worker_pod
     from dagster_gpuinfer.resource import GpuInferenceResource as GpuInferenceResource
     from dagster_gpuinfer.resource import InvalidInferenceSpec as InvalidInferenceSpec
     from dagster_gpuinfer.sensors import arrival_sensor as arrival_sensor

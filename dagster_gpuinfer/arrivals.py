@@ -5,8 +5,9 @@ The arrival sensor (`dagster_gpuinfer.sensors`) is a thin layer over this module
 - `WatchedFiles` reads a pipeline's input template (`s3://bucket/in/{partition_key}.jsonl`)
   as a prefix to list and a suffix to match: the file `s3://bucket/in/2026/a.jsonl` is
   partition `2026/a`.
-- A lister (`LocalLister`, `S3Lister`) yields the files under the prefix in key order,
-  starting after a given name, so a tick can stop anywhere and the next one go on from there.
+- A lister (`storage.PrefixListing`, local disk or S3) yields the files under the prefix in
+  key order, starting after a given name, so a tick can stop anywhere and the next one go on
+  from there.
 - `scan_arrivals` walks one page of that listing and keeps the files whose partition is not
   registered yet; `plan_partition_keys` turns them into keys, splitting large files into row
   or byte ranges (`big@rows=0-100000`, `big@bytes=0-67108864`).
@@ -15,14 +16,12 @@ Names starting with `.` or `_` are never inputs: they are temporary files of wri
 rename when done, and markers such as `_SUCCESS`. Local writers should write under such a
 name and rename, so a half-written file is never registered.
 
-Imports boto3 only when an S3 prefix is listed, and never torch or vllm.
+Lists and reads through `dagster_gpuinfer.storage`; never imports torch or vllm.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import io
-import os
 import posixpath
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
@@ -36,23 +35,16 @@ from dagster_gpuinfer.spec import (
     range_partition_key,
     split_partition_key,
 )
+from dagster_gpuinfer.storage import ListedFile
 
 # Substrings Dagster refuses in partition keys (dagster's INVALID_PARTITION_SUBSTRINGS).
 INVALID_KEY_SUBSTRINGS = ("...", "\a", "\b", "\f", "\n", "\r", "\t", "\v", "\0")
 
 
-@dataclass(frozen=True)
-class ArrivedFile:
-    """A file under the watched prefix: its name after the prefix and its size in bytes."""
-
-    name: str
-    size: int
-
-
 class FileLister(Protocol):
-    """Lists the files under one prefix in ascending name order."""
+    """Lists the files under one prefix in ascending name order (`storage.PrefixListing`)."""
 
-    def list_after(self, start_after: str) -> Iterator[ArrivedFile]:
+    def list_after(self, start_after: str) -> Iterator[ListedFile]:
         """Files whose name sorts after `start_after` ("" for all), in ascending order."""
         ...
 
@@ -106,117 +98,6 @@ class WatchedFiles:
         return name[: len(name) - len(self.suffix)] if self.suffix else name
 
 
-# --------------------------------------------------------------------------- listers
-
-
-class LocalLister:
-    """Files under a local prefix (a directory, or a directory plus a name prefix)."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = os.path.abspath(os.path.expanduser(prefix.removeprefix("file://")))
-        if prefix.endswith(("/", os.sep)):
-            self.prefix += os.sep
-        self.root = self.prefix if self.prefix.endswith(os.sep) else os.path.dirname(self.prefix)
-
-    def list_after(self, start_after: str) -> Iterator[ArrivedFile]:
-        names: list[tuple[str, int]] = []
-        if os.path.isdir(self.root):
-            for directory, subdirs, files in os.walk(self.root):
-                subdirs[:] = [d for d in subdirs if not d.startswith((".", "_"))]
-                for file_name in files:
-                    path = os.path.join(directory, file_name)
-                    if not path.startswith(self.prefix):
-                        continue
-                    name = path[len(self.prefix) :].replace(os.sep, "/")
-                    if name > start_after:
-                        try:
-                            names.append((name, os.stat(path).st_size))
-                        except FileNotFoundError:  # removed while listing
-                            continue
-        for name, size in sorted(names):
-            yield ArrivedFile(name, size)
-
-    def open(self, name: str) -> Any:
-        return open(self.prefix + name, "rb")
-
-
-class S3Lister:
-    """Objects under an `s3://bucket/prefix`, listed with ListObjectsV2 from `StartAfter`.
-
-    S3 lists keys in ascending UTF-8 byte order, which is Python's string order, so a name
-    saved in the cursor resumes the listing exactly.
-    """
-
-    def __init__(self, prefix: str, client: Any, page_size: int = 1000) -> None:
-        if not prefix.startswith("s3://"):
-            raise ValueError(f"{prefix!r} is not an s3:// uri")
-        self.bucket, _, self.key_prefix = prefix[len("s3://") :].partition("/")
-        if not self.bucket:
-            raise ValueError(f"{prefix!r} names no bucket; use s3://bucket/prefix/")
-        self.client = client
-        self.page_size = page_size
-
-    def list_after(self, start_after: str) -> Iterator[ArrivedFile]:
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.key_prefix}
-        if start_after:
-            kwargs["StartAfter"] = self.key_prefix + start_after
-        paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(**kwargs, PaginationConfig={"PageSize": self.page_size}):
-            for item in page.get("Contents", ()):
-                key = item["Key"]
-                if key.endswith("/"):  # a directory marker, not a file
-                    continue
-                yield ArrivedFile(key[len(self.key_prefix) :], int(item["Size"]))
-
-    def open(self, name: str) -> Any:
-        return io.BufferedReader(_S3RangeReader(self.client, self.bucket, self.key_prefix + name))
-
-
-class _S3RangeReader(io.RawIOBase):
-    """A seekable read-only view of one S3 object through ranged GETs (Parquet footers)."""
-
-    def __init__(self, client: Any, bucket: str, key: str) -> None:
-        self.client, self.bucket, self.key = client, bucket, key
-        self.size = int(client.head_object(Bucket=bucket, Key=key)["ContentLength"])
-        self.position = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
-        self.position = max(0, base + offset)
-        return self.position
-
-    def readinto(self, buffer: Any) -> int:
-        if self.position >= self.size or len(buffer) == 0:
-            return 0
-        end = min(self.position + len(buffer), self.size) - 1
-        body = self.client.get_object(
-            Bucket=self.bucket, Key=self.key, Range=f"bytes={self.position}-{end}"
-        )["Body"].read()
-        buffer[: len(body)] = body
-        self.position += len(body)
-        return len(body)
-
-
-def s3_client(endpoint_url: str | None = None, region: str | None = None) -> Any:
-    """A boto3 S3 client with credentials from the standard AWS chain."""
-    try:
-        import boto3
-    except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        raise ImportError(
-            "watching an s3:// prefix needs boto3: install dagster-gpuinfer[aws]"
-        ) from exc
-    return boto3.client("s3", endpoint_url=endpoint_url, region_name=region)
-
-
 # --------------------------------------------------------------------------- scanning
 
 
@@ -224,7 +105,7 @@ def s3_client(endpoint_url: str | None = None, region: str | None = None) -> Any
 class ArrivalScan:
     """What one page of the listing found."""
 
-    new_files: list[ArrivedFile] = field(default_factory=list)
+    new_files: list[ListedFile] = field(default_factory=list)
     next_start_after: str = ""
     listed: int = 0
     reached_end: bool = False
@@ -257,7 +138,7 @@ def scan_arrivals(
     """
     scan = ArrivalScan(next_start_after=start_after)
 
-    def visit(arrived: ArrivedFile) -> bool:
+    def visit(arrived: ListedFile) -> bool:
         """Take one listed file; True when this page is full."""
         scan.listed += 1
         scan.next_start_after = arrived.name
@@ -339,7 +220,7 @@ def row_group_ranges(group_rows: list[int], per_partition: int) -> list[tuple[in
 
 
 def plan_partition_keys(
-    files: list[ArrivedFile],
+    files: list[ListedFile],
     watched: WatchedFiles,
     input_format: InputFormat,
     split: SplitLargeFiles | None,

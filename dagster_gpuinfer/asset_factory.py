@@ -19,7 +19,6 @@ from dagster_gpuinfer.spec import (
     EngineArgs,
     InferenceSpec,
     InputSpec,
-    OutputSpec,
     SamplingParams,
     Task,
 )

@@ -20,7 +20,10 @@ VALID_OUTPUT = "valid_structured_output"
 
 
 def check_results(
-    result: InferenceRunResult, *, max_error_rate: float, max_invalid_output_rate: float | None = None
+    result: InferenceRunResult,
+    *,
+    max_error_rate: float,
+    max_invalid_output_rate: float | None = None,
 ) -> list[dg.AssetCheckResult]:
     assert result.spec is not None
     spec = result.spec

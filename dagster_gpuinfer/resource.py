@@ -14,7 +14,14 @@ from typing import Any, Literal
 import dagster as dg
 from pydantic import Field, ValidationError
 
-from dagster_gpuinfer.pod_builder import K8sLauncherConfig
+from dagster_gpuinfer.k8s.pod import K8sLauncherConfig
+from dagster_gpuinfer.messages import (
+    Fatal,
+    PartitionCommitted,
+    PartitionFailed,
+    RunFinished,
+    parse_message,
+)
 from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
 from dagster_gpuinfer.storage import Manifest, committed_manifest
 
@@ -190,7 +197,7 @@ class GpuInferenceResource(dg.ConfigurableResource):
                 "(see resources/k8s.py), or use launcher='local'",
                 allow_retries=False,
             )
-        from dagster_gpuinfer.launchers.k8s import run_k8s_worker
+        from dagster_gpuinfer.k8s.client import run_k8s_worker
 
         return run_k8s_worker(
             context=context,
@@ -210,7 +217,7 @@ class GpuInferenceResource(dg.ConfigurableResource):
         Loads the in-cluster config or the kubeconfig of `k8s`. Override it in a subclass to
         inject a client (tests use a fake Kubernetes API, as dagster-k8s's own tests do).
         """
-        from dagster_gpuinfer.launchers.k8s import production_kubernetes_client
+        from dagster_gpuinfer.k8s.client import production_kubernetes_client
 
         assert self.k8s is not None
         return production_kubernetes_client(self.k8s)
@@ -221,11 +228,8 @@ class GpuInferenceResource(dg.ConfigurableResource):
         """`_launch`, relaunched once with smaller vLLM batches when the worker runs out of
         memory (`max_num_seqs` and `gpu_memory_utilization`, left out of the spec hash, so
         committed chunks stay valid). A second out-of-memory is a non-retryable Failure."""
-        from dagster_gpuinfer.pod_failures import (
-            WorkerOutOfMemory,
-            out_of_memory_hint,
-            step_down_memory,
-        )
+        from dagster_gpuinfer.k8s.failures import WorkerOutOfMemory
+        from dagster_gpuinfer.k8s.memory import out_of_memory_hint, step_down_memory
 
         try:
             return self._launch(context=context, spec=spec)
@@ -257,30 +261,27 @@ class GpuInferenceResource(dg.ConfigurableResource):
 
     @staticmethod
     def _collect(messages: list[Any], result: InferenceRunResult) -> None:
-        for message in messages:
-            if not isinstance(message, dict):
-                continue
-            kind = message.get("type")
-            if kind == "partition":
-                manifest = Manifest.model_validate(message["manifest"])
-                result.manifests[manifest.partition_key] = manifest
-                if message.get("computed"):
-                    result.computed.add(manifest.partition_key)
-            elif kind == "partition_failed":
-                result.failed[str(message.get("partition_key"))] = {
-                    "error_type": str(message.get("error_type") or ""),
-                    "message": str(message.get("message") or ""),
+        for message in map(parse_message, messages):
+            if isinstance(message, PartitionCommitted):
+                key = message.manifest.partition_key
+                result.manifests[key] = message.manifest
+                if message.computed:
+                    result.computed.add(key)
+            elif isinstance(message, PartitionFailed):
+                result.failed[str(message.partition_key)] = {
+                    "error_type": message.error_type,
+                    "message": message.message,
                 }
-            elif kind == "run":
-                result.summary = {k: v for k, v in message.items() if k != "type"}
-            elif kind == "fatal":
-                where = message.get("partition_key")
+            elif isinstance(message, RunFinished):
+                result.summary = message.summary()
+            elif isinstance(message, Fatal):
+                where = message.partition_key
                 raise dg.Failure(
                     description=(
-                        f"{message.get('error_type')}: {message.get('message')}"
+                        f"{message.error_type}: {message.message}"
                         + (f" (partition {where!r})" if where else "")
                         + ". Not retried: fix the input or the spec, then re-run."
                     ),
-                    metadata={"error_type": message.get("error_type") or ""},
+                    metadata={"error_type": message.error_type},
                     allow_retries=False,
                 )

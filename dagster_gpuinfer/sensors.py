@@ -14,10 +14,10 @@ cursor. The cursor only says where the listing goes on: a tick stops after
 pages on from there; at the end of the listing the next tick starts over from the beginning,
 so a file that landed behind the listing position during a tick is found on the next pass.
 
-Scale (bench/control_plane.py, 2 CPU cores, moto S3 on loopback): evaluating a tick over
-10,000 new files takes about 11 s, inside Dagster's 60 s sensor timeout. The sensor daemon
-then registers the partitions, checking each key on its own (about 3 ms per key on
-SQLite), so the whole tick of 10,000 files took about 64 s there; lower
+Scale (bench/control_plane.py, 2 CPU cores, moto S3 on loopback; bench/results/RESULTS.md):
+evaluating a tick over 10,000 new files takes about 5.4 s, inside Dagster's 60 s sensor
+timeout. The sensor daemon then registers the partitions, checking each key on its own, so
+the whole tick of 10,000 files took about 34.6 s there on SQLite; lower
 `max_new_files_per_tick` on a SQLite instance if ticks must stay short.
 """
 
@@ -31,18 +31,16 @@ from typing import Any, Literal
 import dagster as dg
 
 from dagster_gpuinfer.arrivals import (
-    FileLister,
-    LocalLister,
-    S3Lister,
     SplitLargeFiles,
     WatchedFiles,
     plan_partition_keys,
     registered_file_keys,
-    s3_client,
     scan_arrivals,
 )
 from dagster_gpuinfer.asset_factory import InferencePipeline
+from dagster_gpuinfer.aws import gpu_settings_from_s3_resource
 from dagster_gpuinfer.spec import InputSpec, StorageOptions
+from dagster_gpuinfer.storage import PrefixListing
 
 ARRIVAL_SENSOR_TAG = "dagster-gpuinfer/arrival_sensor"
 CURSOR_VERSION = 1
@@ -128,17 +126,30 @@ def arrival_sensor(
     tags = {ARRIVAL_SENSOR_TAG: sensor_name, **(run_tags or {})}
     required = {resource_key} | ({s3_resource_key} if s3_resource_key else set())
 
-    def make_lister(context: dg.SensorEvaluationContext) -> FileLister:
-        if not watched.prefix.startswith("s3://"):
-            return LocalLister(watched.prefix)
-        if s3_resource_key:
-            # An S3Resource bound by `required_resource_keys` arrives as its boto3 client.
-            s3 = getattr(context.resources, s3_resource_key)
-            client = s3.get_client() if hasattr(type(s3), "get_client") else s3
-        else:
+    def make_lister(context: dg.SensorEvaluationContext) -> PrefixListing:
+        if not s3_resource_key:
             options = storage or getattr(context.resources, resource_key).storage_options()
-            client = s3_client(options.endpoint_url, options.region)
-        return S3Lister(watched.prefix, client)
+            return PrefixListing(watched.prefix, options)
+        # An S3Resource bound by `required_resource_keys` arrives as the resource or as its
+        # boto3 client: list with that client, read footers with its endpoint and keys.
+        s3 = getattr(context.resources, s3_resource_key)
+        if hasattr(type(s3), "get_client"):
+            settings = gpu_settings_from_s3_resource(s3)
+            options = StorageOptions(
+                endpoint_url=settings["s3_endpoint_url"],
+                region=settings["s3_region"],
+                allow_http=settings["s3_allow_http"],
+            )
+            return PrefixListing(
+                watched.prefix, options, client=s3.get_client(), credentials=settings["env"]
+            )
+        endpoint = s3.meta.endpoint_url
+        options = StorageOptions(
+            endpoint_url=None if endpoint.endswith(".amazonaws.com") else endpoint,
+            region=s3.meta.region_name,
+            allow_http=endpoint.startswith("http://"),
+        )
+        return PrefixListing(watched.prefix, options, client=s3)
 
     @dg.sensor(
         name=sensor_name,

@@ -26,7 +26,8 @@ import os
 import posixpath
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -58,12 +59,31 @@ ERRORS_SCHEMA = pa.schema(
 
 # --------------------------------------------------------------------------- filesystems
 
+# AWS environment variable -> pyarrow.fs.S3FileSystem argument.
+_PYARROW_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "access_key",
+    "AWS_SECRET_ACCESS_KEY": "secret_key",
+    "AWS_SESSION_TOKEN": "session_token",
+}
 
-def filesystem_for(uri: str, storage: StorageOptions | None = None) -> tuple[pafs.FileSystem, str]:
+
+def filesystem_for(
+    uri: str,
+    storage: StorageOptions | None = None,
+    *,
+    credentials: Mapping[str, str] | None = None,
+) -> tuple[pafs.FileSystem, str]:
     """The pyarrow filesystem and the path within it for a local path or an `s3://` URI.
 
     S3 credentials come from the standard AWS chain (environment, profile, instance role,
-    web identity); only the endpoint and region travel in the spec.
+    web identity); only the endpoint and region travel in the spec. The control plane may
+    pass `credentials` it holds (an `S3Resource`'s keys) for its own reads.
+
+    Args:
+        uri: A local path, `file://` path or `s3://bucket/key` URI.
+        storage: The S3 endpoint, region and whether plain http is allowed.
+        credentials: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`;
+            None uses the standard chain.
 
     Raises:
         ValueError: the endpoint is plain `http://` and `storage.allow_http` is not set.
@@ -87,10 +107,32 @@ def filesystem_for(uri: str, storage: StorageOptions | None = None) -> tuple[paf
             kwargs["endpoint_override"] = endpoint
         if storage.region:
             kwargs["region"] = storage.region
+        for variable, argument in _PYARROW_CREDENTIALS.items():
+            if credentials and credentials.get(variable):
+                kwargs[argument] = credentials[variable]
         return pafs.S3FileSystem(**kwargs), uri[len("s3://") :].rstrip("/")
     if uri.startswith("file://"):
         uri = uri[len("file://") :]
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
+
+
+def s3_client(storage: StorageOptions | None = None) -> Any:
+    """A boto3 S3 client for what pyarrow cannot do: conditional PUT and `StartAfter` paging.
+
+    The package's one boto3 client factory; credentials come from the standard AWS chain.
+
+    Raises:
+        ImportError: boto3 is not installed (it comes with the `aws` and worker extras).
+    """
+    try:
+        import boto3
+    except ImportError as exc:  # pragma: no cover - depends on the installed extras
+        raise ImportError(
+            "this S3 operation needs boto3: install dagster-gpuinfer[aws] (control plane) or "
+            "a worker extra"
+        ) from exc
+    storage = storage or StorageOptions()
+    return boto3.client("s3", endpoint_url=storage.endpoint_url, region_name=storage.region or None)
 
 
 def display_uri(fs: pafs.FileSystem, path: str) -> str:
@@ -167,6 +209,102 @@ def delete_quietly(fs: pafs.FileSystem, paths: Iterable[str]) -> None:
 def list_names(fs: pafs.FileSystem, directory: str) -> list[str]:
     infos = fs.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
     return sorted(posixpath.basename(info.path) for info in infos)
+
+
+# --------------------------------------------------------------------------- listing
+
+
+@dataclass(frozen=True)
+class ListedFile:
+    """A file under a listed prefix: its name after the prefix and its size in bytes."""
+
+    name: str
+    size: int
+
+
+class PrefixListing:
+    """The files under a prefix, in ascending name order, from any name on; and reads of them.
+
+    The prefix is a directory (`/data/in/`, `s3://bucket/in/`) or a directory plus the start
+    of a name (`/data/in/2026-`). Local listings go through `pyarrow.fs` and skip folders
+    whose name starts with `.` or `_` (temporary and bookkeeping folders). S3 listings use
+    ListObjectsV2 with `StartAfter`, which pyarrow does not offer: S3 lists keys in
+    ascending UTF-8 byte order, which is Python's string order, so a name saved in a cursor
+    resumes the listing exactly. Reads (`open`) are pyarrow's seekable files, ranged GETs
+    on S3.
+
+    Args:
+        prefix: Local path, `file://` path or `s3://bucket/prefix` to list under.
+        storage: S3 endpoint and region.
+        client: The boto3 client to list S3 with (e.g. an `S3Resource`'s); default:
+            `s3_client(storage)`.
+        credentials: Explicit AWS keys for reads, as in `filesystem_for`.
+        page_size: Keys per S3 list request.
+    """
+
+    def __init__(
+        self,
+        prefix: str,
+        storage: StorageOptions | None = None,
+        *,
+        client: Any = None,
+        credentials: Mapping[str, str] | None = None,
+        page_size: int = 1000,
+    ) -> None:
+        self.storage = storage or StorageOptions()
+        self.credentials = credentials
+        self.page_size = page_size
+        self.is_s3 = prefix.startswith("s3://")
+        if self.is_s3:
+            self.bucket, _, self.key_prefix = prefix[len("s3://") :].partition("/")
+            if not self.bucket:
+                raise ValueError(f"{prefix!r} names no bucket; use s3://bucket/prefix/")
+            self.prefix = prefix
+            self._client = client
+        else:
+            local = os.path.abspath(os.path.expanduser(prefix.removeprefix("file://")))
+            self.prefix = local + "/" if prefix.endswith(("/", os.sep)) else local
+            self.root = self.prefix if self.prefix.endswith("/") else posixpath.dirname(local)
+
+    def list_after(self, start_after: str) -> Iterator[ListedFile]:
+        """Files whose name sorts after `start_after` ("" for all), in ascending order."""
+        if self.is_s3:
+            yield from self._list_s3(start_after)
+        else:
+            yield from self._list_local(start_after)
+
+    def open(self, name: str) -> pa.NativeFile:
+        """A seekable binary file of `name` (after the prefix), e.g. for a Parquet footer."""
+        fs, path = filesystem_for(self.prefix + name, self.storage, credentials=self.credentials)
+        return fs.open_input_file(path)
+
+    def _list_local(self, start_after: str) -> Iterator[ListedFile]:
+        selector = pafs.FileSelector(self.root, recursive=True, allow_not_found=True)
+        found = []
+        for info in pafs.LocalFileSystem().get_file_info(selector):
+            if info.type != pafs.FileType.File or not info.path.startswith(self.prefix):
+                continue
+            folders = posixpath.relpath(info.path, self.root).split("/")[:-1]
+            if any(folder.startswith((".", "_")) for folder in folders):
+                continue
+            name = info.path[len(self.prefix) :]
+            if name > start_after:
+                found.append(ListedFile(name, info.size))
+        yield from sorted(found, key=lambda listed: listed.name)
+
+    def _list_s3(self, start_after: str) -> Iterator[ListedFile]:
+        if self._client is None:
+            self._client = s3_client(self.storage)
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.key_prefix}
+        if start_after:
+            kwargs["StartAfter"] = self.key_prefix + start_after
+        paginator = self._client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(**kwargs, PaginationConfig={"PageSize": self.page_size}):
+            for item in page.get("Contents", ()):
+                key = item["Key"]
+                if key.endswith("/"):  # a directory marker, not a file
+                    continue
+                yield ListedFile(key[len(self.key_prefix) :], int(item["Size"]))
 
 
 # --------------------------------------------------------------------------- files
@@ -334,15 +472,12 @@ def create_exclusive(
         finally:
             os.unlink(tmp)
     try:
-        import boto3
         from botocore.exceptions import ClientError
+
+        client = s3_client(storage)
     except ImportError:
         write_bytes_atomic(fs, path, data)
         return True
-    storage = storage or StorageOptions()
-    client = boto3.client(
-        "s3", endpoint_url=storage.endpoint_url, region_name=storage.region or None
-    )
     bucket, key = path.split("/", 1)
     try:
         client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")

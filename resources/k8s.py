@@ -4,23 +4,23 @@ The code location reads its settings from environment variables, which the Helm 
 (deploy/helm/values.yaml) set on the user deployment; the defaults match the names of the
 deployment kit (deploy/rbac.yaml, deploy/kueue/, deploy/model-cache/):
 
-| variable                         | default                      | meaning                          |
-|----------------------------------|------------------------------|----------------------------------|
-| GPUINFER_WORKER_IMAGE            | (required)                   | worker image                     |
-| GPUINFER_NAMESPACE               | gpuinfer                     | namespace of worker pods         |
-| GPUINFER_WORKER_SERVICE_ACCOUNT  | gpuinfer-worker              | ServiceAccount of worker pods    |
-| GPUINFER_GPU_TYPE                | (any GPU)                    | nvidia.com/gpu.product value     |
-| GPUINFER_KUEUE_QUEUE             | gpu-inference                | Kueue LocalQueue ('' for none)   |
-| GPUINFER_PRIORITY_CLASS          | gpuinfer-batch               | PriorityClass ('' for none)      |
-| GPUINFER_MODEL_CACHE_PVC         |                              | model cache PVC ...              |
-| GPUINFER_MODEL_CACHE_HOST_PATH   | /var/lib/gpuinfer/models     | ... or node directory            |
-| GPUINFER_S3_SECRET               | gpuinfer-s3                  | Secret with AWS_* keys (envFrom) |
-| GPUINFER_HF_TOKEN_SECRET         |                              | Secret with key `token`, HF_TOKEN|
-| GPUINFER_S3_ENDPOINT, _REGION    |                              | S3-compatible endpoint, region   |
-| GPUINFER_GPU_POOL                | gpu                          | Dagster pool of inference assets |
-| GPUINFER_WORKER_CPU, _MEMORY     | 8, 64Gi                      | requests (memory also the limit) |
-| GPUINFER_SHM_SIZE                | 16Gi                         | /dev/shm size                    |
-| GPUINFER_POD_PENDING_TIMEOUT     | 1800                         | seconds to start after admission |
+| variable                        | default                  | meaning                          |
+|---------------------------------|--------------------------|----------------------------------|
+| GPUINFER_WORKER_IMAGE           | (required)               | worker image                     |
+| GPUINFER_NAMESPACE              | gpuinfer                 | namespace of worker pods         |
+| GPUINFER_WORKER_SERVICE_ACCOUNT | gpuinfer-worker          | ServiceAccount of worker pods    |
+| GPUINFER_GPU_TYPE               | (any GPU)                | nvidia.com/gpu.product value     |
+| GPUINFER_KUEUE_QUEUE            | gpu-inference            | Kueue LocalQueue ('' for none)   |
+| GPUINFER_PRIORITY_CLASS         | gpuinfer-batch           | PriorityClass ('' for none)      |
+| GPUINFER_MODEL_CACHE_PVC        |                          | model cache PVC ...              |
+| GPUINFER_MODEL_CACHE_HOST_PATH  | /var/lib/gpuinfer/models | ... or node directory            |
+| GPUINFER_S3_SECRET              | gpuinfer-s3              | Secret with AWS_* keys (envFrom) |
+| GPUINFER_HF_TOKEN_SECRET        |                          | Secret with key `token`, HF_TOKEN|
+| GPUINFER_S3_ENDPOINT, _REGION   |                          | S3-compatible endpoint, region   |
+| GPUINFER_GPU_POOL               | gpu                      | Dagster pool of inference assets |
+| GPUINFER_WORKER_CPU, _MEMORY    | 8, 64Gi                  | requests (memory also the limit) |
+| GPUINFER_SHM_SIZE               | 16Gi                     | /dev/shm size                    |
+| GPUINFER_POD_PENDING_TIMEOUT    | 1800                     | seconds to start after admission |
 """
 
 from __future__ import annotations
@@ -29,7 +29,15 @@ import os
 from collections.abc import Mapping
 
 from dagster_gpuinfer import GpuInferenceResource
-from dagster_gpuinfer.pod_builder import K8sLauncherConfig, SecretEnvRef, Toleration
+from dagster_gpuinfer.k8s.pod import (
+    K8sLauncherConfig,
+    ModelCache,
+    PodSecurity,
+    SecretEnvRef,
+    SecretRefs,
+    Toleration,
+    WorkerPlacement,
+)
 
 DEFAULT_NAMESPACE = "gpuinfer"
 DEFAULT_WORKER_SERVICE_ACCOUNT = "gpuinfer-worker"
@@ -69,20 +77,24 @@ def k8s_launcher_config(environ: Mapping[str, str] | None = None) -> K8sLauncher
     return K8sLauncherConfig(
         image=image,
         namespace=env.get("GPUINFER_NAMESPACE", DEFAULT_NAMESPACE),
-        service_account=env.get("GPUINFER_WORKER_SERVICE_ACCOUNT", DEFAULT_WORKER_SERVICE_ACCOUNT)
-        or None,
-        gpu_type=env.get("GPUINFER_GPU_TYPE") or None,
-        tolerations=[Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")],
-        kueue_queue=env.get("GPUINFER_KUEUE_QUEUE", DEFAULT_KUEUE_QUEUE) or None,
-        priority_class=env.get("GPUINFER_PRIORITY_CLASS", DEFAULT_PRIORITY_CLASS) or None,
-        model_cache_pvc=pvc,
-        model_cache_host_path=host_path,
+        security=PodSecurity(
+            service_account=env.get(
+                "GPUINFER_WORKER_SERVICE_ACCOUNT", DEFAULT_WORKER_SERVICE_ACCOUNT
+            )
+            or None,
+        ),
+        placement=WorkerPlacement(
+            gpu_type=env.get("GPUINFER_GPU_TYPE") or None,
+            tolerations=[Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")],
+            kueue_queue=env.get("GPUINFER_KUEUE_QUEUE", DEFAULT_KUEUE_QUEUE) or None,
+            priority_class=env.get("GPUINFER_PRIORITY_CLASS", DEFAULT_PRIORITY_CLASS) or None,
+        ),
+        cache=ModelCache(pvc=pvc, host_path=host_path),
+        secrets=SecretRefs(env=secret_env, env_from=[s3_secret] if s3_secret else []),
         shm_size=env.get("GPUINFER_SHM_SIZE", "16Gi"),
         cpu_request=env.get("GPUINFER_WORKER_CPU", "8"),
         memory_request=memory,
         memory_limit=memory,
-        secret_env=secret_env,
-        secret_env_from=[s3_secret] if s3_secret else [],
         pod_pending_timeout=float(env.get("GPUINFER_POD_PENDING_TIMEOUT", "1800")),
         pool=env.get("GPUINFER_GPU_POOL", DEFAULT_GPU_POOL) or None,
     )

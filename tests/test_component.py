@@ -3,11 +3,14 @@ machinery, registered with `dg` through the package's entry point."""
 
 from __future__ import annotations
 
+import importlib
+import re
 import sys
 import tomllib
 from pathlib import Path
 
 import dagster as dg
+import pydantic
 import pytest
 from dagster.components.core.package_entry import (
     DG_PLUGIN_ENTRY_POINT_GROUP,
@@ -142,10 +145,6 @@ resource:
             "arrival_sensor registers partitions.*not 'static'",
         ),
         (("{partition_key}.jsonl", "all.jsonl"), "input.uri.*no {partition_key} placeholder"),
-        (
-            ("max_partitions_per_run: 8", "max_partitions_per_run: 0"),
-            "max_partitions_per_run must be at least 1",
-        ),
         (("dtype: float16", "dtype: float16\n  max_num_seqs: -1"), "engine.max_num_seqs"),
         (
             ("group_name: support", "group_name: support\nresource: {launcher: slurm}"),
@@ -159,6 +158,56 @@ def test_yaml_mistakes_are_reported_with_the_attribute_and_the_component(change,
     with pytest.raises(dg.DagsterInvalidDefinitionError, match=message) as raised:
         build(TICKETS_YAML.replace(old, new))
     assert "InferencePipelineComponent 'tickets'" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "attribute", "problem"),
+    [
+        (
+            ("max_partitions_per_run: 8", "max_partitions_per_run: 0"),
+            "max_partitions_per_run",
+            "greater than or equal to 1",
+        ),
+        (("replicas: 2", "replicas: -1"), "replicas", "greater than or equal to 1"),
+        (
+            ("pool: gpus", "pool: gpus\nmax_error_rate: 1.5"),
+            "max_error_rate",
+            "less than or equal to 1",
+        ),
+        (
+            ("split_min_bytes: 1000000", "split_min_bytes: 0"),
+            "arrival_sensor.split_min_bytes",  # pydantic puts the model's name in between
+            "greater than or equal to 1",
+        ),
+    ],
+)
+def test_out_of_range_attributes_are_named_with_their_yaml_line(
+    tmp_path, monkeypatch, change, attribute, problem
+):
+    """Loaded from a defs folder as `dg` loads it: the error names the component's file, and
+    the attribute with its line in that file."""
+    old, new = change
+    assert old in TICKETS_YAML
+    attributes = "".join(f"  {line}\n" for line in TICKETS_YAML.replace(old, new).splitlines())
+    module = f"yaml_mistake_{attribute.replace('.', '_')}"  # fresh modules for each case
+    package = tmp_path / module / "defs" / "tickets"
+    package.mkdir(parents=True)
+    for folder in (package.parent.parent, package.parent):
+        (folder / "__init__.py").write_text("")
+    (package / "defs.yaml").write_text(
+        "type: dagster_gpuinfer.components.InferencePipelineComponent\nattributes:\n" + attributes
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tree = dg.ComponentTree.from_module(
+        defs_module=importlib.import_module(f"{module}.defs"), project_root=tmp_path
+    )
+    with pytest.raises(Exception, match="tickets") as raised:
+        tree.build_defs()
+    cause = raised.value.__cause__
+    assert isinstance(cause, pydantic.ValidationError)
+    path = r"\.(\w+Model\.)?".join(map(re.escape, attribute.split(".")))
+    assert re.search(rf"attributes\.{path}\S* at \S*defs\.yaml:\d+", str(cause)), str(cause)
+    assert problem in str(cause)
 
 
 def test_entry_point_in_pyproject_registers_the_component_with_dg(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ from dagster._serdes.config_class import class_from_code_pointer
 from kubernetes.client import ApiClient
 from kubernetes.utils import parse_quantity
 
-from dagster_gpuinfer.pod_builder import MODEL_CACHE_MOUNT, RunIdentity, build_worker_pod
+from dagster_gpuinfer.k8s.pod import MODEL_CACHE_MOUNT, RunIdentity, build_worker_pod
 from dagster_gpuinfer.spec import InferenceSpec
 from resources.k8s import k8s_launcher_config, k8s_resources
 
@@ -212,13 +212,14 @@ def test_kueue_configuration_admits_plain_pods_in_tenant_namespaces_with_fair_sh
 
 
 def test_flavors_match_the_gpu_label_and_types_the_pods_select():
-    config = k8s_launcher_config(code_location_env())
+    placement = k8s_launcher_config(code_location_env()).placement
     flavor_labels = [f["spec"]["nodeLabels"] for f in objects("ResourceFlavor")]
-    assert all(set(labels) == {config.gpu_type_label} for labels in flavor_labels)
-    assert config.gpu_type in {labels[config.gpu_type_label] for labels in flavor_labels}
+    assert all(set(labels) == {placement.gpu_type_label} for labels in flavor_labels)
+    flavor_types = {labels[placement.gpu_type_label] for labels in flavor_labels}
+    assert placement.gpu_type in flavor_types
 
 
-# --------------------------------------------------------------------------- the kit and the code agree
+# ---------------------------------------------------------------------- the kit and the code agree
 
 
 def sample_spec(**overrides: Any) -> InferenceSpec:
@@ -309,7 +310,7 @@ def test_namespaces_with_hostpath_workers_do_not_enforce_a_pod_security_level_th
 def test_rbac_grants_what_the_launcher_calls_and_nothing_more(tmp_path):
     import math
 
-    from test_k8s_launcher import (
+    from k8s_fakes import (
         FakeKubernetes,
         PodScript,
         committing_worker,
@@ -362,7 +363,7 @@ def test_rbac_grants_what_the_launcher_calls_and_nothing_more(tmp_path):
     } in binding["subjects"]
 
 
-# --------------------------------------------------------------------------- Dagster instance and chart
+# ---------------------------------------------------------------------- Dagster instance and chart
 
 
 def test_deployed_instance_config_validates_against_dagster(tmp_path):

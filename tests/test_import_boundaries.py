@@ -21,12 +21,25 @@ def test_control_plane_imports_no_torch_or_vllm():
     loaded = modules_after_import(
         "import dagster_gpuinfer\n"
         "from dagster_gpuinfer import inference_assets, GpuInferenceResource\n"
-        "import dagster_gpuinfer.asset_factory, dagster_gpuinfer.checks, dagster_gpuinfer.metadata\n"
-        "import dagster_gpuinfer.launchers.local\n"
+        "import dagster_gpuinfer.asset_factory, dagster_gpuinfer.checks\n"
+        "import dagster_gpuinfer.metadata, dagster_gpuinfer.launchers.local\n"
+        "import dagster_gpuinfer.k8s.pod, dagster_gpuinfer.k8s.failures\n"
+        "import dagster_gpuinfer.k8s.memory\n"
         "import assets.definitions"
     )
     heavy = sorted(m for m in loaded if m.split(".")[0] in HEAVY)
     assert not heavy, f"control plane imported {heavy[:5]}"
+    kubernetes = sorted(m for m in loaded if m.split(".")[0] in ("kubernetes", "dagster_k8s"))
+    assert not kubernetes, f"kubernetes is imported before a pod is launched: {kubernetes[:5]}"
+
+
+def test_kubernetes_client_imports_no_torch_or_vllm_and_nothing_above_it():
+    loaded = modules_after_import("import dagster_gpuinfer.k8s.client, resources.k8s")
+    heavy = sorted(m for m in loaded if m.split(".")[0] in HEAVY)
+    assert not heavy, f"the Kubernetes client imported {heavy[:5]}"
+    loaded = modules_after_import("import dagster_gpuinfer.k8s.client")
+    above = {"dagster_gpuinfer.resource", "dagster_gpuinfer.asset_factory"} & loaded
+    assert not above, f"dagster_gpuinfer.k8s imports the modules that use it: {above}"
 
 
 def test_worker_imports_no_dagster_control_plane():

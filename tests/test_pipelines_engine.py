@@ -105,7 +105,9 @@ def test_embeddings_match_transformers_mean_pooling_reference(embed_run, minilm_
     from transformers import AutoModel, AutoTokenizer
 
     table = read_partition(output_of(embed_run["pipeline"]), "p0")
-    by_id = dict(zip(table.column("id").to_pylist(), table.column("embedding").to_pylist()))
+    by_id = dict(
+        zip(table.column("id").to_pylist(), table.column("embedding").to_pylist(), strict=True)
+    )
     source = pq.read_table(embed_run["root"] / "in" / "p0.parquet")
     ids, texts = source.column("doc_id").to_pylist(), source.column("text").to_pylist()
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
@@ -212,7 +214,7 @@ def generate_runs(tmp_path_factory, tiny_llama_dir):
 
 def texts_by_id(pipeline, key):
     table = read_partition(output_of(pipeline), key)
-    return dict(zip(table.column("id").to_pylist(), table.column("text").to_pylist()))
+    return dict(zip(table.column("id").to_pylist(), table.column("text").to_pylist(), strict=True))
 
 
 def test_greedy_generation_is_identical_across_runs_and_replica_counts(generate_runs):

@@ -47,7 +47,9 @@ def flaky_python(tmp_path) -> str:
     script.write_text(
         "#!/usr/bin/env bash\n"
         f"n=$(( $(cat {counter} 2>/dev/null || echo 0) + 1 )); echo $n > {counter}\n"
-        'if [ $((n % 2)) -eq 1 ]; then echo "planted transient failure (launch $n)" >&2; exit 3; fi\n'
+        'if [ $((n % 2)) -eq 1 ]; then\n'
+        '  echo "planted transient failure (launch $n)" >&2; exit 3\n'
+        "fi\n"
         f'exec {sys.executable} "$@"\n'
     )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)

@@ -22,15 +22,19 @@ import pytest
 from support import (
     cpu_resource,
     gen_pipeline,
-    write_prompts,
     materialize_partitions,
     model_loads,
     partition_metadata,
     step_attempts,
+    write_prompts,
 )
 
-from dagster_gpuinfer import InferenceSpec, InputSpec, OutputSpec, inference_assets, read_partition
-from dagster_gpuinfer import storage
+from dagster_gpuinfer import (
+    InferenceSpec,
+    OutputSpec,
+    read_partition,
+    storage,
+)
 from dagster_gpuinfer.storage import (
     ChunkMarker,
     read_chunk_markers,
@@ -39,9 +43,9 @@ from dagster_gpuinfer.storage import (
     write_chunk_marker,
     write_file_entry,
 )
+from dagster_gpuinfer.worker.errors import RowError
 from dagster_gpuinfer.worker.shard import ShardLocation, commit_chunks
 from dagster_gpuinfer.worker.writers import errors_table
-from dagster_gpuinfer.worker.errors import RowError
 
 # --------------------------------------------------------------------------- commit window
 

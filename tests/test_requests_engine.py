@@ -497,7 +497,8 @@ def test_scores_match_transformers_on_the_same_cross_encoder(score_run, cross_en
     table = score_run["table"].to_pylist()
     by_id = {row["id"]: row["score"] for row in table}
     ours = np.asarray([by_id[f"pair-{i}"] for i in range(len(score_run["pairs"]))])
-    reference = transformers_scores(cross_encoder_dir_fixture, *map(list, zip(*score_run["pairs"])))
+    queries, documents = zip(*score_run["pairs"], strict=True)
+    reference = transformers_scores(cross_encoder_dir_fixture, list(queries), list(documents))
     assert np.abs(ours - reference).max() < TOLERANCE
     assert ours.std() > 0.01  # the seeded head separates pairs: the comparison means something
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import posixpath
+from typing import Any
 
 import dagster as dg
 import pyarrow as pa
@@ -173,29 +174,54 @@ def test_the_job_spec_never_carries_credentials(s3_server, bucket):
     assert "secret-from-resource" not in sent and "AKIA-FROM-RESOURCE" not in sent
 
 
-def test_sensor_lists_s3_with_the_client_of_an_s3_resource(s3_server, bucket):
-    s3_server.client.put_object(Bucket=bucket, Key="in/a.jsonl", Body=b"{}\n")
+def keys_from_s3_resource_sensor(
+    bucket: str, suffix: str, s3: S3Resource, **sensor_kwargs: Any
+) -> list[str]:
+    """One tick of an arrival sensor over `s3://bucket/in/` that uses `s3` (key `s3`), while
+    the gpu resource points nowhere useful: the partition keys it registers."""
     pipeline = inference_assets(
-        name="listed",
+        name=f"listed_{suffix}",
         model="/models/x",
         task="embed",
-        input=InputSpec(uri=f"s3://{bucket}/in/{{partition_key}}.jsonl"),
+        input=InputSpec(uri=f"s3://{bucket}/in/{{partition_key}}.{suffix}"),
         output_root=f"s3://{bucket}/out",
-        partitions_def=dg.DynamicPartitionsDefinition(name="listed_files"),
+        partitions_def=dg.DynamicPartitionsDefinition(name=f"listed_{suffix}_files"),
     )
-    sensor = arrival_sensor(pipeline, s3_resource_key="s3")
-    s3 = S3Resource(endpoint_url=s3_server.endpoint_url, region_name=s3_server.region)
+    sensor = arrival_sensor(pipeline, s3_resource_key="s3", **sensor_kwargs)
     with dg.instance_for_test() as instance:
         context = dg.build_sensor_context(
             instance=instance,
-            # The gpu resource points nowhere useful: listing must use the S3Resource.
             resources={
                 "gpu": GpuInferenceResource(s3_endpoint_url="https://unused.invalid"),
                 "s3": s3,
             },
         )
         result = sensor(context)
-    assert [k for r in result.dynamic_partitions_requests for k in r.partition_keys] == ["a"]
+    return [k for r in result.dynamic_partitions_requests for k in r.partition_keys]
+
+
+def test_sensor_lists_s3_with_the_client_of_an_s3_resource(s3_server, bucket):
+    s3_server.client.put_object(Bucket=bucket, Key="in/a.jsonl", Body=b"{}\n")
+    s3 = S3Resource(endpoint_url=s3_server.endpoint_url, region_name=s3_server.region)
+    assert keys_from_s3_resource_sensor(bucket, "jsonl", s3) == ["a"]
+
+
+def test_sensor_reads_parquet_footers_through_the_s3_resource_endpoint(s3_server, bucket):
+    from dagster_gpuinfer.arrivals import SplitLargeFiles
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"id": [str(i) for i in range(40)]}), sink, row_group_size=10)
+    data = sink.getvalue().to_pybytes()
+    s3_server.client.put_object(Bucket=bucket, Key="in/big.parquet", Body=data)
+    s3 = S3Resource(
+        endpoint_url=s3_server.endpoint_url,
+        region_name=s3_server.region,
+        aws_access_key_id="AKIA-FROM-RESOURCE",
+        aws_secret_access_key="secret-from-resource",
+    )
+    split = SplitLargeFiles(min_bytes=1, parquet_rows_per_partition=20)
+    keys = keys_from_s3_resource_sensor(bucket, "parquet", s3, split=split)
+    assert keys == ["big@rows=0-20", "big@rows=20-40"]
 
 
 def test_manifest_creation_on_s3_is_exclusive(s3_server, bucket):

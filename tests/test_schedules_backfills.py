@@ -13,7 +13,7 @@ import io
 import json
 import math
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import dagster as dg
@@ -41,8 +41,8 @@ STATS = dg.AssetKey("doc_vectors_stats")
 @pytest.mark.parametrize(
     ("tick_at", "partition"),
     [
-        (datetime(2026, 11, 30, 2, 0, tzinfo=timezone.utc), "2026-11-29"),
-        (datetime(2026, 12, 1, 2, 0, tzinfo=timezone.utc), "2026-11-30"),
+        (datetime(2026, 11, 30, 2, 0, tzinfo=UTC), "2026-11-29"),
+        (datetime(2026, 12, 1, 2, 0, tzinfo=UTC), "2026-11-30"),
     ],
 )
 def test_daily_schedule_requests_the_day_that_just_ended(tick_at, partition):

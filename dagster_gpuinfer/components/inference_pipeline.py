@@ -32,7 +32,7 @@ daily schedule) would in Python. Without `resource`, the pipeline uses the code 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import dagster as dg
 from pydantic import Field, ValidationError
@@ -42,15 +42,18 @@ from dagster_gpuinfer.asset_factory import InferencePipeline, inference_assets
 from dagster_gpuinfer.resource import GpuInferenceResource, InvalidInferenceSpec
 from dagster_gpuinfer.sensors import arrival_sensor
 
+# The attribute models are `Resolvable` too: Dagster then checks their `Field` constraints
+# while it reads the YAML, and its error names the attribute and the YAML line.
 
-class StaticPartitioning(dg.Model):
+
+class StaticPartitioning(dg.Resolvable, dg.Model):
     """One partition per listed key (shard)."""
 
     type: Literal["static"]
     keys: list[str] = Field(description="The partition keys, one per input shard.")
 
 
-class DynamicPartitioning(dg.Model):
+class DynamicPartitioning(dg.Resolvable, dg.Model):
     """Partitions registered at run time, usually by the arrival sensor."""
 
     type: Literal["dynamic"]
@@ -59,33 +62,39 @@ class DynamicPartitioning(dg.Model):
     )
 
 
-class DailyPartitioning(dg.Model):
+class DailyPartitioning(dg.Resolvable, dg.Model):
     """One partition per day (`YYYY-MM-DD` in the input uri), with a nightly schedule."""
 
     type: Literal["daily"]
     start_date: str = Field(description="First day, YYYY-MM-DD.")
     timezone: str = Field("UTC", description="Timezone of the day boundaries.")
-    schedule_hour: int | None = Field(
+    schedule_hour: Annotated[int, Field(ge=0, le=23)] | None = Field(
         1, description="Hour (0-23) the nightly schedule runs; null for no schedule."
     )
     schedule_running: bool = Field(False, description="Start the schedule running.")
 
 
-class ArrivalSensorSettings(dg.Model):
+class ArrivalSensorSettings(dg.Resolvable, dg.Model):
     """Watch the input prefix and register each new file as a partition."""
 
     glob: str = Field("*", description="fnmatch pattern on file names under the prefix.")
     launch: Literal["backfill", "runs"] = Field(
         "backfill", description="backfill: runs of max_partitions_per_run; runs: one per file."
     )
-    max_new_files_per_tick: int = 10_000
-    minimum_interval_seconds: int = 30
+    max_new_files_per_tick: int = Field(
+        10_000, ge=1, description="New files registered per tick; more wait for the next."
+    )
+    minimum_interval_seconds: int = Field(30, ge=1, description="Seconds between ticks.")
     running: bool = Field(False, description="Start the sensor running.")
-    split_min_bytes: int | None = Field(
+    split_min_bytes: Annotated[int, Field(ge=1)] | None = Field(
         None, description="Split files at least this large into row or byte ranges."
     )
-    jsonl_bytes_per_partition: int = 128 * 1024 * 1024
-    parquet_rows_per_partition: int = 200_000
+    jsonl_bytes_per_partition: int = Field(
+        128 * 1024 * 1024, ge=1, description="Bytes per partition of a split JSONL file."
+    )
+    parquet_rows_per_partition: int = Field(
+        200_000, ge=1, description="Rows per partition of a split Parquet file (whole groups)."
+    )
 
 
 # The YAML attribute is `model`, vLLM's own name for it. As a pydantic field it shadows the
@@ -123,15 +132,17 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, dg.Model):
     sampling: dict[str, Any] | None = Field(
         None, description="vLLM sampling parameters by vLLM name (generate, chat)."
     )
-    tensor_parallel_size: int = Field(1, description="GPUs per vLLM engine.")
-    replicas: int = Field(1, description="Data-parallel engines per worker.")
-    chunk_size: int = Field(512, description="Rows per chunk.")
-    max_error_rate: float = Field(0.10, description="Error-rate check threshold, 0 to 1.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine.")
+    replicas: int = Field(1, ge=1, description="Data-parallel engines per worker.")
+    chunk_size: int = Field(512, ge=1, description="Rows per chunk.")
+    max_error_rate: float = Field(
+        0.10, ge=0, le=1, description="Error-rate check threshold, 0 to 1."
+    )
     max_invalid_output_rate: float = Field(
-        0.0, description="generate/chat: structured-output check threshold, 0 to 1."
+        0.0, ge=0, le=1, description="generate/chat: structured-output check threshold, 0 to 1."
     )
     max_partitions_per_run: int = Field(
-        4, description="Backfill policy: partitions (shards) per run; one model load each."
+        4, ge=1, description="Backfill policy: partitions (shards) per run; one model load each."
     )
     pool: str | None = Field(None, description="Dagster concurrency pool capping GPU runs.")
     group_name: str | None = None
@@ -147,42 +158,6 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, dg.Model):
     )
 
     # ------------------------------------------------------------------ python API
-
-    def problems(self) -> list[str]:
-        """Attribute values out of range, each naming the attribute (empty when sound)."""
-        found = []
-        for field_name in (
-            "tensor_parallel_size",
-            "replicas",
-            "chunk_size",
-            "max_partitions_per_run",
-        ):
-            if getattr(self, field_name) < 1:
-                found.append(f"{field_name} must be at least 1 (got {getattr(self, field_name)})")
-        if not 0 <= self.max_error_rate <= 1:
-            found.append(f"max_error_rate must be between 0 and 1 (got {self.max_error_rate})")
-        if not 0 <= self.max_invalid_output_rate <= 1:
-            found.append(
-                "max_invalid_output_rate must be between 0 and 1 "
-                f"(got {self.max_invalid_output_rate})"
-            )
-        part = self.partitioning
-        if isinstance(part, DailyPartitioning) and part.schedule_hour is not None:
-            if not 0 <= part.schedule_hour <= 23:
-                found.append(f"partitioning.schedule_hour must be 0-23 (got {part.schedule_hour})")
-        sensor = self.arrival_sensor
-        if sensor is not None:
-            for field_name in (
-                "max_new_files_per_tick",
-                "minimum_interval_seconds",
-                "jsonl_bytes_per_partition",
-                "parquet_rows_per_partition",
-            ):
-                if getattr(sensor, field_name) < 1:
-                    found.append(f"arrival_sensor.{field_name} must be positive")
-            if sensor.split_min_bytes is not None and sensor.split_min_bytes < 1:
-                found.append("arrival_sensor.split_min_bytes must be positive")
-        return found
 
     def partitions_def(self) -> dg.PartitionsDefinition:
         part = self.partitioning
@@ -224,9 +199,6 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, dg.Model):
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         where = f"InferencePipelineComponent {self.name!r} ({context.path})"
-        problems = self.problems()
-        if problems:
-            raise dg.DagsterInvalidDefinitionError(f"{where}: " + "; ".join(problems))
         try:
             pipeline = self.build_pipeline()
         except InvalidInferenceSpec as exc:

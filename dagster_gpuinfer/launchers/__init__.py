@@ -1,3 +1,1 @@
-"""Launchers: how a worker process is started for a Pipes session (local or Kubernetes)."""
-
-WORKER_MODULE = "dagster_gpuinfer.worker"
+"""Launchers other than Kubernetes (which lives in `dagster_gpuinfer.k8s`): the local one."""

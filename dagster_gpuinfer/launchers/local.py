@@ -11,7 +11,7 @@ from typing import Any
 
 import dagster as dg
 
-from dagster_gpuinfer.launchers import WORKER_MODULE
+from dagster_gpuinfer.worker import WORKER_MODULE
 
 
 def run_local_worker(

@@ -1,7 +1,8 @@
 """Entry point: `python -m dagster_gpuinfer.worker`.
 
 Under Dagster (local subprocess or Kubernetes pod) the job spec arrives in Dagster Pipes
-extras (`spec`), and progress goes back as Pipes messages:
+extras (`spec`), and progress goes back as Pipes messages (the models in
+`dagster_gpuinfer.messages`):
 
 - `{"type": "partition", "computed": bool, "manifest": {...}}` for each committed partition;
 - `{"type": "partition_failed", "error_type", "message", "partition_key"}` for each shard that
@@ -27,6 +28,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dagster_gpuinfer.messages import (
+    Fatal,
+    PartitionCommitted,
+    PartitionFailed,
+    RunFinished,
+    to_payload,
+)
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest
 from dagster_gpuinfer.worker.errors import SpecError, WorkerError
@@ -34,38 +42,27 @@ from dagster_gpuinfer.worker.job import run_job
 
 
 class MessageReporter:
-    """Sends the worker's messages to `emit` (Pipes custom messages, or stdout)."""
+    """Sends the worker's messages (`dagster_gpuinfer.messages`) to `emit` (Pipes custom
+    messages, or stdout)."""
 
     def __init__(self, emit: Any) -> None:
         self.emit = emit
 
     def partition_committed(self, manifest: Manifest, *, computed: bool) -> None:
-        self.emit(
-            {"type": "partition", "computed": computed, "manifest": manifest.model_dump(mode="json")}
-        )
+        self.emit(to_payload(PartitionCommitted(computed=computed, manifest=manifest)))
 
     def partition_failed(self, exc: WorkerError) -> None:
-        self.emit(
-            {
-                "type": "partition_failed",
-                "error_type": exc.error_type,
-                "message": str(exc),
-                "partition_key": exc.partition_key,
-            }
-        )
+        self.emit(to_payload(PartitionFailed(**_error_fields(exc))))
 
     def run_finished(self, summary: dict[str, Any]) -> None:
-        self.emit({"type": "run", **summary})
+        self.emit(to_payload(RunFinished.model_validate(summary)))
 
     def fatal(self, exc: WorkerError) -> None:
-        self.emit(
-            {
-                "type": "fatal",
-                "error_type": exc.error_type,
-                "message": str(exc),
-                "partition_key": exc.partition_key,
-            }
-        )
+        self.emit(to_payload(Fatal(**_error_fields(exc))))
+
+
+def _error_fields(exc: WorkerError) -> dict[str, Any]:
+    return {"error_type": exc.error_type, "message": str(exc), "partition_key": exc.partition_key}
 
 
 def parse_spec(raw: Any) -> InferenceSpec:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from dagster_gpuinfer.out_of_memory import memory_problem
 from dagster_gpuinfer.spec import POOLING_TASKS, InferenceSpec
 from dagster_gpuinfer.worker.completions import choices_of
 from dagster_gpuinfer.worker.errors import SpecError
@@ -188,8 +189,4 @@ def request_builder(spec: InferenceSpec, llm: Any) -> Any:
 
 
 def _is_memory_error(message: str) -> bool:
-    lowered = message.lower()
-    return any(
-        marker in lowered
-        for marker in ("out of memory", "kv cache", "insufficient memory", "not enough memory")
-    )
+    return memory_problem(message) is not None

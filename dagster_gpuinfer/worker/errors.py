@@ -16,7 +16,6 @@ class WorkerError(Exception):
     """An error the user must fix; not retried."""
 
     error_type = "worker_error"
-    retryable = False
 
     def __init__(self, message: str, *, partition_key: str | None = None) -> None:
         super().__init__(message)

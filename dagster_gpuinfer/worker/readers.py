@@ -26,7 +26,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-
 from pydantic import ValidationError
 
 from dagster_gpuinfer.spec import InferenceSpec
@@ -363,7 +362,8 @@ class ShardReader:
         payload = record.get(self.payload_column)
         if self.spec.task == "score":
             payload = (payload, record.get(self.spec.input.text_pair_column))
-        params = record.get(self.spec.input.params_column) if self.spec.input.params_column else None
+        params_column = self.spec.input.params_column
+        params = record.get(params_column) if params_column else None
         return (row, None if row_id is None else str(row_id), payload, params)
 
     def _parse_openai_request(self, row: int, record: dict[str, Any]) -> Any:

@@ -34,8 +34,8 @@ from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
 from dagster_gpuinfer.storage import (
     CHUNKS_DIR,
     ERRORS_NAME,
-    CommitConflict,
     ChunkMarker,
+    CommitConflict,
     FileEntry,
     Manifest,
     chunk_dir,

@@ -18,7 +18,13 @@ import dagster as dg
 import pytest
 
 from dagster_gpuinfer import GpuInferenceResource, InputSpec, inference_assets
-from dagster_gpuinfer.pod_builder import K8sLauncherConfig, RunIdentity, build_worker_pod
+from dagster_gpuinfer.k8s.pod import (
+    K8sLauncherConfig,
+    RunIdentity,
+    SecretRefs,
+    WorkerPlacement,
+    build_worker_pod,
+)
 from dagster_gpuinfer.spec import InferenceSpec
 
 pytestmark = pytest.mark.k8s_cluster
@@ -33,7 +39,7 @@ def launcher_config(kubeconfig: Path, namespace: str, **overrides: Any) -> K8sLa
         "image": SMALL_IMAGE,
         "namespace": namespace,
         "kubeconfig_file": str(kubeconfig),
-        "gpu_resource_name": None,  # CPU-only test cluster
+        "placement": WorkerPlacement(gpu_resource_name=None),  # CPU-only test cluster
         "cpu_request": "100m",
         "memory_request": "64Mi",
         "shm_size": "64Mi",
@@ -176,7 +182,7 @@ def test_one_small_partition_materializes_in_a_real_pod(
         memory_limit="8Gi",
         shm_size="1Gi",
         scratch_size="4Gi",
-        secret_env_from=["test-s3"],
+        secrets=SecretRefs(env_from=["test-s3"]),
         pod_pending_timeout=900.0,
     )
     resource = GpuInferenceResource(

@@ -19,13 +19,17 @@ import pytest
 from kubernetes.client import ApiClient
 from kubernetes.utils import parse_quantity
 
-from dagster_gpuinfer.pod_builder import (
+from dagster_gpuinfer.k8s.pod import (
     MODEL_CACHE_MOUNT,
     K8sLauncherConfig,
+    ModelCache,
+    PodSecurity,
     PodSpecError,
     RunIdentity,
     SecretEnvRef,
+    SecretRefs,
     Toleration,
+    WorkerPlacement,
     build_worker_pod,
     label_value,
     partition_label,
@@ -100,14 +104,10 @@ CASES = list(
 
 @pytest.mark.parametrize(("tp", "replicas", "queue", "cache"), CASES)
 def test_every_pod_validates_and_requests_tp_times_replicas_gpus(tp, replicas, queue, cache):
-    config = make_config(
+    placement = WorkerPlacement(
         kueue_queue=queue,
-        model_cache_pvc="model-cache" if cache == "pvc" else None,
-        model_cache_host_path="/var/lib/gpuinfer/models" if cache == "hostPath" else None,
         gpu_type="NVIDIA-H100-80GB-HBM3",
         tolerations=[Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")],
-        secret_env=[SecretEnvRef(env_name="HF_TOKEN", secret_name="hf-token", key="token")],
-        secret_env_from=["s3-credentials"],
         priority_class="gpuinfer-batch",
         affinity={
             "nodeAffinity": {
@@ -127,6 +127,17 @@ def test_every_pod_validates_and_requests_tp_times_replicas_gpus(tp, replicas, q
                 ]
             }
         },
+    )
+    config = make_config(
+        placement=placement,
+        cache=ModelCache(
+            pvc="model-cache" if cache == "pvc" else None,
+            host_path="/var/lib/gpuinfer/models" if cache == "hostPath" else None,
+        ),
+        secrets=SecretRefs(
+            env=[SecretEnvRef(env_name="HF_TOKEN", secret_name="hf-token", key="token")],
+            env_from=["s3-credentials"],
+        ),
     )
     pod = build_worker_pod(make_spec(tensor_parallel_size=tp, replicas=replicas), config, IDENTITY)
 
@@ -188,7 +199,11 @@ def test_security_defaults_non_root_no_escalation_no_capabilities_no_token():
 def test_service_account_token_is_mounted_only_when_asked():
     pod = build_worker_pod(
         make_spec(),
-        make_config(service_account="gpuinfer-worker", automount_service_account_token=True),
+        make_config(
+            security=PodSecurity(
+                service_account="gpuinfer-worker", automount_service_account_token=True
+            )
+        ),
         IDENTITY,
     )
     assert pod["spec"]["automountServiceAccountToken"] is True
@@ -197,8 +212,10 @@ def test_service_account_token_is_mounted_only_when_asked():
 
 def test_secrets_travel_by_reference_only():
     config = make_config(
-        secret_env=[SecretEnvRef(env_name="HF_TOKEN", secret_name="hf-token", key="token")],
-        secret_env_from=["s3-credentials"],
+        secrets=SecretRefs(
+            env=[SecretEnvRef(env_name="HF_TOKEN", secret_name="hf-token", key="token")],
+            env_from=["s3-credentials"],
+        ),
         env={"VLLM_LOGGING_LEVEL": "INFO"},
     )
     container = build_worker_pod(make_spec(), config, IDENTITY)["spec"]["containers"][0]
@@ -216,7 +233,7 @@ def test_secrets_travel_by_reference_only():
     ["HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "DB_PASSWORD", "OPENAI_API_KEY"],
 )
 def test_plain_env_refuses_credential_names(name):
-    with pytest.raises(PodSpecError, match="secret_env") as raised:
+    with pytest.raises(PodSpecError, match="secrets.env") as raised:
         build_worker_pod(make_spec(), make_config(env={name: "value"}), IDENTITY)
     assert name in str(raised.value)
 
@@ -231,8 +248,8 @@ def test_active_deadline_priority_and_pull_settings_are_applied():
         make_spec(),
         make_config(
             active_deadline_seconds=7200,
-            priority_class="gpuinfer-batch",
-            image_pull_secrets=["regcred"],
+            placement=WorkerPlacement(priority_class="gpuinfer-batch"),
+            secrets=SecretRefs(image_pull=["regcred"]),
             image_pull_policy="Always",
         ),
         IDENTITY,
@@ -245,7 +262,9 @@ def test_active_deadline_priority_and_pull_settings_are_applied():
 
 def test_cpu_only_pods_request_no_gpu_and_do_not_force_cuda():
     pod = build_worker_pod(
-        make_spec(replicas=2), make_config(gpu_resource_name=None, cpu_request="2"), IDENTITY
+        make_spec(replicas=2),
+        make_config(placement=WorkerPlacement(gpu_resource_name=None), cpu_request="2"),
+        IDENTITY,
     )
 
     assert_valid_pod(pod)
@@ -331,7 +350,7 @@ def test_pod_names_are_unique_per_retry_and_launch_and_stable_per_input():
 
 def test_builder_is_pure_same_inputs_same_manifest():
     spec = make_spec(tensor_parallel_size=2)
-    config = make_config(model_cache_pvc="model-cache")
+    config = make_config(cache=ModelCache(pvc="model-cache"))
     assert build_worker_pod(spec, config, IDENTITY) == build_worker_pod(spec, config, IDENTITY)
 
 
@@ -343,15 +362,25 @@ def test_builder_is_pure_same_inputs_same_manifest():
     [
         ({"shm_size": "16 gigabytes"}, "shm_size"),
         ({"memory_limit": "64GB"}, "memory_limit"),
-        ({"model_cache_pvc": "cache", "model_cache_host_path": "/cache"}, "both set"),
-        ({"model_cache_host_path": "relative/dir"}, "absolute"),
+        ({"cache": ModelCache(pvc="cache", host_path="/cache")}, "both set"),
+        ({"cache": ModelCache(host_path="relative/dir")}, "k8s.cache.host_path.*absolute"),
         ({"labels": {"team": "search/ranking"}}, "label value"),
         ({"labels": {"bad key!": "x"}}, "label key"),
-        ({"kueue_queue": "GPU Queue"}, "LocalQueue"),
+        ({"placement": WorkerPlacement(kueue_queue="GPU Queue")}, "k8s.placement.kueue_queue"),
         ({"namespace": "Team_A"}, "namespace"),
-        ({"tolerations": [Toleration(key="gpu", operator="Exists", value="x")]}, "Equal"),
-        ({"tolerations": [Toleration(key="gpu", effect="NoScheduel")]}, "NoSchedule"),
-        ({"secret_env_from": ["Not_A_Name"]}, "Secret name"),
+        (
+            {"placement": WorkerPlacement(tolerations=[Toleration(key="gpu", value="x")])},
+            "Equal",
+        ),
+        (
+            {
+                "placement": WorkerPlacement(
+                    tolerations=[Toleration(key="gpu", effect="NoScheduel")]
+                )
+            },
+            "NoSchedule",
+        ),
+        ({"secrets": SecretRefs(env_from=["Not_A_Name"])}, "Secret name"),
     ],
 )
 def test_invalid_configuration_is_refused_naming_the_field(overrides, expected):
@@ -363,7 +392,7 @@ def test_model_outside_the_cache_is_refused_with_the_fix():
     with pytest.raises(PodSpecError, match=f"model='{MODEL_CACHE_MOUNT}/<name>'"):
         build_worker_pod(
             make_spec(model="/home/alice/models/llama"),
-            make_config(model_cache_pvc="model-cache"),
+            make_config(cache=ModelCache(pvc="model-cache")),
             IDENTITY,
         )
     with pytest.raises(PodSpecError, match="relative"):
@@ -373,7 +402,7 @@ def test_model_outside_the_cache_is_refused_with_the_fix():
 def test_hub_model_ids_are_allowed_and_resolved_offline_from_the_cache():
     pod = build_worker_pod(
         make_spec(model="meta-llama/Llama-3.1-8B-Instruct"),
-        make_config(model_cache_pvc="model-cache"),
+        make_config(cache=ModelCache(pvc="model-cache")),
         IDENTITY,
     )
     assert_valid_pod(pod)

@@ -2,8 +2,12 @@
 
 Pure functions over what the Kubernetes API reports about a pod (a `V1Pod`, its events, the
 tail of its log): they never call the cluster, so every row of the failure table is tested
-with plain objects. The launcher (`launchers/k8s.py`) reads those facts when a pod fails and
-turns the verdict into a Dagster `Failure` (retryable or not) or an out-of-memory step-down.
+with plain objects. The client (`k8s/client.py`) reads those facts when a pod fails and
+turns the verdict into a Dagster `Failure` (retryable or not) or an out-of-memory step-down
+(`k8s/memory.py`).
+
+A failed pod is first read into `PodFacts`; `FAILURE_TABLE` is then matched in order, and
+the first row whose `matches` holds gives the kind, whether it is retryable, and the message.
 
 | kind               | cause                                               | retryable |
 |--------------------|-----------------------------------------------------|-----------|
@@ -28,12 +32,11 @@ recomputed.
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.out_of_memory import memory_problem
 
 FailureKind = Literal[
     "unschedulable",
@@ -68,23 +71,10 @@ NODE_LOSS_REASONS = frozenset(
     {"NodeLost", "NodeShutdown", "Shutdown", "Terminated", "NodeAffinity"}
 )
 RESUME_NOTE = "The step is retryable; a retry resumes from the committed chunks."
-
-# vLLM and torch messages for memory that ran out at engine start or during a batch.
-_GPU_MEMORY_MARKERS = (
-    "cuda out of memory",
-    "torch.outofmemoryerror",
-    "outofmemoryerror",
-    "out of memory",
-    "no available memory for the cache blocks",
-    "insufficient memory",
-    "not enough memory",
-)
-# vLLM: the KV cache fits, but is smaller than one sequence of max_model_len tokens. Less
-# memory cannot fix this, so it is not stepped down.
-_KV_TOO_SMALL = re.compile(
-    r"larger than the maximum number of tokens that can be stored in kv cache", re.IGNORECASE
-)
 _PIPES_FIELD = "__dagster_pipes_version"
+_MISSING_SECRET_HINT = (
+    "Usually a Secret or key named in k8s.secrets.env / k8s.secrets.env_from does not exist"
+)
 
 
 @dataclass(frozen=True)
@@ -144,6 +134,14 @@ def _condition(pod: Any, kind: str) -> Any:
     return None
 
 
+def _waiting(container_status: Any) -> Any:
+    return container_status.state.waiting if container_status.state is not None else None
+
+
+def _with_message(reason: str, message: str | None) -> str:
+    return f"{reason}: {message or ''}".strip()
+
+
 def is_gated_by_kueue(pod: Any) -> bool:
     """The pod waits for Kueue admission: it still carries Kueue's scheduling gate."""
     gates = getattr(getattr(pod, "spec", None), "scheduling_gates", None) or []
@@ -178,18 +176,16 @@ def pod_start_state(pod: Any) -> tuple[StartState, str]:
         if state is not None and (state.running is not None or state.terminated is not None):
             return "started", f"container {cs.name} started"
     if phase in ("Failed", "Succeeded"):
-        return (
-            "failed",
-            f"pod phase {phase}: {getattr(status, 'reason', None) or ''} {getattr(status, 'message', None) or ''}".strip(),
-        )
+        why = f"{getattr(status, 'reason', None) or ''} {getattr(status, 'message', None) or ''}"
+        return "failed", f"pod phase {phase}: {why}".strip()
     for cs in statuses:
-        waiting = cs.state.waiting if cs.state is not None else None
+        waiting = _waiting(cs)
         if waiting is None:
             continue
         if waiting.reason in IMAGE_PULL_REASONS:
-            return "image_error", f"{waiting.reason}: {waiting.message or ''}".strip()
+            return "image_error", _with_message(waiting.reason, waiting.message)
         if waiting.reason in CONFIG_ERROR_REASONS:
-            return "config_error", f"{waiting.reason}: {waiting.message or ''}".strip()
+            return "config_error", _with_message(waiting.reason, waiting.message)
     if is_gated_by_kueue(pod):
         return "queued", "waiting for Kueue admission (scheduling gate kueue.x-k8s.io/admission)"
     if not is_scheduled(pod):
@@ -198,9 +194,9 @@ def pod_start_state(pod: Any) -> tuple[StartState, str]:
         reason = getattr(scheduled, "reason", None) or "not scheduled yet"
         return "unschedulable", f"{reason}: {message}" if message else reason
     waiting_reasons = [
-        cs.state.waiting.reason
+        waiting.reason
         for cs in statuses
-        if cs.state is not None and cs.state.waiting is not None and cs.state.waiting.reason
+        if (waiting := _waiting(cs)) is not None and waiting.reason
     ]
     return "starting", ", ".join(waiting_reasons) or "scheduled, containers not created yet"
 
@@ -247,17 +243,250 @@ def last_error_lines(log_text: str, limit: int = 25) -> str:
     return "\n".join(lines[-limit:])
 
 
-def memory_problem(log_text: str) -> Literal["gpu_out_of_memory", "kv_cache_too_small"] | None:
-    """What the worker's log says about memory, if anything."""
-    if _KV_TOO_SMALL.search(log_text):
-        return "kv_cache_too_small"
-    lowered = log_text.lower()
-    if any(marker in lowered for marker in _GPU_MEMORY_MARKERS):
-        return "gpu_out_of_memory"
+def _terminated_state(pod: Any) -> Any:
+    for cs in container_statuses(pod):
+        if cs.state is not None and cs.state.terminated is not None:
+            return cs.state.terminated
+        last = getattr(cs, "last_state", None)
+        if last is not None and last.terminated is not None:
+            return last.terminated
     return None
 
 
-# --------------------------------------------------------------------------- the verdict
+@dataclass(frozen=True)
+class PodFacts:
+    """What the cluster and the log say about a failed pod, read once, for the table.
+
+    Every attribute is plain data; the table's messages are format strings over them
+    (`{f.pod_name}`), and its `detail` names the ones that go to the failure's metadata.
+    """
+
+    pod: str
+    image: str
+    error: str = ""
+    gone: bool = False
+    namespace: str | None = None
+    phase: str | None = None
+    pod_reason: str | None = None
+    pod_message: str = ""
+    disrupted: bool = False
+    disruption_reason: str | None = None
+    disruption_message: str = ""
+    waiting_reason: str | None = None
+    waiting_message: str = ""
+    deleting: bool = False
+    exit_code: int | None = None
+    container_reason: str | None = None
+    memory: str | None = None
+    tail: str = ""
+
+    @property
+    def pod_message_shown(self) -> str:
+        return self.pod_message or "no message"
+
+    @property
+    def eviction_why(self) -> str:
+        return self.pod_message or self.disruption_message or "no message"
+
+    @property
+    def waiting_message_shown(self) -> str:
+        return self.waiting_message or "no message"
+
+    @property
+    def tail_shown(self) -> str:
+        return self.tail or "(the log is empty)"
+
+    @property
+    def crashed(self) -> bool:
+        return self.exit_code is not None and self.exit_code != 0
+
+    @property
+    def signal(self) -> str:
+        return {137: " (SIGKILL)", 143: " (SIGTERM)"}.get(self.exit_code or 0, "")
+
+    @property
+    def error_line(self) -> str:
+        return self.error.splitlines()[0] if self.error else "no reason reported"
+
+
+def read_pod_facts(
+    *, pod: Any | None, pod_name: str, image: str, log_text: str = "", error: str = ""
+) -> PodFacts:
+    """The facts of `pod` (None when it is gone) that the failure table matches on."""
+    if pod is None:
+        return PodFacts(pod=pod_name, image=image, error=error, gone=True)
+    status = _status(pod)
+    metadata = getattr(pod, "metadata", None)
+    pod_reason = getattr(status, "reason", None)
+    pod_message = (getattr(status, "message", None) or "").strip()
+    disruption = _condition(pod, "DisruptionTarget")
+    disrupted = pod_reason == "Evicted" or (disruption is not None and disruption.status == "True")
+    disruption_reason = (
+        pod_reason if pod_reason == "Evicted" else getattr(disruption, "reason", None)
+    )
+    waiting = next(
+        (
+            w
+            for cs in container_statuses(pod)
+            if (w := _waiting(cs)) is not None
+            and w.reason in IMAGE_PULL_REASONS | CONFIG_ERROR_REASONS
+        ),
+        None,
+    )
+    terminated = _terminated_state(pod)
+    exit_code = terminated.exit_code if terminated is not None else None
+    container_reason = terminated.reason if terminated is not None else None
+    memory = None
+    if container_reason == "OOMKilled":
+        memory = "container_oom_killed"
+    elif exit_code:
+        memory = memory_problem(log_text)
+    return PodFacts(
+        pod=pod_name,
+        image=image,
+        error=error,
+        namespace=getattr(metadata, "namespace", None),
+        phase=getattr(status, "phase", None),
+        pod_reason=pod_reason,
+        pod_message=pod_message,
+        disrupted=disrupted,
+        disruption_reason=disruption_reason,
+        disruption_message=getattr(disruption, "message", None) or "",
+        waiting_reason=waiting.reason if waiting is not None else None,
+        waiting_message=(waiting.message or "").strip() if waiting is not None else "",
+        deleting=getattr(metadata, "deletion_timestamp", None) is not None,
+        exit_code=exit_code,
+        container_reason=waiting.reason if waiting is not None else container_reason,
+        memory=memory,
+        tail=last_error_lines(log_text) if terminated is not None else "",
+    )
+
+
+# --------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class FailureRow:
+    """One row of the failure table.
+
+    Attributes:
+        kind: The failure kind this row reports.
+        retryable: Whether Dagster may retry the step.
+        matches: Whether the row applies to a pod's facts.
+        message: A format string over the facts (`f`) and `RESUME_NOTE` (`resume`).
+        detail: Fact names copied into the failure's detail, besides the pod and phase.
+    """
+
+    kind: FailureKind
+    retryable: bool
+    matches: Callable[[PodFacts], bool]
+    message: str
+    detail: tuple[str, ...] = ()
+
+
+_MEMORY_DETAIL = ("exit_code", "container_reason", "memory")
+
+FAILURE_TABLE: tuple[FailureRow, ...] = (
+    FailureRow(
+        "deleted",
+        True,
+        lambda f: f.gone,
+        "worker pod {f.pod} disappeared while running: it was deleted from outside "
+        "(kubectl delete, a namespace cleanup) or its node was lost and the pod garbage-"
+        "collected. {resume}",
+    ),
+    FailureRow(
+        "evicted",
+        True,
+        lambda f: f.disrupted,
+        "worker pod {f.pod} was stopped by the cluster ({f.disruption_reason}): "
+        "{f.eviction_why}. This is preemption, eviction, a drain or a lost node, not a "
+        "fault of the job. {resume}",
+        ("disruption_reason",),
+    ),
+    FailureRow(
+        "evicted",
+        True,
+        lambda f: f.pod_reason in NODE_LOSS_REASONS,
+        "worker pod {f.pod} stopped because its node went away ({f.pod_reason}: "
+        "{f.pod_message_shown}). {resume}",
+    ),
+    FailureRow(
+        "deadline_exceeded",
+        True,
+        lambda f: f.pod_reason == "DeadlineExceeded",
+        "worker pod {f.pod} ran past its activeDeadlineSeconds and was stopped. {resume} "
+        "If runs keep hitting it, raise k8s.active_deadline_seconds or put fewer partitions "
+        "in a run (BackfillPolicy.multi_run(max_partitions_per_run=...)).",
+    ),
+    FailureRow(
+        "image_pull",
+        False,
+        lambda f: f.waiting_reason in IMAGE_PULL_REASONS,
+        "worker pod {f.pod} cannot pull image {f.image!r} ({f.waiting_reason}: "
+        "{f.waiting_message_shown}). Not retried: fix k8s.image (name, tag, registry) or add "
+        "k8s.secrets.image_pull, then re-run.",
+        ("container_reason", "image"),
+    ),
+    FailureRow(
+        "config_error",
+        False,
+        lambda f: f.waiting_reason in CONFIG_ERROR_REASONS,
+        "worker pod {f.pod} could not create its container ({f.waiting_reason}: "
+        f"{{f.waiting_message}}). {_MISSING_SECRET_HINT} in namespace {{f.namespace!r}}. "
+        "Not retried: create it or fix the reference, then re-run.",
+        ("container_reason",),
+    ),
+    FailureRow(
+        "deleted",
+        True,
+        lambda f: f.deleting,
+        "worker pod {f.pod} was deleted from outside while it ran (it has a deletion "
+        "timestamp). {resume}",
+    ),
+    FailureRow(
+        "out_of_memory",
+        True,
+        lambda f: f.memory == "container_oom_killed",
+        "worker pod {f.pod} was OOMKilled: the container used more than its memory "
+        "limit (k8s.memory_limit).",
+        _MEMORY_DETAIL,
+    ),
+    FailureRow(
+        "kv_cache_too_small",
+        False,
+        lambda f: f.memory == "kv_cache_too_small",
+        "worker pod {f.pod}: vLLM's KV cache cannot hold one sequence of "
+        "max_model_len tokens. Not retried: lower engine max_model_len, raise "
+        "gpu_memory_utilization, or raise tensor_parallel_size to spread the model "
+        "over more GPUs. Last lines of the worker:\n{f.tail}",
+        _MEMORY_DETAIL,
+    ),
+    FailureRow(
+        "out_of_memory",
+        True,
+        lambda f: f.memory == "gpu_out_of_memory",
+        "worker pod {f.pod} ran out of GPU memory (exit code {f.exit_code}). Last lines "
+        "of the worker:\n{f.tail}",
+        _MEMORY_DETAIL,
+    ),
+    FailureRow(
+        "worker_crash",
+        True,
+        lambda f: f.crashed,
+        "worker pod {f.pod} exited with code {f.exit_code}{f.signal}. {resume} "
+        "Last lines of the worker:\n{f.tail_shown}",
+        ("exit_code", "container_reason"),
+    ),
+    FailureRow(
+        "unknown",
+        True,
+        lambda f: True,
+        "worker pod {f.pod} failed: {f.error_line} (pod phase {f.phase}). {resume}",
+        ("exit_code", "container_reason"),
+    ),
+)
+"""The failure table, matched in order: the first row whose `matches` holds decides."""
 
 
 def classify_pod_failure(
@@ -280,158 +509,25 @@ def classify_pod_failure(
         error: What the watcher raised (dagster-k8s's message), as a last resort.
 
     Returns:
-        The failure table row with a message that says what happened and what to do.
+        The first matching row of `FAILURE_TABLE`, with a message that says what happened
+        and what to do.
     """
+    facts = read_pod_facts(pod=pod, pod_name=pod_name, image=image, log_text=log_text, error=error)
+    row = next(row for row in FAILURE_TABLE if row.matches(facts))
     detail: dict[str, Any] = {"pod": pod_name}
-    if pod is None:
-        return PodFailure(
-            "deleted",
-            True,
-            f"worker pod {pod_name} disappeared while running: it was deleted from outside "
-            "(kubectl delete, a namespace cleanup) or its node was lost and the pod garbage-"
-            f"collected. {RESUME_NOTE}",
-            pod_name,
-            detail,
-        )
-    status = _status(pod)
-    pod_reason = getattr(status, "reason", None)
-    pod_message = (getattr(status, "message", None) or "").strip()
-    detail.update({"phase": getattr(status, "phase", None), "pod_reason": pod_reason})
-
-    disruption = _condition(pod, "DisruptionTarget")
-    if pod_reason == "Evicted" or (disruption is not None and disruption.status == "True"):
-        why = pod_message or (getattr(disruption, "message", None) or "")
-        reason = pod_reason if pod_reason == "Evicted" else getattr(disruption, "reason", None)
-        detail["disruption_reason"] = reason
-        return PodFailure(
-            "evicted",
-            True,
-            f"worker pod {pod_name} was stopped by the cluster ({reason}): {why or 'no message'}. "
-            f"This is preemption, eviction, a drain or a lost node, not a fault of the job. {RESUME_NOTE}",
-            pod_name,
-            detail,
-        )
-    if pod_reason in NODE_LOSS_REASONS:
-        return PodFailure(
-            "evicted",
-            True,
-            f"worker pod {pod_name} stopped because its node went away ({pod_reason}: "
-            f"{pod_message or 'no message'}). {RESUME_NOTE}",
-            pod_name,
-            detail,
-        )
-    if pod_reason == "DeadlineExceeded":
-        return PodFailure(
-            "deadline_exceeded",
-            True,
-            f"worker pod {pod_name} ran past its activeDeadlineSeconds and was stopped. {RESUME_NOTE} "
-            "If runs keep hitting it, raise k8s.active_deadline_seconds or put fewer partitions "
-            "in a run (BackfillPolicy.multi_run(max_partitions_per_run=...)).",
-            pod_name,
-            detail,
-        )
-
-    for cs in container_statuses(pod):
-        waiting = cs.state.waiting if cs.state is not None else None
-        if waiting is not None and waiting.reason in IMAGE_PULL_REASONS:
-            detail.update({"container_reason": waiting.reason, "image": image})
-            return PodFailure(
-                "image_pull",
-                False,
-                f"worker pod {pod_name} cannot pull image {image!r} ({waiting.reason}: "
-                f"{(waiting.message or '').strip() or 'no message'}). Not retried: fix "
-                "k8s.image (name, tag, registry) or add k8s.image_pull_secrets, then re-run.",
-                pod_name,
-                detail,
-            )
-        if waiting is not None and waiting.reason in CONFIG_ERROR_REASONS:
-            detail["container_reason"] = waiting.reason
-            return PodFailure(
-                "config_error",
-                False,
-                f"worker pod {pod_name} could not create its container ({waiting.reason}: "
-                f"{(waiting.message or '').strip()}). Usually a Secret or key named in "
-                "k8s.secret_env / k8s.secret_env_from does not exist in namespace "
-                f"{getattr(getattr(pod, 'metadata', None), 'namespace', None)!r}. Not retried: "
-                "create it or fix the reference, then re-run.",
-                pod_name,
-                detail,
-            )
-
-    if getattr(getattr(pod, "metadata", None), "deletion_timestamp", None) is not None:
-        return PodFailure(
-            "deleted",
-            True,
-            f"worker pod {pod_name} was deleted from outside while it ran (it has a deletion "
-            f"timestamp). {RESUME_NOTE}",
-            pod_name,
-            detail,
-        )
-
-    terminated = _terminated_state(pod)
-    if terminated is not None:
-        exit_code = terminated.exit_code
-        detail.update({"exit_code": exit_code, "container_reason": terminated.reason})
-        tail = last_error_lines(log_text)
-        if terminated.reason == "OOMKilled":
-            return PodFailure(
-                "out_of_memory",
-                True,
-                f"worker pod {pod_name} was OOMKilled: the container used more than its memory "
-                "limit (k8s.memory_limit).",
-                pod_name,
-                {**detail, "memory": "container_oom_killed"},
-            )
-        problem = memory_problem(log_text)
-        if exit_code != 0 and problem == "kv_cache_too_small":
-            return PodFailure(
-                "kv_cache_too_small",
-                False,
-                f"worker pod {pod_name}: vLLM's KV cache cannot hold one sequence of "
-                "max_model_len tokens. Not retried: lower engine max_model_len, raise "
-                "gpu_memory_utilization, or raise tensor_parallel_size to spread the model "
-                f"over more GPUs. Last lines of the worker:\n{tail}",
-                pod_name,
-                {**detail, "memory": problem},
-            )
-        if exit_code != 0 and problem == "gpu_out_of_memory":
-            return PodFailure(
-                "out_of_memory",
-                True,
-                f"worker pod {pod_name} ran out of GPU memory (exit code {exit_code}). Last lines "
-                f"of the worker:\n{tail}",
-                pod_name,
-                {**detail, "memory": problem},
-            )
-        if exit_code != 0:
-            killed = " (SIGKILL)" if exit_code == 137 else " (SIGTERM)" if exit_code == 143 else ""
-            return PodFailure(
-                "worker_crash",
-                True,
-                f"worker pod {pod_name} exited with code {exit_code}{killed}. {RESUME_NOTE} "
-                f"Last lines of the worker:\n{tail or '(the log is empty)'}",
-                pod_name,
-                detail,
-            )
-
+    if not facts.gone:
+        detail.update({"phase": facts.phase, "pod_reason": facts.pod_reason})
+    detail.update({name: getattr(facts, name) for name in row.detail})
     return PodFailure(
-        "unknown",
-        True,
-        f"worker pod {pod_name} failed: {error.splitlines()[0] if error else 'no reason reported'}"
-        f" (pod phase {getattr(status, 'phase', None)}). {RESUME_NOTE}",
+        row.kind,
+        row.retryable,
+        row.message.format(f=facts, resume=RESUME_NOTE),
         pod_name,
         detail,
     )
 
 
-def _terminated_state(pod: Any) -> Any:
-    for cs in container_statuses(pod):
-        if cs.state is not None and cs.state.terminated is not None:
-            return cs.state.terminated
-        last = getattr(cs, "last_state", None)
-        if last is not None and last.terminated is not None:
-            return last.terminated
-    return None
+# --------------------------------------------------------------------------- before the pod runs
 
 
 def start_timeout_failure(
@@ -451,8 +547,8 @@ def start_timeout_failure(
             "config_error",
             False,
             f"worker pod {pod_name} could not create its container within {timeout:.0f}s "
-            f"({why}). Usually a Secret or key in k8s.secret_env / k8s.secret_env_from is "
-            "missing. Not retried: create it or fix the reference, then re-run.",
+            f"({why}). {_MISSING_SECRET_HINT}. Not retried: create it or fix the reference, "
+            "then re-run.",
             pod_name,
             detail,
         )
@@ -463,7 +559,8 @@ def start_timeout_failure(
             f"worker pod {pod_name} stayed Pending for more than {timeout:.0f}s "
             f"(k8s.pod_pending_timeout); the scheduler says: {why}. The pod was deleted. The "
             "step is retryable: GPUs may free up. If it persists, check the GPU request "
-            "(tensor_parallel_size x replicas), k8s.gpu_type, tolerations and node capacity.",
+            "(tensor_parallel_size x replicas), k8s.placement.gpu_type, tolerations and node "
+            "capacity.",
             pod_name,
             detail,
         )
@@ -479,6 +576,7 @@ def start_timeout_failure(
 
 
 def queue_timeout_failure(*, pod_name: str, queue: str | None, timeout: float) -> PodFailure:
+    """The verdict for a pod that Kueue did not admit within `queue_timeout`."""
     return PodFailure(
         "queue_timeout",
         True,
@@ -528,61 +626,4 @@ def api_error_failure(
         f"{message}). The step is retryable.",
         pod_name,
         detail,
-    )
-
-
-# --------------------------------------------------------------------------- OOM step-down
-
-
-DEFAULT_MAX_NUM_SEQS = 256
-"""vLLM's usual `max_num_seqs` when a spec leaves it unset; the step-down halves it."""
-
-
-def step_down_memory(spec: InferenceSpec) -> tuple[InferenceSpec, dict[str, Any]]:
-    """The spec with `max_num_seqs` halved and `gpu_memory_utilization` lowered.
-
-    Both are performance-only engine fields, left out of `spec_hash()`, so committed chunks
-    of the first attempt stay valid for the second.
-
-    Returns:
-        (stepped-down spec, what changed: `{field: {"from": old, "to": new}}`).
-    """
-    engine = spec.engine
-    seqs_from = engine.max_num_seqs
-    seqs_to = max(1, (seqs_from or DEFAULT_MAX_NUM_SEQS) // 2)
-    util_from = engine.gpu_memory_utilization
-    util_to = round(util_from - 0.1, 3) if util_from > 0.5 else round(util_from * 0.8, 3)
-    util_to = max(0.05, util_to)
-    stepped = spec.model_copy(
-        update={
-            "engine": engine.model_copy(
-                update={"max_num_seqs": seqs_to, "gpu_memory_utilization": util_to}
-            )
-        }
-    )
-    change = {
-        "max_num_seqs": {"from": seqs_from, "to": seqs_to},
-        "gpu_memory_utilization": {"from": util_from, "to": util_to},
-    }
-    return stepped, change
-
-
-def out_of_memory_hint(first: PodFailure, second: PodFailure, change: dict[str, Any]) -> str:
-    """The message when the stepped-down retry ran out of memory too."""
-    seqs = change["max_num_seqs"]["to"]
-    util = change["gpu_memory_utilization"]["to"]
-    container = "container_oom_killed" in (first.detail.get("memory"), second.detail.get("memory"))
-    memory_advice = (
-        "raise k8s.memory_limit (and memory_request) so the container can hold the model's "
-        "weights while loading, "
-        if container
-        else ""
-    )
-    return (
-        f"the worker ran out of memory twice: first {first.message.splitlines()[0]} Then, "
-        f"retried with max_num_seqs={seqs} and gpu_memory_utilization={util}: "
-        f"{second.message.splitlines()[0]} Not retried again. To fix: {memory_advice}lower "
-        "engine max_num_seqs and gpu_memory_utilization further (InferenceRunConfig in the "
-        "launchpad), lower max_model_len, or raise tensor_parallel_size to spread the model "
-        "over more GPUs."
     )

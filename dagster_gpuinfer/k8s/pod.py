@@ -20,6 +20,10 @@ What every worker pod gets:
   spec hash and the Kueue `kueue.x-k8s.io/queue-name`; the full partition keys go to an
   annotation, where no length or character rule applies.
 
+The configuration groups what belongs together: `K8sLauncherConfig.placement` (GPUs, nodes,
+Kueue), `.cache` (the model cache volume), `.security` (identity and hardening) and
+`.secrets` (references to Kubernetes Secrets).
+
 This module imports only the standard library, pydantic and dagster (for `dg.Config`), so the
 control plane can build and test pods without the `kubernetes` client installed.
 """
@@ -36,8 +40,8 @@ from typing import Any, Literal
 import dagster as dg
 from pydantic import Field
 
-from dagster_gpuinfer.launchers import WORKER_MODULE
 from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.worker import WORKER_MODULE
 
 MODEL_CACHE_MOUNT = "/models"
 """Where the model cache is mounted, read-only, in every worker pod."""
@@ -47,6 +51,7 @@ HF_HUB_CACHE = f"{MODEL_CACHE_MOUNT}/hub"
 
 WORKER_CONTAINER = "worker"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+"""The pod label that hands a pod to a Kueue LocalQueue."""
 LABEL_PREFIX = "gpuinfer.dagster.io"
 
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
@@ -67,6 +72,9 @@ _SECRET_LIKE = re.compile(
 class PodSpecError(ValueError):
     """The launcher configuration or the spec cannot make a valid pod; the message says
     which field and what to change. Raised before anything reaches the cluster."""
+
+
+# --------------------------------------------------------------------------- configuration
 
 
 class SecretEnvRef(dg.Config):
@@ -93,45 +101,9 @@ class Toleration(dg.Config):
     )
 
 
-class K8sLauncherConfig(dg.Config):
-    """How worker pods look on the cluster: image, placement, resources, volumes, secrets.
+class WorkerPlacement(dg.Config):
+    """Where worker pods run: which GPUs, which nodes, which Kueue queue and priority."""
 
-    Examples:
-        >>> K8sLauncherConfig(
-        ...     image="registry.example.com/gpuinfer-worker:0.1.0",
-        ...     namespace="team-a",
-        ...     gpu_type="NVIDIA-H100-80GB-HBM3",
-        ...     kueue_queue="gpu-inference",
-        ...     model_cache_pvc="model-cache",
-        ...     secret_env=[SecretEnvRef(env_name="HF_TOKEN", secret_name="hf", key="token")],
-        ... )
-    """
-
-    image: str = Field(
-        description="Worker image (deploy/worker/Dockerfile): the project's worker extra on a "
-        "pinned vLLM base. One image serves every model in the model cache."
-    )
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
-        "IfNotPresent", description="Kubernetes imagePullPolicy of the worker container."
-    )
-    image_pull_secrets: list[str] = Field(
-        default_factory=list, description="Names of docker-registry Secrets for a private registry."
-    )
-    command: list[str] = Field(
-        default_factory=lambda: ["python3", "-m", WORKER_MODULE],
-        description="Command of the worker container; the image's Python running the worker.",
-    )
-    namespace: str = Field("default", description="Namespace the worker pods run in.")
-    service_account: str | None = Field(
-        None,
-        description="ServiceAccount of the worker pods (deploy/rbac.yaml: gpuinfer-worker, with "
-        "no permissions). Not the launcher's account: the worker never calls the API.",
-    )
-    automount_service_account_token: bool = Field(
-        False,
-        description="Mount the service account token in the worker. Off: the worker does not "
-        "talk to the Kubernetes API. Turn on only for IRSA/workload identity setups that need it.",
-    )
     gpu_resource_name: str | None = Field(
         "nvidia.com/gpu",
         description="Extended resource that counts GPUs. None runs CPU-only workers (a test "
@@ -164,15 +136,112 @@ class K8sLauncherConfig(dg.Config):
         description="Kueue LocalQueue in the namespace; sets the kueue.x-k8s.io/queue-name label "
         "so Kueue admits the pod against its ClusterQueue's GPU quota.",
     )
-    model_cache_pvc: str | None = Field(
+
+
+class ModelCache(dg.Config):
+    """The volume holding model weights, mounted read-only at `/models`: a PVC or a hostPath."""
+
+    pvc: str | None = Field(
         None,
         description="PersistentVolumeClaim holding the model cache, mounted read-only at "
-        f"{MODEL_CACHE_MOUNT}. Exclusive with model_cache_host_path.",
+        f"{MODEL_CACHE_MOUNT}. Exclusive with host_path.",
     )
-    model_cache_host_path: str | None = Field(
+    host_path: str | None = Field(
         None,
         description="Node directory holding the model cache (filled by the cache warmer "
         f"DaemonSet), mounted read-only at {MODEL_CACHE_MOUNT}.",
+    )
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.pvc or self.host_path)
+
+
+class PodSecurity(dg.Config):
+    """Who the worker runs as and what it may do."""
+
+    service_account: str | None = Field(
+        None,
+        description="ServiceAccount of the worker pods (deploy/rbac.yaml: gpuinfer-worker, with "
+        "no permissions). Not the launcher's account: the worker never calls the API.",
+    )
+    automount_service_account_token: bool = Field(
+        False,
+        description="Mount the service account token in the worker. Off: the worker does not "
+        "talk to the Kubernetes API. Turn on only for IRSA/workload identity setups that need it.",
+    )
+    run_as_user: int = Field(1000, ge=1, description="UID of the worker (non-root).")
+    run_as_group: int = Field(1000, ge=1, description="GID of the worker.")
+    read_only_root_filesystem: bool = Field(
+        True,
+        description="Read-only root filesystem; the worker writes only to /tmp (scratch) and "
+        "its output storage.",
+    )
+
+
+class SecretRefs(dg.Config):
+    """Kubernetes Secrets the worker pod uses, by name only: values stay in the cluster."""
+
+    env: list[SecretEnvRef] = Field(
+        default_factory=list,
+        description="Environment variables taken from Secret keys (valueFrom.secretKeyRef).",
+    )
+    env_from: list[str] = Field(
+        default_factory=list,
+        description="Secrets whose every key becomes an environment variable (envFrom), e.g. "
+        "an S3 credentials Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY.",
+    )
+    image_pull: list[str] = Field(
+        default_factory=list, description="Names of docker-registry Secrets for a private registry."
+    )
+
+
+class K8sLauncherConfig(dg.Config):
+    """How worker pods look on the cluster: image, resources, placement, cache, security, secrets.
+
+    Examples:
+        >>> K8sLauncherConfig(
+        ...     image="registry.example.com/gpuinfer-worker:0.1.0",
+        ...     namespace="team-a",
+        ...     placement=WorkerPlacement(
+        ...         gpu_type="NVIDIA-H100-80GB-HBM3", kueue_queue="gpu-inference"
+        ...     ),
+        ...     cache=ModelCache(pvc="model-cache"),
+        ...     secrets=SecretRefs(
+        ...         env=[SecretEnvRef(env_name="HF_TOKEN", secret_name="hf", key="token")]
+        ...     ),
+        ... )
+    """
+
+    image: str = Field(
+        description="Worker image (deploy/worker/Dockerfile): the project's worker extra on a "
+        "pinned vLLM base. One image serves every model in the model cache."
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Kubernetes imagePullPolicy of the worker container."
+    )
+    command: list[str] = Field(
+        default_factory=lambda: ["python3", "-m", WORKER_MODULE],
+        description="Command of the worker container; the image's Python running the worker.",
+    )
+    namespace: str = Field("default", description="Namespace the worker pods run in.")
+    placement: WorkerPlacement = Field(
+        default_factory=WorkerPlacement,
+        description="GPU resource and model, node selector, tolerations, affinity, priority "
+        "class and Kueue queue of the worker pods.",
+    )
+    cache: ModelCache = Field(
+        default_factory=ModelCache,
+        description=f"The model cache volume (a PVC or a hostPath) mounted at {MODEL_CACHE_MOUNT}.",
+    )
+    security: PodSecurity = Field(
+        default_factory=PodSecurity,
+        description="ServiceAccount, token mount, UID/GID and root filesystem of the worker.",
+    )
+    secrets: SecretRefs = Field(
+        default_factory=SecretRefs,
+        description="Secret references: environment variables, envFrom Secrets, image pull "
+        "Secrets. Only names travel; the values stay in the cluster.",
     )
     shm_size: str = Field("16Gi", description="Size limit of the memory-backed /dev/shm.")
     scratch_size: str = Field("20Gi", description="Size limit of the writable /tmp emptyDir.")
@@ -184,20 +253,10 @@ class K8sLauncherConfig(dg.Config):
         description="Memory limit; above it the container is OOMKilled (retried once with "
         "smaller vLLM batches). None: bounded by the node.",
     )
-    secret_env: list[SecretEnvRef] = Field(
-        default_factory=list,
-        description="Environment variables taken from Secret keys (valueFrom.secretKeyRef). "
-        "Only names travel; the values stay in the cluster.",
-    )
-    secret_env_from: list[str] = Field(
-        default_factory=list,
-        description="Secrets whose every key becomes an environment variable (envFrom), e.g. "
-        "an S3 credentials Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY.",
-    )
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Plain environment variables of the worker. Names that look like "
-        "credentials (TOKEN, SECRET, PASSWORD, ACCESS_KEY, ...) are refused: use secret_env.",
+        "credentials (TOKEN, SECRET, PASSWORD, ACCESS_KEY, ...) are refused: use secrets.env.",
     )
     labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
     annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
@@ -221,13 +280,6 @@ class K8sLauncherConfig(dg.Config):
         "A retry resumes from committed chunks.",
     )
     poll_interval: float = Field(5.0, gt=0, description="Seconds between pod status polls.")
-    run_as_user: int = Field(1000, ge=1, description="UID of the worker (non-root).")
-    run_as_group: int = Field(1000, ge=1, description="GID of the worker.")
-    read_only_root_filesystem: bool = Field(
-        True,
-        description="Read-only root filesystem; the worker writes only to /tmp (scratch) and "
-        "its output storage.",
-    )
     pool: str | None = Field(
         None,
         description="Dagster concurrency pool of the inference assets (one slot per pod). "
@@ -268,6 +320,14 @@ def _short_hash(text: str, length: int = 10) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:length]
 
 
+def _hashed_label(readable: str, original: str) -> str:
+    """`readable` cleaned to label characters and cut to fit a hash of `original` after it."""
+    digest = _short_hash(original)
+    head = re.sub(r"[^A-Za-z0-9._-]+", "-", readable)[: 63 - len(digest) - 1]
+    head = re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", head)
+    return f"{head}-{digest}" if head else digest
+
+
 def label_value(text: str) -> str:
     """`text` as a valid label value: at most 63 of `[A-Za-z0-9._-]`, alphanumeric at both ends.
 
@@ -276,11 +336,7 @@ def label_value(text: str) -> str:
     """
     if _LABEL_NAME.match(text) and len(text) <= 63:
         return text
-    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", text)
-    suffix = _short_hash(text)
-    head = cleaned[: 63 - len(suffix) - 1]
-    head = re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", head)
-    return f"{head}-{suffix}" if head else suffix
+    return _hashed_label(text, text)
 
 
 def dns_label(text: str, max_length: int = 63) -> str:
@@ -304,12 +360,8 @@ def partition_label(partition_keys: list[str]) -> str:
         return "none"
     if len(partition_keys) == 1:
         return label_value(partition_keys[0])
-    joined = json.dumps(partition_keys)
     readable = f"{partition_keys[0]}..{partition_keys[-1]}"
-    digest = _short_hash(joined)
-    head = re.sub(r"[^A-Za-z0-9._-]+", "-", readable)[: 63 - len(digest) - 1]
-    head = re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", head)
-    return f"{head}-{digest}" if head else digest
+    return _hashed_label(readable, json.dumps(partition_keys))
 
 
 # --------------------------------------------------------------------------- validation
@@ -342,9 +394,80 @@ def _check_env_names(where: str, names: list[str], *, allow_secret_like: bool) -
             raise PodSpecError(
                 f"{where}: {name!r} looks like a credential, and plain env values end up in the "
                 "pod manifest for anyone who can read pods. Put the value in a Kubernetes "
-                f"Secret and pass k8s.secret_env=[SecretEnvRef(env_name={name!r}, "
+                f"Secret and pass k8s.secrets.env=[SecretEnvRef(env_name={name!r}, "
                 "secret_name=..., key=...)] instead"
             )
+
+
+def _check_placement(placement: WorkerPlacement) -> None:
+    if placement.gpu_resource_name is not None:
+        _check_label_key("k8s.placement.gpu_resource_name", placement.gpu_resource_name)
+    _check_label_key("k8s.placement.gpu_type_label", placement.gpu_type_label)
+    if placement.gpu_type is not None and label_value(placement.gpu_type) != placement.gpu_type:
+        raise PodSpecError(
+            f"k8s.placement.gpu_type={placement.gpu_type!r} is not a valid label value"
+        )
+    if placement.kueue_queue is not None and not _DNS_SUBDOMAIN.match(placement.kueue_queue):
+        raise PodSpecError(
+            f"k8s.placement.kueue_queue={placement.kueue_queue!r} is not a LocalQueue name "
+            "(lowercase letters, digits, '-' and '.')"
+        )
+    for toleration in placement.tolerations:
+        _check_toleration(toleration)
+
+
+def _check_toleration(toleration: Toleration) -> None:
+    if toleration.operator == "Exists" and toleration.value is not None:
+        raise PodSpecError(
+            f"toleration {toleration.key!r} has operator Exists and a value; use operator "
+            "'Equal' to match a value, or drop the value"
+        )
+    if toleration.effect not in (None, "NoSchedule", "PreferNoSchedule", "NoExecute"):
+        raise PodSpecError(
+            f"toleration {toleration.key!r} has effect {toleration.effect!r}; use NoSchedule, "
+            "PreferNoSchedule, NoExecute, or None for all"
+        )
+
+
+def _check_cache(cache: ModelCache) -> None:
+    if cache.pvc and cache.host_path:
+        raise PodSpecError(
+            "k8s.cache.pvc and k8s.cache.host_path are both set; the model cache is one "
+            "volume: keep the PVC (shared storage) or the hostPath (node-local cache)"
+        )
+    if cache.host_path is not None and not cache.host_path.startswith("/"):
+        raise PodSpecError(
+            f"k8s.cache.host_path={cache.host_path!r} must be an absolute path on the node, "
+            "e.g. /var/lib/gpuinfer/models"
+        )
+
+
+def _check_labels(config: K8sLauncherConfig) -> None:
+    for where, mapping in (
+        ("k8s.labels", config.labels),
+        ("k8s.placement.node_selector", config.placement.node_selector),
+    ):
+        for key, value in mapping.items():
+            _check_label_key(where, key)
+            if label_value(value) != value:
+                raise PodSpecError(
+                    f"{where}[{key!r}]={value!r} is not a valid label value: at most 63 of "
+                    "[A-Za-z0-9._-], alphanumeric at both ends"
+                )
+    for key in config.annotations:
+        _check_label_key("k8s.annotations", key)
+
+
+def _check_env_and_secrets(config: K8sLauncherConfig, extra_env: Mapping[str, str]) -> None:
+    secrets = config.secrets
+    _check_env_names("k8s.env", list(config.env), allow_secret_like=False)
+    _check_env_names("GpuInferenceResource.env", list(extra_env), allow_secret_like=False)
+    _check_env_names(
+        "k8s.secrets.env", [ref.env_name for ref in secrets.env], allow_secret_like=True
+    )
+    for name in [*secrets.image_pull, *secrets.env_from, *(r.secret_name for r in secrets.env)]:
+        if not _DNS_SUBDOMAIN.match(name):
+            raise PodSpecError(f"Secret name {name!r} is not a valid Kubernetes object name")
 
 
 def validate_launcher_config(config: K8sLauncherConfig, extra_env: Mapping[str, str]) -> None:
@@ -357,20 +480,12 @@ def validate_launcher_config(config: K8sLauncherConfig, extra_env: Mapping[str, 
         raise PodSpecError(
             "k8s.image is empty; set the worker image, e.g. 'repo/gpuinfer-worker:0.1.0'"
         )
+    if not config.command:
+        raise PodSpecError(
+            "k8s.command is empty; the default runs python3 -m dagster_gpuinfer.worker"
+        )
     if not _DNS_LABEL.match(config.namespace):
         raise PodSpecError(f"k8s.namespace={config.namespace!r} is not a valid namespace name")
-    if config.model_cache_pvc and config.model_cache_host_path:
-        raise PodSpecError(
-            "k8s.model_cache_pvc and k8s.model_cache_host_path are both set; the model cache is "
-            "one volume: keep the PVC (shared storage) or the hostPath (node-local cache)"
-        )
-    if config.model_cache_host_path is not None and not config.model_cache_host_path.startswith(
-        "/"
-    ):
-        raise PodSpecError(
-            f"k8s.model_cache_host_path={config.model_cache_host_path!r} must be an absolute "
-            "path on the node, e.g. /var/lib/gpuinfer/models"
-        )
     for field in (
         "shm_size",
         "scratch_size",
@@ -380,49 +495,13 @@ def validate_launcher_config(config: K8sLauncherConfig, extra_env: Mapping[str, 
         "memory_limit",
     ):
         _check_quantity(field, getattr(config, field))
-    if config.gpu_resource_name is not None:
-        _check_label_key("k8s.gpu_resource_name", config.gpu_resource_name)
-    _check_label_key("k8s.gpu_type_label", config.gpu_type_label)
-    if config.gpu_type is not None and label_value(config.gpu_type) != config.gpu_type:
-        raise PodSpecError(f"k8s.gpu_type={config.gpu_type!r} is not a valid label value")
-    if config.kueue_queue is not None and not _DNS_SUBDOMAIN.match(config.kueue_queue):
-        raise PodSpecError(
-            f"k8s.kueue_queue={config.kueue_queue!r} is not a LocalQueue name (lowercase "
-            "letters, digits, '-' and '.')"
-        )
-    for where, mapping in (
-        ("k8s.labels", config.labels),
-        ("k8s.node_selector", config.node_selector),
-    ):
-        for key, value in mapping.items():
-            _check_label_key(where, key)
-            if label_value(value) != value:
-                raise PodSpecError(
-                    f"{where}[{key!r}]={value!r} is not a valid label value: at most 63 of "
-                    "[A-Za-z0-9._-], alphanumeric at both ends"
-                )
-    for key in config.annotations:
-        _check_label_key("k8s.annotations", key)
-    _check_env_names("k8s.env", list(config.env), allow_secret_like=False)
-    _check_env_names("GpuInferenceResource.env", list(extra_env), allow_secret_like=False)
-    _check_env_names(
-        "k8s.secret_env", [ref.env_name for ref in config.secret_env], allow_secret_like=True
-    )
-    for name in [
-        *config.image_pull_secrets,
-        *config.secret_env_from,
-        *(r.secret_name for r in config.secret_env),
-    ]:
-        if not _DNS_SUBDOMAIN.match(name):
-            raise PodSpecError(f"Secret name {name!r} is not a valid Kubernetes object name")
-    if not config.command:
-        raise PodSpecError(
-            "k8s.command is empty; the default runs python3 -m dagster_gpuinfer.worker"
-        )
+    _check_cache(config.cache)
+    _check_placement(config.placement)
+    _check_labels(config)
+    _check_env_and_secrets(config, extra_env)
 
 
-def _check_model_location(spec: InferenceSpec, config: K8sLauncherConfig) -> None:
-    has_cache = bool(config.model_cache_pvc or config.model_cache_host_path)
+def _check_model_location(spec: InferenceSpec, cache: ModelCache) -> None:
     model = spec.model.removeprefix("file://")
     if model.startswith(("./", "../", "~")):
         raise PodSpecError(
@@ -430,7 +509,7 @@ def _check_model_location(spec: InferenceSpec, config: K8sLauncherConfig) -> Non
             f"it. Copy the model into the model cache and set model='{MODEL_CACHE_MOUNT}/<name>'"
         )
     if (
-        has_cache
+        cache.configured
         and model.startswith("/")
         and not (model == MODEL_CACHE_MOUNT or model.startswith(MODEL_CACHE_MOUNT + "/"))
     ):
@@ -475,9 +554,27 @@ def build_worker_pod(
     """
     extra_env = dict(extra_env or {})
     validate_launcher_config(config, extra_env)
-    _check_model_location(spec, config)
+    _check_model_location(spec, config.cache)
     gpus = gpus_per_pod(spec)
+    volumes, mounts = _volumes(config)
+    container = _worker_container(config, _container_env(config, extra_env, gpus), gpus, mounts)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": worker_pod_name(identity),
+            "namespace": config.namespace,
+            "labels": pod_labels(spec, config, identity, gpus),
+            "annotations": pod_annotations(spec, config, identity),
+        },
+        "spec": _pod_spec(config, container, volumes),
+    }
 
+
+def pod_labels(
+    spec: InferenceSpec, config: K8sLauncherConfig, identity: RunIdentity, gpus: int
+) -> dict[str, str]:
+    """Labels that find a pod by run, asset, partitions, spec, attempt, pool and queue."""
     labels: dict[str, str] = {
         "app.kubernetes.io/name": "dagster-gpuinfer",
         "app.kubernetes.io/component": "worker",
@@ -495,11 +592,17 @@ def build_worker_pod(
         labels["dagster/job"] = label_value(identity.job_name)
     if config.pool:
         labels[f"{LABEL_PREFIX}/pool"] = label_value(config.pool)
-    if config.kueue_queue:
-        labels[KUEUE_QUEUE_LABEL] = config.kueue_queue
+    if config.placement.kueue_queue:
+        labels[KUEUE_QUEUE_LABEL] = config.placement.kueue_queue
     labels.update(config.labels)
+    return labels
 
-    annotations = {
+
+def pod_annotations(
+    spec: InferenceSpec, config: K8sLauncherConfig, identity: RunIdentity
+) -> dict[str, str]:
+    """What labels cannot hold: the full asset key, partition keys, model and task."""
+    return {
         f"{LABEL_PREFIX}/asset-key": identity.asset_key,
         f"{LABEL_PREFIX}/partition-keys": json.dumps(spec.partition_keys),
         f"{LABEL_PREFIX}/model": spec.model,
@@ -507,6 +610,12 @@ def build_worker_pod(
         **config.annotations,
     }
 
+
+def _container_env(
+    config: K8sLauncherConfig, extra_env: Mapping[str, str], gpus: int
+) -> list[dict[str, Any]]:
+    """Offline hub at the cache, writable home in /tmp, the user's plain env (which wins over
+    the defaults), then the Secret references."""
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
@@ -516,10 +625,10 @@ def build_worker_pod(
         {"name": "TOKENIZERS_PARALLELISM", "value": "false"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
-    if gpus and config.gpu_resource_name:
+    if gpus and config.placement.gpu_resource_name:
         env.append({"name": "GPUINFER_DEVICE", "value": "cuda"})
     plain = {**extra_env, **config.env}
-    env = [item for item in env if item["name"] not in plain]  # the user's value wins
+    env = [item for item in env if item["name"] not in plain]
     env.extend({"name": name, "value": value} for name, value in sorted(plain.items()))
     env.extend(
         {
@@ -528,20 +637,27 @@ def build_worker_pod(
                 "secretKeyRef": {"name": ref.secret_name, "key": ref.key, "optional": False}
             },
         }
-        for ref in config.secret_env
+        for ref in config.secrets.env
     )
-    env_from = [{"secretRef": {"name": name, "optional": False}} for name in config.secret_env_from]
+    return env
 
+
+def _container_resources(config: K8sLauncherConfig, gpus: int) -> dict[str, Any]:
     requests: dict[str, str] = {"cpu": config.cpu_request, "memory": config.memory_request}
     limits: dict[str, str] = {}
     if config.cpu_limit:
         limits["cpu"] = config.cpu_limit
     if config.memory_limit:
         limits["memory"] = config.memory_limit
-    if config.gpu_resource_name:
-        requests[config.gpu_resource_name] = str(gpus)
-        limits[config.gpu_resource_name] = str(gpus)
+    gpu_resource = config.placement.gpu_resource_name
+    if gpu_resource:
+        requests[gpu_resource] = str(gpus)
+        limits[gpu_resource] = str(gpus)
+    return {"requests": requests, **({"limits": limits} if limits else {})}
 
+
+def _volumes(config: K8sLauncherConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The pod's volumes and the worker's mounts: /dev/shm, scratch /tmp, the model cache."""
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}},
         {"name": "scratch", "emptyDir": {"sizeLimit": config.scratch_size}},
@@ -550,102 +666,99 @@ def build_worker_pod(
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "scratch", "mountPath": "/tmp"},
     ]
-    if config.model_cache_pvc:
-        volumes.append(
-            {
-                "name": "model-cache",
-                "persistentVolumeClaim": {"claimName": config.model_cache_pvc, "readOnly": True},
-            }
-        )
-    elif config.model_cache_host_path:
-        volumes.append(
-            {
-                "name": "model-cache",
-                "hostPath": {"path": config.model_cache_host_path, "type": "Directory"},
-            }
-        )
-    if config.model_cache_pvc or config.model_cache_host_path:
-        mounts.append({"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT, "readOnly": True})
+    cache = config.cache
+    if cache.pvc:
+        source = {"persistentVolumeClaim": {"claimName": cache.pvc, "readOnly": True}}
+    elif cache.host_path:
+        source = {"hostPath": {"path": cache.host_path, "type": "Directory"}}
+    else:
+        return volumes, mounts
+    volumes.append({"name": "model-cache", **source})
+    mounts.append({"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT, "readOnly": True})
+    return volumes, mounts
 
+
+def _worker_container(
+    config: K8sLauncherConfig,
+    env: list[dict[str, Any]],
+    gpus: int,
+    mounts: list[dict[str, Any]],
+) -> dict[str, Any]:
+    security = config.security
     container: dict[str, Any] = {
         "name": WORKER_CONTAINER,
         "image": config.image,
         "imagePullPolicy": config.image_pull_policy,
         "command": list(config.command),
         "env": env,
-        "resources": {"requests": requests, **({"limits": limits} if limits else {})},
+        "resources": _container_resources(config, gpus),
         "volumeMounts": mounts,
         "securityContext": {
             "runAsNonRoot": True,
-            "runAsUser": config.run_as_user,
-            "runAsGroup": config.run_as_group,
+            "runAsUser": security.run_as_user,
+            "runAsGroup": security.run_as_group,
             "allowPrivilegeEscalation": False,
             "privileged": False,
-            "readOnlyRootFilesystem": config.read_only_root_filesystem,
+            "readOnlyRootFilesystem": security.read_only_root_filesystem,
             "capabilities": {"drop": ["ALL"]},
         },
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    if env_from:
-        container["envFrom"] = env_from
+    if config.secrets.env_from:
+        container["envFrom"] = [
+            {"secretRef": {"name": name, "optional": False}} for name in config.secrets.env_from
+        ]
+    return container
 
-    node_selector = dict(config.node_selector)
-    if config.gpu_type:
-        node_selector[config.gpu_type_label] = config.gpu_type
 
+def _pod_spec(
+    config: K8sLauncherConfig, container: dict[str, Any], volumes: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Restart policy, deadline, hardening, then the placement of the pod."""
+    security = config.security
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "activeDeadlineSeconds": config.active_deadline_seconds,
         "terminationGracePeriodSeconds": 60,
-        "automountServiceAccountToken": config.automount_service_account_token,
+        "automountServiceAccountToken": security.automount_service_account_token,
         "enableServiceLinks": False,
         "securityContext": {
             "runAsNonRoot": True,
-            "runAsUser": config.run_as_user,
-            "runAsGroup": config.run_as_group,
-            "fsGroup": config.run_as_group,
+            "runAsUser": security.run_as_user,
+            "runAsGroup": security.run_as_group,
+            "fsGroup": security.run_as_group,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
         "volumes": volumes,
     }
-    if config.service_account:
-        pod_spec["serviceAccountName"] = config.service_account
-    if config.priority_class:
-        pod_spec["priorityClassName"] = config.priority_class
-    if node_selector:
-        pod_spec["nodeSelector"] = node_selector
-    if config.tolerations:
-        pod_spec["tolerations"] = [_toleration(t) for t in config.tolerations]
-    if config.affinity:
-        pod_spec["affinity"] = json.loads(json.dumps(config.affinity))
-    if config.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": name} for name in config.image_pull_secrets]
+    if security.service_account:
+        pod_spec["serviceAccountName"] = security.service_account
+    if config.secrets.image_pull:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in config.secrets.image_pull]
+    pod_spec.update(_placement(config.placement))
+    return pod_spec
 
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": worker_pod_name(identity),
-            "namespace": config.namespace,
-            "labels": labels,
-            "annotations": annotations,
-        },
-        "spec": pod_spec,
-    }
+
+def _placement(placement: WorkerPlacement) -> dict[str, Any]:
+    """The pod spec fields that choose its node: priority, node selector, tolerations,
+    affinity (each only when set)."""
+    fields: dict[str, Any] = {}
+    if placement.priority_class:
+        fields["priorityClassName"] = placement.priority_class
+    node_selector = dict(placement.node_selector)
+    if placement.gpu_type:
+        node_selector[placement.gpu_type_label] = placement.gpu_type
+    if node_selector:
+        fields["nodeSelector"] = node_selector
+    if placement.tolerations:
+        fields["tolerations"] = [_toleration(t) for t in placement.tolerations]
+    if placement.affinity:
+        fields["affinity"] = json.loads(json.dumps(placement.affinity))
+    return fields
 
 
 def _toleration(toleration: Toleration) -> dict[str, Any]:
-    if toleration.operator == "Exists" and toleration.value is not None:
-        raise PodSpecError(
-            f"toleration {toleration.key!r} has operator Exists and a value; use operator "
-            "'Equal' to match a value, or drop the value"
-        )
-    if toleration.effect not in (None, "NoSchedule", "PreferNoSchedule", "NoExecute"):
-        raise PodSpecError(
-            f"toleration {toleration.key!r} has effect {toleration.effect!r}; use NoSchedule, "
-            "PreferNoSchedule, NoExecute, or None for all"
-        )
     out: dict[str, Any] = {"operator": toleration.operator}
     if toleration.key is not None:
         out["key"] = toleration.key

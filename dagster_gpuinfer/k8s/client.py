@@ -1,4 +1,4 @@
-"""The Kubernetes launcher: the worker in a GPU pod, through `dagster_k8s.PipesK8sClient`.
+"""The Kubernetes client: the worker in a GPU pod, through `dagster_k8s.PipesK8sClient`.
 
 `GpuWorkerPipesClient` is a `PipesK8sClient` that keeps everything dagster-k8s already does
 (Pipes bootstrap environment and `build_pod_body`, log streaming and message extraction,
@@ -12,7 +12,7 @@ jobs need and dagster-k8s does not have:
   and a pod past it fails with the scheduler's reason instead of waiting dagster-k8s's one-day
   launch timeout;
 - a post-mortem: when the pod fails, its status, events and log tail are read *before* the
-  pod is deleted and classified (`pod_failures.classify_pod_failure`);
+  pod is deleted and classified (`k8s.failures.classify_pod_failure`);
 - deletion in every case (success, failure, a run cancelled in Dagster), tolerant of a pod
   that is already gone, so a 404 never hides the real error.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,15 +29,9 @@ import dagster as dg
 import kubernetes
 from dagster_k8s.client import DEFAULT_WAIT_TIMEOUT, DagsterKubernetesClient, WaitForPodState
 from dagster_k8s.pipes import PipesK8sClient, build_pod_body
+from dagster_k8s.utils import apply_no_proxy_env_workaround
 
-from dagster_gpuinfer.pod_builder import (
-    WORKER_CONTAINER,
-    K8sLauncherConfig,
-    PodSpecError,
-    RunIdentity,
-    build_worker_pod,
-)
-from dagster_gpuinfer.pod_failures import (
+from dagster_gpuinfer.k8s.failures import (
     PodFailure,
     WorkerPodFailed,
     api_error_failure,
@@ -46,22 +41,40 @@ from dagster_gpuinfer.pod_failures import (
     raise_for,
     start_timeout_failure,
 )
+from dagster_gpuinfer.k8s.pod import (
+    KUEUE_QUEUE_LABEL,
+    WORKER_CONTAINER,
+    K8sLauncherConfig,
+    PodSpecError,
+    RunIdentity,
+    build_worker_pod,
+)
 from dagster_gpuinfer.spec import InferenceSpec
 
-log = logging.getLogger("dagster_gpuinfer.launchers.k8s")
+log = logging.getLogger("dagster_gpuinfer.k8s")
 
 KubernetesClientFactory = Callable[[], DagsterKubernetesClient]
 LOG_TAIL_LINES = 200
 
 
 def production_kubernetes_client(config: K8sLauncherConfig) -> DagsterKubernetesClient:
-    """A client for the real cluster: in-cluster config in a pod, else the kubeconfig,
-    exactly as `PipesK8sClient` loads it."""
-    PipesK8sClient(
-        load_incluster_config=config.load_incluster_config,
-        kubeconfig_file=config.kubeconfig_file,
-        kube_context=config.kube_context,
-    )._load_k8s_config()
+    """A client for the real cluster, configured as `PipesK8sClient` configures its own.
+
+    `load_incluster_config=True` (or nothing set, inside a pod): the pod's ServiceAccount.
+    Otherwise `kubeconfig_file` and `kube_context` (None: `$KUBECONFIG`, then `~/.kube/config`).
+    """
+    nothing_set = (
+        config.load_incluster_config is None
+        and config.kubeconfig_file is None
+        and config.kube_context is None
+    )
+    if config.load_incluster_config or (nothing_set and os.getenv("KUBERNETES_SERVICE_HOST")):
+        kubernetes.config.load_incluster_config()
+    else:
+        kubernetes.config.load_kube_config(
+            config_file=config.kubeconfig_file, context=config.kube_context
+        )
+    apply_no_proxy_env_workaround()
     return DagsterKubernetesClient.production_client()
 
 
@@ -131,7 +144,7 @@ class GpuWorkerPipesClient(PipesK8sClient):
         name = pod["metadata"]["name"]
         namespace = pod["metadata"]["namespace"]
         image = pod["spec"]["containers"][0]["image"]
-        queue = pod["metadata"].get("labels", {}).get("kueue.x-k8s.io/queue-name")
+        queue = pod["metadata"].get("labels", {}).get(KUEUE_QUEUE_LABEL)
         with dg.open_pipes_session(
             context=context,
             extras=dict(extras),
@@ -275,21 +288,19 @@ class GpuWorkerPipesClient(PipesK8sClient):
 
 
 def read_pod(client: DagsterKubernetesClient, *, name: str, namespace: str) -> Any:
-    """The pod, or None when it does not exist (listed by name, as dagster-k8s does)."""
-    pods = client.core_api.list_namespaced_pod(
-        namespace=namespace, field_selector=f"metadata.name={name}"
-    ).items
-    return pods[0] if pods else None
+    """The pod (`DagsterKubernetesClient.get_pod_by_name`), or None when it does not exist."""
+    try:
+        return client.get_pod_by_name(name, namespace)
+    except kubernetes.client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
 
 
 def read_events(client: DagsterKubernetesClient, *, name: str, namespace: str) -> list[Any]:
     """The pod's events; empty when the launcher may not list events."""
     try:
-        return list(
-            client.core_api.list_namespaced_event(
-                namespace, field_selector=f"involvedObject.name={name}"
-            ).items
-        )
+        return list(client.retrieve_pod_events(name, namespace))
     except kubernetes.client.ApiException as exc:
         log.info("cannot read events of pod %s: %s", name, exc.reason)
         return []
@@ -331,7 +342,7 @@ def run_k8s_worker(
 
     Raises:
         dagster.Failure: the pod cannot be built, or it failed in a way the table in
-            `pod_failures` maps to a Failure (retryable or not, with the reason).
+            `k8s.failures` maps to a Failure (retryable or not, with the reason).
         WorkerOutOfMemory: the worker ran out of memory; the resource steps memory down once.
     """
     identity = RunIdentity(
