@@ -86,7 +86,9 @@ embed_docs_job = dg.define_asset_job(
     "embed_docs", selection=[doc_embeddings.output_asset.key], partitions_def=DOC_SHARDS
 )
 complete_prompts_job = dg.define_asset_job(
-    "complete_prompts", selection=[prompt_completions.output_asset.key], partitions_def=PROMPT_SHARDS
+    "complete_prompts",
+    selection=[prompt_completions.output_asset.key],
+    partitions_def=PROMPT_SHARDS,
 )
 
 JOBS = {
@@ -110,8 +112,13 @@ defs = dg.Definitions.merge(
             *passage_rerank.assets,
             doc_embedding_stats,
         ],
-        jobs=[embed_docs_job, complete_prompts_job, daily_embeddings_job, extract_tickets_job,
-              rerank_job],
+        jobs=[
+            embed_docs_job,
+            complete_prompts_job,
+            daily_embeddings_job,
+            extract_tickets_job,
+            rerank_job,
+        ],
         schedules=[daily_embeddings_schedule],
         resources=resources_for_environment(),
     ),

@@ -67,15 +67,22 @@ def materialize_all(
     policy = asset_def.backfill_policy
     for batch in partition_batches(keys, policy.max_partitions_per_run if policy else None):
         started = time.perf_counter()
-        print(f"{job_name}: {len(batch)} partition(s) {batch[0]}...{batch[-1]} ...",
-              end="", flush=True, file=terminal)
+        print(
+            f"{job_name}: {len(batch)} partition(s) {batch[0]}...{batch[-1]} ...",
+            end="",
+            flush=True,
+            file=terminal,
+        )
         result = job.execute_in_process(
-            instance=instance, tags={RANGE_START: batch[0], RANGE_END: batch[-1]},
+            instance=instance,
+            tags={RANGE_START: batch[0], RANGE_END: batch[-1]},
             raise_on_error=False,
         )
         status = "ok" if result.success else "FAILED"
-        print(f" {status} in {time.perf_counter() - started:.0f}s (run {result.run_id[:8]})",
-              file=terminal)
+        print(
+            f" {status} in {time.perf_counter() - started:.0f}s (run {result.run_id[:8]})",
+            file=terminal,
+        )
         for key in batch:
             print(f"    {key}: {partition_line(instance, asset_def.key, key)}", file=terminal)
         if not result.success:
@@ -106,9 +113,14 @@ def summary_rows(instance: dg.DagsterInstance, asset_key: dg.AssetKey) -> list[l
         md = {k: v.value for k, v in materialization.metadata.items()}
         rows.append(
             [
-                asset_key.to_user_string(), key, str(md["rows_out"]), str(md["rows_errored"]),
-                f"{md['rows_per_second']:.0f}", f"{md['tokens_per_second']:.0f}",
-                f"{md['model_load_seconds']:.1f}", "yes" if md["computed_in_this_run"] else "reused",
+                asset_key.to_user_string(),
+                key,
+                str(md["rows_out"]),
+                str(md["rows_errored"]),
+                f"{md['rows_per_second']:.0f}",
+                f"{md['tokens_per_second']:.0f}",
+                f"{md['model_load_seconds']:.1f}",
+                "yes" if md["computed_in_this_run"] else "reused",
                 str(md["output_path"]),
             ]
         )
@@ -116,8 +128,17 @@ def summary_rows(instance: dg.DagsterInstance, asset_key: dg.AssetKey) -> list[l
 
 
 def print_table(rows: list[list[str]]) -> None:
-    header = ["asset", "partition", "rows", "errors", "rows/s", "tokens/s", "load s", "computed",
-              "output"]
+    header = [
+        "asset",
+        "partition",
+        "rows",
+        "errors",
+        "rows/s",
+        "tokens/s",
+        "load s",
+        "computed",
+        "output",
+    ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, ["-" * w for w in widths], *rows]:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
@@ -147,7 +168,9 @@ def main() -> None:
         rows.extend(summary_rows(instance, pipeline.output_asset.key))
     print()
     print_table(rows)
-    expected = sum(len(p.output_asset.partitions_def.get_partition_keys()) for p in PIPELINES.values())
+    expected = sum(
+        len(p.output_asset.partitions_def.get_partition_keys()) for p in PIPELINES.values()
+    )
     if len(rows) != expected:
         raise SystemExit(f"expected {expected} materialized partitions, found {len(rows)}")
     print(f"\nall {expected} partitions materialized; open the UI with `make dev`")

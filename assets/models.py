@@ -91,9 +91,23 @@ def _byte_level_corpus() -> list[str]:
         chosen = [words[(i * 7 + j * 13) % len(words)] for j in range(12)]
         lines.append(" ".join(chosen).capitalize() + ".")
         lines.append(
-            '{"' + chosen[0] + '": "' + " ".join(chosen[1:4]) + '", "' + chosen[4] + '": '
-            + str(i * 37 % 1000) + ', "' + chosen[5] + '": [' + str(i % 10) + ", "
-            + str(i % 7) + "], \"ok\": " + ("true" if i % 2 else "false") + "}"
+            '{"'
+            + chosen[0]
+            + '": "'
+            + " ".join(chosen[1:4])
+            + '", "'
+            + chosen[4]
+            + '": '
+            + str(i * 37 % 1000)
+            + ', "'
+            + chosen[5]
+            + '": ['
+            + str(i % 10)
+            + ", "
+            + str(i % 7)
+            + '], "ok": '
+            + ("true" if i % 2 else "false")
+            + "}"
         )
     lines.append("0123456789 {}[]:,\"'-_.!?()<>|/\\ \n\t")
     return lines
@@ -122,7 +136,10 @@ def make_tiny_llama_bpe(dst: str | os.PathLike[str], *, seed: int = 0) -> str:
     trainer.train_from_iterator(_byte_level_corpus(), vocab_size=2048, special_tokens=specials)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=trainer._tokenizer,
-        bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = TINY_LLAMA_CHAT_TEMPLATE
@@ -147,8 +164,9 @@ def make_tiny_llama_bpe(dst: str | os.PathLike[str], *, seed: int = 0) -> str:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "MODEL_CARD.json").write_text(
-        json.dumps({"what": "random-weight test Llama, byte-level BPE tokenizer", "seed": seed},
-                   indent=2)
+        json.dumps(
+            {"what": "random-weight test Llama, byte-level BPE tokenizer", "seed": seed}, indent=2
+        )
     )
     tmp.rename(dst)
     return str(dst)
@@ -157,9 +175,7 @@ def make_tiny_llama_bpe(dst: str | os.PathLike[str], *, seed: int = 0) -> str:
 SENTIMENT_LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 
 
-def make_minilm_classifier(
-    dst: str | os.PathLike[str], *, num_labels: int, seed: int = 0
-) -> str:
+def make_minilm_classifier(dst: str | os.PathLike[str], *, num_labels: int, seed: int = 0) -> str:
     """Write a `BertForSequenceClassification` on the packaged MiniLM encoder to `dst`.
 
     The encoder is the real all-MiniLM-L6-v2; the classification head (and the pooler, which
@@ -177,9 +193,11 @@ def make_minilm_classifier(
     from transformers import AutoTokenizer, BertForSequenceClassification
 
     torch.manual_seed(seed)
-    labels = {0: "relevance"} if num_labels == 1 else {
-        i: SENTIMENT_LABELS.get(i, f"label_{i}") for i in range(num_labels)
-    }
+    labels = (
+        {0: "relevance"}
+        if num_labels == 1
+        else {i: SENTIMENT_LABELS.get(i, f"label_{i}") for i in range(num_labels)}
+    )
     model = BertForSequenceClassification.from_pretrained(
         minilm_path(),
         num_labels=num_labels,
@@ -194,8 +212,9 @@ def make_minilm_classifier(
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "MODEL_CARD.json").write_text(
-        json.dumps({"what": f"MiniLM encoder + seeded {num_labels}-label head", "seed": seed},
-                   indent=2)
+        json.dumps(
+            {"what": f"MiniLM encoder + seeded {num_labels}-label head", "seed": seed}, indent=2
+        )
     )
     tmp.rename(dst)
     return str(dst)

@@ -22,9 +22,22 @@ from assets.paths import (
 )
 
 TOPICS = [
-    "solar power", "river ecology", "distributed databases", "medieval trade", "protein folding",
-    "jazz history", "urban cycling", "volcanoes", "tax policy", "deep sea fish", "compilers",
-    "bread baking", "glaciers", "chess openings", "supply chains", "bird migration",
+    "solar power",
+    "river ecology",
+    "distributed databases",
+    "medieval trade",
+    "protein folding",
+    "jazz history",
+    "urban cycling",
+    "volcanoes",
+    "tax policy",
+    "deep sea fish",
+    "compilers",
+    "bread baking",
+    "glaciers",
+    "chess openings",
+    "supply chains",
+    "bird migration",
 ]
 VERBS = ["explains", "questions", "summarises", "compares", "criticises", "celebrates"]
 DETAILS = [
@@ -93,8 +106,12 @@ def write_prompt_shards(shards: int = 4, rows_per_shard: int = 200, seed: int = 
 
 PRODUCTS = ["the app", "the website", "my invoice", "the router", "the checkout page"]
 PROBLEMS = [
-    "crashes when I open it", "charges me twice", "is very slow since Monday",
-    "shows an empty page", "will not connect", "lost my saved settings",
+    "crashes when I open it",
+    "charges me twice",
+    "is very slow since Monday",
+    "shows an empty page",
+    "will not connect",
+    "lost my saved settings",
 ]
 
 
@@ -117,10 +134,12 @@ def write_ticket_shards(shards: int = 2, rows_per_shard: int = 24, seed: int = 5
             "Extract product, urgency (1-5) and a short summary as JSON.\nTicket: " + t
             for t in tickets
         ]
-        table = pa.table({
-            "ticket_id": [f"ticket-{shard:03d}-{i:04d}" for i in range(rows_per_shard)],
-            "prompt": prompts,
-        })
+        table = pa.table(
+            {
+                "ticket_id": [f"ticket-{shard:03d}-{i:04d}" for i in range(rows_per_shard)],
+                "prompt": prompts,
+            }
+        )
         pq.write_table(table, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)
         written.append(str(path))
@@ -140,13 +159,21 @@ def write_rerank_shards(shards: int = 2, queries_per_shard: int = 12, seed: int 
             topic = rng.choice(TOPICS)
             passages = [make_document(rng, shard * 1000 + i * 10 + j) for j in range(4)]
             passages.insert(rng.randrange(5), f"A short introduction to {topic} for beginners.")
-            lines.append(json.dumps({
-                "custom_id": f"q-{shard:03d}-{i:04d}",
-                "method": "POST",
-                "url": "/v1/rerank",
-                "body": {"model": "minilm-cross-encoder", "query": f"What is {topic}?",
-                         "documents": passages, "top_n": 3},
-            }))
+            lines.append(
+                json.dumps(
+                    {
+                        "custom_id": f"q-{shard:03d}-{i:04d}",
+                        "method": "POST",
+                        "url": "/v1/rerank",
+                        "body": {
+                            "model": "minilm-cross-encoder",
+                            "query": f"What is {topic}?",
+                            "documents": passages,
+                            "top_n": 3,
+                        },
+                    }
+                )
+            )
         if path.exists():
             continue
         path.with_suffix(".tmp").write_text("\n".join(lines) + "\n")
@@ -173,9 +200,11 @@ def main() -> None:
     model = make_tiny_llama(generation_model_dir())
     structured = make_tiny_llama_bpe(structured_model_dir())
     cross_encoder = make_minilm_classifier(cross_encoder_dir(), num_labels=1)
-    print(f"inputs under {data_dir() / 'inputs'} (existing ones kept): {len(docs)} doc shards, "
-          f"{len(prompts)} prompt shards, {len(tickets)} ticket shards, {len(rerank)} rerank "
-          f"shards, {len(daily)} new daily note files ({days[0]} to {days[-1]})")
+    print(
+        f"inputs under {data_dir() / 'inputs'} (existing ones kept): {len(docs)} doc shards, "
+        f"{len(prompts)} prompt shards, {len(tickets)} ticket shards, {len(rerank)} rerank "
+        f"shards, {len(daily)} new daily note files ({days[0]} to {days[-1]})"
+    )
     print(f"models: {model}, {structured}, {cross_encoder}")
 
 

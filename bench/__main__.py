@@ -32,36 +32,64 @@ from bench.context import FULL, REPO_ROOT, SMOKE, BenchContext, find_ray_python,
 
 SECTIONS = ("throughput", "prefix", "amortization", "memory", "control-plane", "knobs")
 DEFAULT_SECTIONS = SECTIONS[:-1]  # `knobs` (engine settings, one start each) only on request
-RESULT_KEYS = {"throughput": "throughput", "prefix": "prefix_cache", "amortization": "amortization",
-               "memory": "memory", "control-plane": "control_plane", "knobs": "knobs"}
+RESULT_KEYS = {
+    "throughput": "throughput",
+    "prefix": "prefix_cache",
+    "amortization": "amortization",
+    "memory": "memory",
+    "control-plane": "control_plane",
+    "knobs": "knobs",
+}
 # section -> the function that runs it (throughput runs once per task, apart)
-RUNNERS = {"prefix": "bench.prefix_cache:run_prefix_cache",
-           "amortization": "bench.amortization:run_amortization",
-           "memory": "bench.memory:run_memory", "knobs": "bench.knobs:run_knobs",
-           "control-plane": "bench.control_plane:run_control_plane"}
+RUNNERS = {
+    "prefix": "bench.prefix_cache:run_prefix_cache",
+    "amortization": "bench.amortization:run_amortization",
+    "memory": "bench.memory:run_memory",
+    "knobs": "bench.knobs:run_knobs",
+    "control-plane": "bench.control_plane:run_control_plane",
+}
 log = logging.getLogger("bench")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the suite runs")
-    parser.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
-                        help=f"comma-separated sections among {', '.join(SECTIONS)}")
+    parser.add_argument(
+        "--only",
+        default=",".join(DEFAULT_SECTIONS),
+        help=f"comma-separated sections among {', '.join(SECTIONS)}",
+    )
     parser.add_argument("--tasks", default="embed,generate", help="throughput tasks")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default: 3 full, 2 smoke)")
-    parser.add_argument("--results", type=Path, help="results folder (default bench/results; "
-                        "smoke: .data/bench-smoke/results)")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        help="results folder (default bench/results; smoke: .data/bench-smoke/results)",
+    )
     parser.add_argument("--work", type=Path, help="scratch folder (default .data/bench[-smoke])")
-    parser.add_argument("--ray-python", help="a Python with ray[data] and vllm for the Ray "
-                        "contestant (default: GPUINFER_BENCH_RAY_PYTHON, else this one)")
+    parser.add_argument(
+        "--ray-python",
+        help="a Python with ray[data] and vllm for the Ray "
+        "contestant (default: GPUINFER_BENCH_RAY_PYTHON, else this one)",
+    )
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray Data contestant")
-    parser.add_argument("--amortization-partitions", type=int,
-                        help="partitions of the amortization backfill (default 32 full)")
-    parser.add_argument("--amortization-per-run", help="comma-separated partitions per run "
-                        "(default 1,4,8,32 full)")
-    parser.add_argument("--memory-rows", type=int, help="rows of the memory shard "
-                        "(default 1,000,000 full, 2,000 smoke)")
+    parser.add_argument(
+        "--amortization-partitions",
+        type=int,
+        help="partitions of the amortization backfill (default 32 full)",
+    )
+    parser.add_argument(
+        "--amortization-per-run", help="comma-separated partitions per run (default 1,4,8,32 full)"
+    )
+    parser.add_argument(
+        "--memory-rows",
+        type=int,
+        help="rows of the memory shard (default 1,000,000 full, 2,000 smoke)",
+    )
     return parser.parse_args(argv)
 
 
@@ -78,14 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.amortization_partitions:
         sizes = replace(sizes, amortization_partitions=args.amortization_partitions)
     if args.amortization_per_run:
-        sizes = replace(sizes, amortization_per_run=tuple(
-            int(k) for k in args.amortization_per_run.split(",")))
+        sizes = replace(
+            sizes, amortization_per_run=tuple(int(k) for k in args.amortization_per_run.split(","))
+        )
     if args.memory_rows:
         sizes = replace(sizes, memory_rows=args.memory_rows)
     suffix = "bench-smoke" if args.smoke else "bench"
     work = (args.work or REPO_ROOT / ".data" / suffix).resolve()
-    results_dir = (args.results or (REPO_ROOT / ".data" / suffix / "results" if args.smoke
-                                    else REPO_ROOT / "bench" / "results")).resolve()
+    results_dir = (
+        args.results
+        or (
+            REPO_ROOT / ".data" / suffix / "results"
+            if args.smoke
+            else REPO_ROOT / "bench" / "results"
+        )
+    ).resolve()
     ctx = BenchContext(sizes=sizes, work_dir=work, results_dir=results_dir, smoke=args.smoke)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     unknown = only - set(SECTIONS)
@@ -95,9 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "started": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
-                   f"load average at start {os.getloadavg()[0]:.1f}",
-        "smoke": args.smoke, "rounds": sizes.rounds, "sizes": sizes.__dict__,
-        "skipped": [], "notes": ctx.notes, "errors": {},
+        f"load average at start {os.getloadavg()[0]:.1f}",
+        "smoke": args.smoke,
+        "rounds": sizes.rounds,
+        "sizes": sizes.__dict__,
+        "skipped": [],
+        "notes": ctx.notes,
+        "errors": {},
     }
     _keep_earlier_sections(results, results_dir / "results.json", only)
     if "throughput" in only and not args.no_ray:
@@ -162,8 +201,9 @@ def _keep_earlier_sections(results: dict[str, Any], path: Path, only: set[str]) 
         if section not in only and key in earlier:
             results[key] = earlier[key]
             kept = [n for n in earlier.get("notes", []) if n.startswith(f"{section}: from ")]
-            results["notes"].extend(kept or [f"{section}: from `{earlier.get('command')}` "
-                                             f"of {earlier.get('started')}"])
+            results["notes"].extend(
+                kept or [f"{section}: from `{earlier.get('command')}` of {earlier.get('started')}"]
+            )
 
 
 if __name__ == "__main__":

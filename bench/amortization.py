@@ -33,11 +33,16 @@ def run_amortization(ctx: BenchContext) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     for per_run in sizes.amortization_per_run:
         pipeline = PlatformPipeline(
-            name=f"amortize_{per_run}", model=ctx.embed_model(), task="embed",
-            input_uri=str(root / "inputs" / "{partition_key}.parquet"), root=root / f"k{per_run}",
-            keys=keys, resource=resource,
+            name=f"amortize_{per_run}",
+            model=ctx.embed_model(),
+            task="embed",
+            input_uri=str(root / "inputs" / "{partition_key}.parquet"),
+            root=root / f"k{per_run}",
+            keys=keys,
+            resource=resource,
             engine=EngineArgs(dtype="float32", extra={"kv_cache_memory_bytes": KV_CACHE_BYTES}),
-            chunk_size=sizes.chunk_size, partitions_per_run=per_run,
+            chunk_size=sizes.chunk_size,
+            partitions_per_run=per_run,
         )
         loads_before = _count_lines(load_log)
         batches = [keys[i : i + per_run] for i in range(0, len(keys), per_run)]
@@ -49,16 +54,29 @@ def run_amortization(ctx: BenchContext) -> dict[str, Any]:
             partition_seconds += sum(timing.partition_seconds.values())
         loads = _count_lines(load_log) - loads_before
         row = {
-            "partitions_per_run": per_run, "runs": len(batches), "model_loads": loads,
-            "wall_seconds": wall, "model_load_seconds": load_seconds,
+            "partitions_per_run": per_run,
+            "runs": len(batches),
+            "model_loads": loads,
+            "wall_seconds": wall,
+            "model_load_seconds": load_seconds,
             "partition_seconds": partition_seconds,
-            "rows": len(texts), "rows_per_s_end_to_end": len(texts) / wall,
+            "rows": len(texts),
+            "rows_per_s_end_to_end": len(texts) / wall,
         }
-        log.info("amortization %2d/run: %d runs, %d loads, %.1fs wall", per_run, len(batches),
-                 loads, wall)
+        log.info(
+            "amortization %2d/run: %d runs, %d loads, %.1fs wall",
+            per_run,
+            len(batches),
+            loads,
+            wall,
+        )
         results.append(row)
-    return {"partitions": len(keys), "rows_per_partition": sizes.amortization_rows,
-            "model": "all-MiniLM-L6-v2 (embed)", "settings": results}
+    return {
+        "partitions": len(keys),
+        "rows_per_partition": sizes.amortization_rows,
+        "model": "all-MiniLM-L6-v2 (embed)",
+        "settings": results,
+    }
 
 
 def _count_lines(path: Path) -> int:

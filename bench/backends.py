@@ -35,8 +35,14 @@ def _shutdown_llm(llm: Any) -> None:
 class VllmBackend:
     """The raw vLLM engine with the given engine arguments."""
 
-    def __init__(self, *, model: str, task: str, engine_kwargs: dict[str, Any],
-                 sampling: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        model: str,
+        task: str,
+        engine_kwargs: dict[str, Any],
+        sampling: dict[str, Any] | None = None,
+    ) -> None:
         from vllm import LLM, SamplingParams
 
         self.task = task
@@ -51,8 +57,13 @@ class VllmBackend:
             outputs = self.llm.embed(texts, use_tqdm=False)
             seconds = time.perf_counter() - started
             prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-            return {"seconds": seconds, "rows": len(outputs), "prompt_tokens": prompt_tokens,
-                    "generated_tokens": 0, "dim": len(outputs[0].outputs.embedding)}
+            return {
+                "seconds": seconds,
+                "rows": len(outputs),
+                "prompt_tokens": prompt_tokens,
+                "generated_tokens": 0,
+                "dim": len(outputs[0].outputs.embedding),
+            }
         outputs = self.llm.generate(texts, self.sampling, use_tqdm=False)
         seconds = time.perf_counter() - started
         return {
@@ -76,8 +87,16 @@ class TransformersBackend:
     with left padding and greedy `generate(max_new_tokens=...)`, batch by batch.
     """
 
-    def __init__(self, *, model: str, task: str, batch_size: int = 64, max_tokens: int = 32,
-                 dtype: str = "float32", threads: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        model: str,
+        task: str,
+        batch_size: int = 64,
+        max_tokens: int = 32,
+        dtype: str = "float32",
+        threads: int | None = None,
+    ) -> None:
         import torch
         from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
@@ -95,8 +114,11 @@ class TransformersBackend:
         else:
             self.tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval()
-        self.info = {"engine_seconds": time.perf_counter() - started, "pid": os.getpid(),
-                     "threads": torch.get_num_threads()}
+        self.info = {
+            "engine_seconds": time.perf_counter() - started,
+            "pid": os.getpid(),
+            "threads": torch.get_num_threads(),
+        }
 
     def run(self, texts: list[str]) -> dict[str, Any]:
         torch = self.torch
@@ -118,11 +140,13 @@ class TransformersBackend:
                     torch.nn.functional.normalize(pooled.float(), dim=-1).numpy()
                     continue
                 out = self.model.generate(
-                    **enc, max_new_tokens=self.max_tokens, do_sample=False,
+                    **enc,
+                    max_new_tokens=self.max_tokens,
+                    do_sample=False,
                     pad_token_id=self.tokenizer.pad_token_id,
                     eos_token_id=self.model.config.eos_token_id,
                 )
-                new = out[:, enc["input_ids"].shape[1]:]
+                new = out[:, enc["input_ids"].shape[1] :]
                 for row in new.tolist():
                     # tokens up to and including the first end-of-sequence
                     eos = self.model.config.eos_token_id
@@ -130,8 +154,12 @@ class TransformersBackend:
                     kept = [t for t in kept if t != self.tokenizer.pad_token_id or t == eos]
                     sequences.append(kept)
                     generated += len(kept)
-        result = {"seconds": time.perf_counter() - started, "rows": len(texts),
-                  "prompt_tokens": prompt_tokens, "generated_tokens": generated}
+        result = {
+            "seconds": time.perf_counter() - started,
+            "rows": len(texts),
+            "prompt_tokens": prompt_tokens,
+            "generated_tokens": generated,
+        }
         if sequences:
             result["fingerprint"] = _fingerprint(sequences)
         return result
@@ -148,20 +176,35 @@ class RayDataBackend:
     same way the platform's partition time starts after its engine is built.
     """
 
-    def __init__(self, *, model: str, task: str, engine_kwargs: dict[str, Any],
-                 sampling: dict[str, Any] | None = None, batch_size: int = 256,
-                 num_cpus: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        model: str,
+        task: str,
+        engine_kwargs: dict[str, Any],
+        sampling: dict[str, Any] | None = None,
+        batch_size: int = 256,
+        num_cpus: int = 2,
+    ) -> None:
         import ray
 
         started = time.perf_counter()
-        ray.init(num_cpus=num_cpus, num_gpus=1, include_dashboard=False,
-                 log_to_driver=False, ignore_reinit_error=True)
+        ray.init(
+            num_cpus=num_cpus,
+            num_gpus=1,
+            include_dashboard=False,
+            log_to_driver=False,
+            ignore_reinit_error=True,
+        )
         self.ray = ray
         self.model, self.task = model, task
         self.engine_kwargs, self.sampling = engine_kwargs, sampling or {}
         self.batch_size = batch_size
-        self.info = {"engine_seconds": time.perf_counter() - started, "pid": os.getpid(),
-                     "ray": ray.__version__}
+        self.info = {
+            "engine_seconds": time.perf_counter() - started,
+            "pid": os.getpid(),
+            "ray": ray.__version__,
+        }
 
     def run(self, texts: list[str]) -> dict[str, Any]:
         import ray.data
@@ -169,8 +212,9 @@ class RayDataBackend:
         actor = _make_ray_actor(self.model, self.task, self.engine_kwargs, self.sampling)
         started = time.perf_counter()
         ds = ray.data.from_items([{"text": t} for t in texts])
-        ds = ds.map_batches(actor, batch_size=self.batch_size, concurrency=1, num_gpus=1,
-                            batch_format="pandas")
+        ds = ds.map_batches(
+            actor, batch_size=self.batch_size, concurrency=1, num_gpus=1, batch_format="pandas"
+        )
         rows = ds.to_pandas()
         wall = time.perf_counter() - started
         ready = float(rows["ready_at"].iloc[0])
@@ -188,8 +232,9 @@ class RayDataBackend:
         self.ray.shutdown()
 
 
-def _make_ray_actor(model: str, task: str, engine_kwargs: dict[str, Any],
-                    sampling: dict[str, Any]) -> type:
+def _make_ray_actor(
+    model: str, task: str, engine_kwargs: dict[str, Any], sampling: dict[str, Any]
+) -> type:
     class VllmActor:
         def __init__(self) -> None:
             from vllm import LLM, SamplingParams

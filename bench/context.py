@@ -37,10 +37,20 @@ class Sizes:
 
 
 FULL = Sizes(
-    rounds=3, embed_rows=1000, generate_rows=800, max_tokens=32, chunk_size=512,
-    amortization_partitions=32, amortization_rows=32, amortization_per_run=(1, 4, 8, 32),
-    memory_rows=1_000_000, memory_chunk_sizes=(512,),
-    prefix_rows=512, prefix_headers=64, prefix_header_examples=12, prefix_max_tokens=8,
+    rounds=3,
+    embed_rows=1000,
+    generate_rows=800,
+    max_tokens=32,
+    chunk_size=512,
+    amortization_partitions=32,
+    amortization_rows=32,
+    amortization_per_run=(1, 4, 8, 32),
+    memory_rows=1_000_000,
+    memory_chunk_sizes=(512,),
+    prefix_rows=512,
+    prefix_headers=64,
+    prefix_header_examples=12,
+    prefix_max_tokens=8,
     # The tiny Llama keeps 1 KiB of KV per token (2 layers x K,V x 2 heads x 64 x bf16), so
     # 6 MiB holds ~6k tokens: about a quarter of the 64 headers (~340 tokens each). A cache
     # that held them all (24 MiB did) makes input order hit as often as grouped order, and
@@ -48,10 +58,20 @@ FULL = Sizes(
     prefix_kv_cache_bytes=6 << 20,
 )
 SMOKE = Sizes(
-    rounds=1, embed_rows=24, generate_rows=12, max_tokens=4, chunk_size=8,
-    amortization_partitions=2, amortization_rows=4, amortization_per_run=(1, 2),
-    memory_rows=2_000, memory_chunk_sizes=(256,),
-    prefix_rows=24, prefix_headers=3, prefix_header_examples=4, prefix_max_tokens=2,
+    rounds=1,
+    embed_rows=24,
+    generate_rows=12,
+    max_tokens=4,
+    chunk_size=8,
+    amortization_partitions=2,
+    amortization_rows=4,
+    amortization_per_run=(1, 2),
+    memory_rows=2_000,
+    memory_chunk_sizes=(256,),
+    prefix_rows=24,
+    prefix_headers=3,
+    prefix_header_examples=4,
+    prefix_max_tokens=2,
     prefix_kv_cache_bytes=64 << 20,
 )
 
@@ -94,19 +114,25 @@ def find_ray_python(explicit: str | None) -> tuple[str | None, str]:
     or this one. Returns it (or None) and a sentence saying which and why."""
     import sys
 
-    candidates = [c for c in (explicit, os.environ.get("GPUINFER_BENCH_RAY_PYTHON"), sys.executable) if c]
+    candidates = [
+        c for c in (explicit, os.environ.get("GPUINFER_BENCH_RAY_PYTHON"), sys.executable) if c
+    ]
     for python in candidates:
         try:
             done = subprocess.run(
                 [python, "-c", "import ray, ray.data, vllm; print(ray.__version__)"],
-                capture_output=True, text=True, timeout=180,
+                capture_output=True,
+                text=True,
+                timeout=180,
             )
         except (OSError, subprocess.TimeoutExpired):
             continue
         if done.returncode == 0:
             return python, f"Ray {done.stdout.strip()} from {python}"
-    return None, ("Ray Data is not installed (`pip install -e .[bench]` or set "
-                  "GPUINFER_BENCH_RAY_PYTHON): its contestant was skipped")
+    return None, (
+        "Ray Data is not installed (`pip install -e .[bench]` or set "
+        "GPUINFER_BENCH_RAY_PYTHON): its contestant was skipped"
+    )
 
 
 def write_json(path: Path, payload: Any) -> None:

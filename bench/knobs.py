@@ -28,8 +28,13 @@ def run_knobs(ctx: BenchContext) -> dict[str, Any]:
     model = ctx.embed_model()
     texts = embed_texts(sizes.embed_rows)
     cores = len(os.sched_getaffinity(0))
-    base = {"runner": "pooling", "dtype": "float32", "gpu_memory_utilization": 0.2,
-            "enforce_eager": True, "kv_cache_memory_bytes": KV_CACHE_BYTES}
+    base = {
+        "runner": "pooling",
+        "dtype": "float32",
+        "gpu_memory_utilization": 0.2,
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": KV_CACHE_BYTES,
+    }
     uni = {**base, "distributed_executor_backend": "uni"}
     spare = {"OMP_NUM_THREADS": str(max(1, cores - 1))}
     variants: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
@@ -48,13 +53,18 @@ def run_knobs(ctx: BenchContext) -> dict[str, Any]:
         for index, (name, (kind, kwargs, env)) in enumerate(variants.items()):
             log.info("knobs: starting %s", name)
             if kind == "vllm":
-                backend, init = "bench.backends:VllmBackend", dict(model=model, task="embed",
-                                                                     engine_kwargs=kwargs)
+                backend, init = (
+                    "bench.backends:VllmBackend",
+                    dict(model=model, task="embed", engine_kwargs=kwargs),
+                )
             else:
-                backend, init = "bench.backends:TransformersBackend", dict(
-                    model=model, task="embed", batch_size=64, **kwargs)
-            contestants[name] = ContestantProcess(f"knobs-{index}", backend, init,
-                                                  env={**env_base, **env}, log_dir=ctx.log_dir)
+                backend, init = (
+                    "bench.backends:TransformersBackend",
+                    dict(model=model, task="embed", batch_size=64, **kwargs),
+                )
+            contestants[name] = ContestantProcess(
+                f"knobs-{index}", backend, init, env={**env_base, **env}, log_dir=ctx.log_dir
+            )
             loads[name] = contestants[name].info["engine_seconds"]
         rates: dict[str, list[float]] = {name: [] for name in variants}
         for round_index, order in enumerate(rotations(list(variants), sizes.rounds)):
@@ -67,11 +77,15 @@ def run_knobs(ctx: BenchContext) -> dict[str, Any]:
             contestant.close()
     reference = "transformers float32"
     return {
-        "rows": len(texts), "cores": cores,
+        "rows": len(texts),
+        "cores": cores,
         "variants": {
-            name: {"rows_per_s": rates[name], "rows_per_s_summary": summarize(rates[name]).__dict__,
-                   "over_transformers_fp32": paired_ratios(rates[name], rates[reference]).__dict__,
-                   "engine_seconds": loads[name]}
+            name: {
+                "rows_per_s": rates[name],
+                "rows_per_s_summary": summarize(rates[name]).__dict__,
+                "over_transformers_fp32": paired_ratios(rates[name], rates[reference]).__dict__,
+                "engine_seconds": loads[name],
+            }
             for name in variants
         },
     }

@@ -59,8 +59,9 @@ class RssSampler(threading.Thread):
             if self.ready_at is None and self.load_log.exists() and self.load_log.stat().st_size:
                 self.ready_at = now
             if worker_rss:
-                self.samples.append({"t": now, "worker_mib": worker_rss / MIB,
-                                     "engine_mib": engine_rss / MIB})
+                self.samples.append(
+                    {"t": now, "worker_mib": worker_rss / MIB, "engine_mib": engine_rss / MIB}
+                )
             self._halt.wait(self.interval)
 
     def stop(self) -> None:
@@ -75,13 +76,20 @@ def run_memory(ctx: BenchContext) -> dict[str, Any]:
     results = []
     for chunk_size in sizes.memory_chunk_sizes:
         load_log = root / f"loads-{chunk_size}.log"
-        resource = local_resource(env={**ctx.engine_env(), "GPUINFER_MODEL_LOAD_LOG": str(load_log)})
+        resource = local_resource(
+            env={**ctx.engine_env(), "GPUINFER_MODEL_LOAD_LOG": str(load_log)}
+        )
         pipeline = PlatformPipeline(
-            name=f"memory_{chunk_size}", model=ctx.generate_model(), task="generate",
-            input_uri=str(root / "inputs" / "{partition_key}.parquet"), root=root / f"c{chunk_size}",
-            keys=["big"], resource=resource,
+            name=f"memory_{chunk_size}",
+            model=ctx.generate_model(),
+            task="generate",
+            input_uri=str(root / "inputs" / "{partition_key}.parquet"),
+            root=root / f"c{chunk_size}",
+            keys=["big"],
+            resource=resource,
             engine=EngineArgs(max_model_len=64, extra={"kv_cache_memory_bytes": KV_CACHE_BYTES}),
-            sampling=SamplingParams(temperature=0.0, max_tokens=1), chunk_size=chunk_size,
+            sampling=SamplingParams(temperature=0.0, max_tokens=1),
+            chunk_size=chunk_size,
         )
         sampler = RssSampler(load_log)
         sampler.start()
@@ -96,14 +104,25 @@ def run_memory(ctx: BenchContext) -> dict[str, Any]:
         peak_worker = max((s["worker_mib"] for s in samples), default=float("nan"))
         peak_engine = max((s["engine_mib"] for s in samples), default=float("nan"))
         row = {
-            "chunk_size": chunk_size, "rows": timing.rows, "shard_mib": shard.stat().st_size / MIB,
+            "chunk_size": chunk_size,
+            "rows": timing.rows,
+            "shard_mib": shard.stat().st_size / MIB,
             "partition_seconds": timing.partition_seconds["big"],
-            "worker_mib_at_engine_ready": baseline, "worker_peak_mib": peak_worker,
-            "worker_growth_mib": peak_worker - baseline, "engine_peak_mib": peak_engine,
-            "samples": samples, "engine_ready_t": ready,
+            "worker_mib_at_engine_ready": baseline,
+            "worker_peak_mib": peak_worker,
+            "worker_growth_mib": peak_worker - baseline,
+            "engine_peak_mib": peak_engine,
+            "samples": samples,
+            "engine_ready_t": ready,
         }
-        log.info("memory chunk %d: %d rows in %.0fs, worker %.0f MiB at ready, peak %.0f MiB",
-                 chunk_size, timing.rows, row["partition_seconds"], baseline, peak_worker)
+        log.info(
+            "memory chunk %d: %d rows in %.0fs, worker %.0f MiB at ready, peak %.0f MiB",
+            chunk_size,
+            timing.rows,
+            row["partition_seconds"],
+            baseline,
+            peak_worker,
+        )
         results.append(row)
         pipeline.clear_outputs()
     return {"rows": sizes.memory_rows, "settings": results}

@@ -31,8 +31,9 @@ RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
 
 
-def local_resource(*, env: dict[str, str] | None = None,
-                   engine_overrides: dict[str, Any] | None = None) -> GpuInferenceResource:
+def local_resource(
+    *, env: dict[str, str] | None = None, engine_overrides: dict[str, Any] | None = None
+) -> GpuInferenceResource:
     """The reference local resource (`resources.local`), plus bench environment and knobs."""
     from resources.local import local_resources
 
@@ -73,10 +74,21 @@ class PlatformPipeline:
         resource: The `GpuInferenceResource` the runs use.
     """
 
-    def __init__(self, *, name: str, model: str, task: str, input_uri: str, root: Path,
-                 keys: list[str], resource: GpuInferenceResource, engine: EngineArgs,
-                 sampling: SamplingParams | None = None, chunk_size: int = 512,
-                 partitions_per_run: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        model: str,
+        task: str,
+        input_uri: str,
+        root: Path,
+        keys: list[str],
+        resource: GpuInferenceResource,
+        engine: EngineArgs,
+        sampling: SamplingParams | None = None,
+        chunk_size: int = 512,
+        partitions_per_run: int | None = None,
+    ) -> None:
         self.name = name
         self.keys = keys
         self.output_root = str(root / "outputs")
@@ -97,8 +109,13 @@ class PlatformPipeline:
         self.job_name = f"bench_{name}"
         self.defs = dg.Definitions(
             assets=self.pipeline.assets,
-            jobs=[dg.define_asset_job(self.job_name, selection=[self.pipeline.output_asset.key],
-                                      partitions_def=partitions_def)],
+            jobs=[
+                dg.define_asset_job(
+                    self.job_name,
+                    selection=[self.pipeline.output_asset.key],
+                    partitions_def=partitions_def,
+                )
+            ],
             resources={"gpu": resource},
         )
         home = root / "dagster_home"
@@ -125,7 +142,8 @@ class PlatformPipeline:
         job = self.defs.resolve_job_def(self.job_name)
         started = time.perf_counter()
         result = job.execute_in_process(
-            instance=self.instance, tags={RANGE_START: keys[0], RANGE_END: keys[-1]},
+            instance=self.instance,
+            tags={RANGE_START: keys[0], RANGE_END: keys[-1]},
             run_config={"loggers": {"console": {"config": {"log_level": "WARNING"}}}},
             raise_on_error=True,
         )
@@ -134,7 +152,9 @@ class PlatformPipeline:
             raise RuntimeError(f"bench run of {self.name} {keys[0]}...{keys[-1]} failed")
         run_md = _run_metadata(self.instance, result.run_id)
         timing = RunTiming(
-            keys=list(keys), run_seconds=run_seconds, model_load_seconds=0.0,
+            keys=list(keys),
+            run_seconds=run_seconds,
+            model_load_seconds=0.0,
             model_loads=int(run_md.get("run_model_loads", 0)),
             worker_seconds=float(run_md.get("run_wall_seconds", 0.0)),
         )

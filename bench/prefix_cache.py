@@ -29,20 +29,33 @@ def run_prefix_cache(ctx: BenchContext) -> dict[str, Any]:
     from bench.platform_run import local_resource
 
     resource = local_resource(env=ctx.engine_env())
-    spec = resource.prepare_spec(InferenceSpec(
-        model=ctx.generate_model(), task="generate",
-        engine=EngineArgs(max_model_len=512, enable_prefix_caching=True,
-                          extra={"kv_cache_memory_bytes": sizes.prefix_kv_cache_bytes}),
-        sampling=SamplingParams(temperature=0.0, max_tokens=sizes.prefix_max_tokens),
-        input=InputSpec(uri=str(root / "{partition_key}.parquet")),
-        output=OutputSpec(root=str(root / "out"), asset_name="prefix"),
-        chunk_size=sizes.prefix_rows,
-    ))
-    texts = prefix_texts(sizes.prefix_rows, headers=sizes.prefix_headers,
-                         header_examples=sizes.prefix_header_examples)
-    engine = ContestantProcess("prefix-engine", "bench.backends:EngineBackend",
-                               dict(spec_json=spec.model_dump_json()), env=resource.env,
-                               log_dir=ctx.log_dir)
+    spec = resource.prepare_spec(
+        InferenceSpec(
+            model=ctx.generate_model(),
+            task="generate",
+            engine=EngineArgs(
+                max_model_len=512,
+                enable_prefix_caching=True,
+                extra={"kv_cache_memory_bytes": sizes.prefix_kv_cache_bytes},
+            ),
+            sampling=SamplingParams(temperature=0.0, max_tokens=sizes.prefix_max_tokens),
+            input=InputSpec(uri=str(root / "{partition_key}.parquet")),
+            output=OutputSpec(root=str(root / "out"), asset_name="prefix"),
+            chunk_size=sizes.prefix_rows,
+        )
+    )
+    texts = prefix_texts(
+        sizes.prefix_rows,
+        headers=sizes.prefix_headers,
+        header_examples=sizes.prefix_header_examples,
+    )
+    engine = ContestantProcess(
+        "prefix-engine",
+        "bench.backends:EngineBackend",
+        dict(spec_json=spec.model_dump_json()),
+        env=resource.env,
+        log_dir=ctx.log_dir,
+    )
     try:
         token_ids = engine.call("tokenize", texts)
         rates: dict[str, list[float]] = {name: [] for name in ORDERS}
@@ -56,20 +69,29 @@ def run_prefix_cache(ctx: BenchContext) -> dict[str, Any]:
                 prompt_rates[name].append(out["prompt_tokens"] / out["seconds"])
                 cached[name].append(out["cached_tokens"] / max(out["prompt_tokens"], 1))
                 fingerprints[name].add(out["fingerprint"])
-                log.info("prefix round %d %-11s %7.1f rows/s, %4.0f%% prompt tokens cached",
-                         round_index, name, rates[name][-1], 100 * cached[name][-1])
+                log.info(
+                    "prefix round %d %-11s %7.1f rows/s, %4.0f%% prompt tokens cached",
+                    round_index,
+                    name,
+                    rates[name][-1],
+                    100 * cached[name][-1],
+                )
     finally:
         engine.close()
     prompt_tokens = sum(len(t) for t in token_ids)
     return {
-        "rows": len(texts), "headers": sizes.prefix_headers,
+        "rows": len(texts),
+        "headers": sizes.prefix_headers,
         "mean_prompt_tokens": prompt_tokens / len(token_ids),
         "kv_cache_mib": sizes.prefix_kv_cache_bytes / (1 << 20),
         "max_tokens": sizes.prefix_max_tokens,
         "orders": {
-            name: {"rows_per_s": rates[name], "rows_per_s_summary": summarize(rates[name]).__dict__,
-                   "prompt_tokens_per_s_summary": summarize(prompt_rates[name]).__dict__,
-                   "cached_fraction_summary": summarize(cached[name]).__dict__}
+            name: {
+                "rows_per_s": rates[name],
+                "rows_per_s_summary": summarize(rates[name]).__dict__,
+                "prompt_tokens_per_s_summary": summarize(prompt_rates[name]).__dict__,
+                "cached_fraction_summary": summarize(cached[name]).__dict__,
+            }
             for name in ORDERS
         },
         "ratio_grouped_over_input": paired_ratios(rates["grouped"], rates["input order"]).__dict__,

@@ -12,7 +12,9 @@ HEADLINE_TARGET = 0.95
 def _fmt(summary: dict[str, Any] | None, digits: int = 2) -> str:
     if not summary or summary.get("n", 0) == 0 or math.isnan(summary["median"]):
         return "n/a"
-    return f"{summary['median']:.{digits}f} ({summary['low']:.{digits}f}-{summary['high']:.{digits}f})"
+    return (
+        f"{summary['median']:.{digits}f} ({summary['low']:.{digits}f}-{summary['high']:.{digits}f})"
+    )
 
 
 def write_report(results: dict[str, Any], out_dir: Path) -> Path:
@@ -29,9 +31,14 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         "",
     ]
     lines += _headline(results)
-    for section, writer in (("throughput", _throughput), ("prefix_cache", _prefix),
-                            ("amortization", _amortization), ("memory", _memory),
-                            ("knobs", _knobs), ("control_plane", _control_plane)):
+    for section, writer in (
+        ("throughput", _throughput),
+        ("prefix_cache", _prefix),
+        ("amortization", _amortization),
+        ("memory", _memory),
+        ("knobs", _knobs),
+        ("control_plane", _control_plane),
+    ):
         if section in results:
             lines += writer(results[section])
     if results.get("skipped"):
@@ -51,8 +58,14 @@ def update_readme_headline(results: dict[str, Any], readme: Path) -> None:
     text = readme.read_text()
     if start not in text or end not in text:
         return
-    block = "\n".join([f"From `{results['command']}` on {results['started']}; all tables in "
-                       "[results/RESULTS.md](results/RESULTS.md).", "", *_headline(results)])
+    block = "\n".join(
+        [
+            f"From `{results['command']}` on {results['started']}; all tables in "
+            "[results/RESULTS.md](results/RESULTS.md).",
+            "",
+            *_headline(results),
+        ]
+    )
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     readme.write_text(f"{head}{start}\n{block}\n{end}{tail}")
@@ -62,94 +75,142 @@ def _headline(results: dict[str, Any]) -> list[str]:
     rows = []
     for task, res in results.get("throughput", {}).items():
         for key, ratio in res["ratios"].items():
-            rows.append(f"| {task} | {key} | {_fmt(ratio.get('rows_per_s'))} | "
-                        f"{_fmt(ratio.get('tokens_per_s'))} |")
+            rows.append(
+                f"| {task} | {key} | {_fmt(ratio.get('rows_per_s'))} | "
+                f"{_fmt(ratio.get('tokens_per_s'))} |"
+            )
     prefix = results.get("prefix_cache")
     if prefix:
-        rows.append(f"| generate, shared headers | grouped/input order | "
-                    f"{_fmt(prefix['ratio_grouped_over_input'])} | |")
+        rows.append(
+            f"| generate, shared headers | grouped/input order | "
+            f"{_fmt(prefix['ratio_grouped_over_input'])} | |"
+        )
     if not rows:
         return []
-    return ["## Headline: ratios (higher favours the first named)", "",
-            "| task | ratio | rows/s | tokens/s |", "|---|---|---|---|", *rows, "",
-            f"Target: platform/raw-vllm >= {HEADLINE_TARGET} on rows/s and tokens/s. "
-            "`platform` is the partition's time inside the worker (read, validate, tokenize, "
-            "infer, write, commit); `platform end-to-end` divides the rows by the whole Dagster "
-            "run minus the engine build (so it also pays run launch, worker start, imports, "
-            "engine shutdown), against raw-vllm's single call.", ""]
+    return [
+        "## Headline: ratios (higher favours the first named)",
+        "",
+        "| task | ratio | rows/s | tokens/s |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+        f"Target: platform/raw-vllm >= {HEADLINE_TARGET} on rows/s and tokens/s. "
+        "`platform` is the partition's time inside the worker (read, validate, tokenize, "
+        "infer, write, commit); `platform end-to-end` divides the rows by the whole Dagster "
+        "run minus the engine build (so it also pays run launch, worker start, imports, "
+        "engine shutdown), against raw-vllm's single call.",
+        "",
+    ]
 
 
 def _throughput(throughput: dict[str, Any]) -> list[str]:
     lines = ["## Throughput: platform, raw engine, alternatives", ""]
     for task, res in throughput.items():
         unit = "prompt tokens/s" if task == "embed" else "generated tokens/s"
-        lines += [f"### {task}: {res['rows']} rows, {res.get('model_name', Path(res['model']).name)}", "",
-                  f"| contestant | rows/s | {unit} | model load s |", "|---|---|---|---|"]
+        lines += [
+            f"### {task}: {res['rows']} rows, {res.get('model_name', Path(res['model']).name)}",
+            "",
+            f"| contestant | rows/s | {unit} | model load s |",
+            "|---|---|---|---|",
+        ]
         for name, c in res["contestants"].items():
             load = c.get("model_load_seconds")
-            lines.append(f"| {name} | {_fmt(c['rows_per_s_summary'], 1)} | "
-                         f"{_fmt(c['tokens_per_s_summary'], 0)} | "
-                         f"{'' if load is None else f'{load:.1f}'} |")
+            lines.append(
+                f"| {name} | {_fmt(c['rows_per_s_summary'], 1)} | "
+                f"{_fmt(c['tokens_per_s_summary'], 0)} | "
+                f"{'' if load is None else f'{load:.1f}'} |"
+            )
         runs = res.get("platform_runs", [])
         if runs:
             fixed = sorted(r["fixed_seconds"] - r["model_load_seconds"] for r in runs)
             builds = sorted(r["model_load_seconds"] for r in runs)
-            lines += ["", f"Platform run fixed cost besides the engine build (Dagster run, worker "
-                      f"start and imports, engine shutdown): median {fixed[len(fixed) // 2]:.1f}s "
-                      f"per run; engine build {builds[len(builds) // 2]:.1f}s."]
+            lines += [
+                "",
+                f"Platform run fixed cost besides the engine build (Dagster run, worker "
+                f"start and imports, engine shutdown): median {fixed[len(fixed) // 2]:.1f}s "
+                f"per run; engine build {builds[len(builds) // 2]:.1f}s.",
+            ]
         lines += ["", f"Engine arguments (both platform and raw): `{res['engine_kwargs']}`", ""]
     return lines
 
 
 def _prefix(prefix: dict[str, Any]) -> list[str]:
-    lines = ["## Prefix-cache ordering inside a chunk", "",
-             f"{prefix['rows']} generation rows sharing {prefix['headers']} few-shot headers "
-             f"(mean prompt {prefix['mean_prompt_tokens']:.0f} tokens, {prefix['max_tokens']} new "
-             f"tokens), KV cache {prefix['kv_cache_mib']:.0f} MiB, cache reset before each run.", "",
-             "| order | rows/s | prompt tokens/s | prompt tokens from cache |", "|---|---|---|---|"]
+    lines = [
+        "## Prefix-cache ordering inside a chunk",
+        "",
+        f"{prefix['rows']} generation rows sharing {prefix['headers']} few-shot headers "
+        f"(mean prompt {prefix['mean_prompt_tokens']:.0f} tokens, {prefix['max_tokens']} new "
+        f"tokens), KV cache {prefix['kv_cache_mib']:.0f} MiB, cache reset before each run.",
+        "",
+        "| order | rows/s | prompt tokens/s | prompt tokens from cache |",
+        "|---|---|---|---|",
+    ]
     for name, o in prefix["orders"].items():
-        lines.append(f"| {name} | {_fmt(o['rows_per_s_summary'], 1)} | "
-                     f"{_fmt(o['prompt_tokens_per_s_summary'], 0)} | "
-                     f"{_fmt(o['cached_fraction_summary'], 2)} |")
-    lines += ["", f"Grouped/input order: {_fmt(prefix['ratio_grouped_over_input'])}. Outputs "
-              f"identical in both orders (keyed by row): {prefix['same_outputs_both_orders']}.", ""]
+        lines.append(
+            f"| {name} | {_fmt(o['rows_per_s_summary'], 1)} | "
+            f"{_fmt(o['prompt_tokens_per_s_summary'], 0)} | "
+            f"{_fmt(o['cached_fraction_summary'], 2)} |"
+        )
+    lines += [
+        "",
+        f"Grouped/input order: {_fmt(prefix['ratio_grouped_over_input'])}. Outputs "
+        f"identical in both orders (keyed by row): {prefix['same_outputs_both_orders']}.",
+        "",
+    ]
     return lines
 
 
 def _amortization(am: dict[str, Any]) -> list[str]:
-    lines = ["## Model-load amortization", "",
-             f"{am['partitions']} partitions of {am['rows_per_partition']} rows ({am['model']}).", "",
-             "| partitions per run | runs | model loads | wall s | engine build s (sum) | "
-             "rows/s end to end |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "## Model-load amortization",
+        "",
+        f"{am['partitions']} partitions of {am['rows_per_partition']} rows ({am['model']}).",
+        "",
+        "| partitions per run | runs | model loads | wall s | engine build s (sum) | "
+        "rows/s end to end |",
+        "|---|---|---|---|---|---|",
+    ]
     for s in am["settings"]:
-        lines.append(f"| {s['partitions_per_run']} | {s['runs']} | {s['model_loads']} | "
-                     f"{s['wall_seconds']:.1f} | {s['model_load_seconds']:.1f} | "
-                     f"{s['rows_per_s_end_to_end']:.1f} |")
+        lines.append(
+            f"| {s['partitions_per_run']} | {s['runs']} | {s['model_loads']} | "
+            f"{s['wall_seconds']:.1f} | {s['model_load_seconds']:.1f} | "
+            f"{s['rows_per_s_end_to_end']:.1f} |"
+        )
     return lines + [""]
 
 
 def _memory(mem: dict[str, Any]) -> list[str]:
-    lines = ["## Worker memory over a large shard", "",
-             "| rows | chunk size | shard MiB | worker RSS at engine ready MiB | worker peak MiB | "
-             "growth MiB | engine processes peak MiB | partition s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Worker memory over a large shard",
+        "",
+        "| rows | chunk size | shard MiB | worker RSS at engine ready MiB | worker peak MiB | "
+        "growth MiB | engine processes peak MiB | partition s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in mem["settings"]:
-        lines.append(f"| {s['rows']} | {s['chunk_size']} | {s['shard_mib']:.0f} | "
-                     f"{s['worker_mib_at_engine_ready']:.0f} | {s['worker_peak_mib']:.0f} | "
-                     f"{s['worker_growth_mib']:.0f} | {s['engine_peak_mib']:.0f} | "
-                     f"{s['partition_seconds']:.0f} |")
+        lines.append(
+            f"| {s['rows']} | {s['chunk_size']} | {s['shard_mib']:.0f} | "
+            f"{s['worker_mib_at_engine_ready']:.0f} | {s['worker_peak_mib']:.0f} | "
+            f"{s['worker_growth_mib']:.0f} | {s['engine_peak_mib']:.0f} | "
+            f"{s['partition_seconds']:.0f} |"
+        )
     return lines + ["", "Target: worker growth over the shard under 3 GiB (3072 MiB).", ""]
 
 
 def _knobs(knobs: dict[str, Any]) -> list[str]:
-    lines = ["## Embedding engine knobs (raw engines, `--only knobs`)", "",
-             f"{knobs['rows']} MiniLM rows, {knobs['cores']} cores.", "",
-             "| variant | rows/s | ratio to transformers float32 | engine build s |",
-             "|---|---|---|---|"]
+    lines = [
+        "## Embedding engine knobs (raw engines, `--only knobs`)",
+        "",
+        f"{knobs['rows']} MiniLM rows, {knobs['cores']} cores.",
+        "",
+        "| variant | rows/s | ratio to transformers float32 | engine build s |",
+        "|---|---|---|---|",
+    ]
     for name, v in knobs["variants"].items():
-        lines.append(f"| {name} | {_fmt(v['rows_per_s_summary'], 1)} | "
-                     f"{_fmt(v['over_transformers_fp32'])} | {v['engine_seconds']:.1f} |")
+        lines.append(
+            f"| {name} | {_fmt(v['rows_per_s_summary'], 1)} | "
+            f"{_fmt(v['over_transformers_fp32'])} | {v['engine_seconds']:.1f} |"
+        )
     return lines + [""]
 
 
@@ -173,12 +234,20 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     written: list[Path] = []
     throughput = results.get("throughput", {})
     if throughput:
-        fig, axes = plt.subplots(1, len(throughput), figsize=(5.5 * len(throughput), 4), squeeze=False)
+        fig, axes = plt.subplots(
+            1, len(throughput), figsize=(5.5 * len(throughput), 4), squeeze=False
+        )
         for ax, (task, res) in zip(axes[0], throughput.items(), strict=True):
             names = list(res["contestants"])
             med = [res["contestants"][n]["rows_per_s_summary"]["median"] for n in names]
-            low = [m - res["contestants"][n]["rows_per_s_summary"]["low"] for m, n in zip(med, names, strict=True)]
-            high = [res["contestants"][n]["rows_per_s_summary"]["high"] - m for m, n in zip(med, names, strict=True)]
+            low = [
+                m - res["contestants"][n]["rows_per_s_summary"]["low"]
+                for m, n in zip(med, names, strict=True)
+            ]
+            high = [
+                res["contestants"][n]["rows_per_s_summary"]["high"] - m
+                for m, n in zip(med, names, strict=True)
+            ]
             ax.bar(names, med, yerr=[low, high], capsize=4, color="#4c72b0")
             ax.set_title(f"{task}: rows/s (median, min-max)")
             ax.tick_params(axis="x", rotation=20)
@@ -202,8 +271,13 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_xlabel("partitions per run")
         ax.set_ylabel("wall seconds")
         ax2 = ax.twinx()
-        ax2.plot(per_run, [s["model_loads"] for s in am["settings"]], "s--", color="#c44e52",
-                 label="model loads")
+        ax2.plot(
+            per_run,
+            [s["model_loads"] for s in am["settings"]],
+            "s--",
+            color="#c44e52",
+            label="model loads",
+        )
         ax2.set_ylabel("model loads")
         ax.set_title(f"{am['partitions']} partitions: amortizing model load")
         fig.legend(loc="upper right")
@@ -214,8 +288,17 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4))
         for s in mem["settings"]:
             t = [p["t"] for p in s["samples"]]
-            ax.plot(t, [p["worker_mib"] for p in s["samples"]], label=f"worker (chunk {s['chunk_size']})")
-            ax.plot(t, [p["engine_mib"] for p in s["samples"]], "--", label=f"engine processes (chunk {s['chunk_size']})")
+            ax.plot(
+                t,
+                [p["worker_mib"] for p in s["samples"]],
+                label=f"worker (chunk {s['chunk_size']})",
+            )
+            ax.plot(
+                t,
+                [p["engine_mib"] for p in s["samples"]],
+                "--",
+                label=f"engine processes (chunk {s['chunk_size']})",
+            )
             ax.axvline(s["engine_ready_t"], color="grey", linewidth=0.8)
         ax.set_xlabel("seconds since run start")
         ax.set_ylabel("RSS MiB")

@@ -129,7 +129,9 @@ class ContestantProcess:
         return value
 
 
-def _accept(listener: Listener, process: subprocess.Popen, *, timeout: float, log: Path) -> Connection:
+def _accept(
+    listener: Listener, process: subprocess.Popen, *, timeout: float, log: Path
+) -> Connection:
     """Accept the child's connection, failing fast if the child dies before connecting."""
     sock = listener._listener._socket  # type: ignore[attr-defined]
     sock.settimeout(1.0)

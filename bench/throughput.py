@@ -50,9 +50,15 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
     write_shard(root / "inputs" / "shard-0.parquet", texts, id_prefix=task)
     resource = local_resource(env=ctx.engine_env())
     platform = PlatformPipeline(
-        name=f"bench_{task}", model=model, task=task,
-        input_uri=str(root / "inputs" / "{partition_key}.parquet"), root=root,
-        keys=["shard-0"], resource=resource, engine=engine, sampling=sampling,
+        name=f"bench_{task}",
+        model=model,
+        task=task,
+        input_uri=str(root / "inputs" / "{partition_key}.parquet"),
+        root=root,
+        keys=["shard-0"],
+        resource=resource,
+        engine=engine,
+        sampling=sampling,
         chunk_size=sizes.chunk_size,
     )
     spec = platform.worker_spec()
@@ -64,33 +70,49 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
     contestants: dict[str, ContestantProcess] = {}
     loads: dict[str, float] = {}
     result: dict[str, Any] = {
-        "task": task, "model": model, "rows": len(texts), "rounds": sizes.rounds,
+        "task": task,
+        "model": model,
+        "rows": len(texts),
+        "rounds": sizes.rounds,
         "model_name": "all-MiniLM-L6-v2" if task == "embed" else "tiny Llama (2 layers, random)",
-        "engine_kwargs": kwargs, "sampling": sampling_kwargs,
+        "engine_kwargs": kwargs,
+        "sampling": sampling_kwargs,
         "chunk_size": sizes.chunk_size,
     }
     try:
         log.info("%s: starting raw vLLM", task)
         contestants[RAW] = ContestantProcess(
-            f"{task}-{RAW}", "bench.backends:VllmBackend",
+            f"{task}-{RAW}",
+            "bench.backends:VllmBackend",
             dict(model=model, task=task, engine_kwargs=kwargs, sampling=sampling_kwargs),
-            env=env, log_dir=ctx.log_dir,
+            env=env,
+            log_dir=ctx.log_dir,
         )
         loads[RAW] = contestants[RAW].info["engine_seconds"]
         log.info("%s: starting transformers", task)
         contestants[HF] = ContestantProcess(
-            f"{task}-{HF}", "bench.backends:TransformersBackend",
+            f"{task}-{HF}",
+            "bench.backends:TransformersBackend",
             dict(model=model, task=task, batch_size=64, max_tokens=sizes.max_tokens),
-            env=env, log_dir=ctx.log_dir,
+            env=env,
+            log_dir=ctx.log_dir,
         )
         loads[HF] = contestants[HF].info["engine_seconds"]
         if ctx.ray_python:
             log.info("%s: starting Ray", task)
             contestants[RAY] = ContestantProcess(
-                f"{task}-{RAY}", "bench.backends:RayDataBackend",
-                dict(model=model, task=task, engine_kwargs=kwargs, sampling=sampling_kwargs,
-                     batch_size=max(sizes.chunk_size, 1)),
-                env=env, python=ctx.ray_python, log_dir=ctx.log_dir,
+                f"{task}-{RAY}",
+                "bench.backends:RayDataBackend",
+                dict(
+                    model=model,
+                    task=task,
+                    engine_kwargs=kwargs,
+                    sampling=sampling_kwargs,
+                    batch_size=max(sizes.chunk_size, 1),
+                ),
+                env=env,
+                python=ctx.ray_python,
+                log_dir=ctx.log_dir,
             )
         names = [PLATFORM, RAW, HF] + ([RAY] if RAY in contestants else [])
         rows_per_s: dict[str, list[float]] = {n: [] for n in names}
@@ -107,16 +129,19 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
                     seconds = timing.partition_seconds["shard-0"]
                     tokens = getattr(timing, token_key)
                     rows = timing.rows
-                    platform_runs.append({
-                        "round": round_index,
-                        "run_seconds": timing.run_seconds,
-                        "model_load_seconds": timing.model_load_seconds,
-                        "partition_seconds": seconds,
-                        "inference_seconds": timing.inference_seconds["shard-0"],
-                        "worker_seconds": timing.worker_seconds,
-                        "fixed_seconds": timing.run_seconds - seconds,
-                        "end_to_end_rows_per_s": rows / max(timing.run_seconds - timing.model_load_seconds, 1e-9),
-                    })
+                    platform_runs.append(
+                        {
+                            "round": round_index,
+                            "run_seconds": timing.run_seconds,
+                            "model_load_seconds": timing.model_load_seconds,
+                            "partition_seconds": seconds,
+                            "inference_seconds": timing.inference_seconds["shard-0"],
+                            "worker_seconds": timing.worker_seconds,
+                            "fixed_seconds": timing.run_seconds - seconds,
+                            "end_to_end_rows_per_s": rows
+                            / max(timing.run_seconds - timing.model_load_seconds, 1e-9),
+                        }
+                    )
                 else:
                     out = contestants[name].call("run", texts)
                     seconds, rows, tokens = out["seconds"], out["rows"], out[token_key]
@@ -128,8 +153,14 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
                     raise RuntimeError(f"{task} {name}: {rows} rows out of {len(texts)}")
                 rows_per_s[name].append(rows / seconds)
                 tokens_per_s[name].append(tokens / seconds)
-                log.info("%s round %d %-12s %8.1f rows/s %9.1f tokens/s", task, round_index,
-                         name, rows / seconds, tokens / seconds)
+                log.info(
+                    "%s round %d %-12s %8.1f rows/s %9.1f tokens/s",
+                    task,
+                    round_index,
+                    name,
+                    rows / seconds,
+                    tokens / seconds,
+                )
         if ray_loads:
             loads[RAY] = summarize(ray_loads).median
         loads[PLATFORM] = summarize([r["model_load_seconds"] for r in platform_runs]).median

@@ -26,8 +26,7 @@ def embed_texts(rows: int, *, seed: int = 7) -> list[str]:
 def generate_texts(rows: int, *, seed: int = 11) -> list[str]:
     rng = random.Random(seed)
     return [
-        f"Write one sentence about {rng.choice(TOPICS)} {rng.choice(DETAILS)}."
-        for _ in range(rows)
+        f"Write one sentence about {rng.choice(TOPICS)} {rng.choice(DETAILS)}." for _ in range(rows)
     ]
 
 

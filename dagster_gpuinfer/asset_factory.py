@@ -86,7 +86,9 @@ class InferenceRunConfig(dg.Config):
     temperature: float | None = Field(None, description="Sampling `temperature`.")
 
     ENGINE_FIELDS: ClassVar[tuple[str, ...]] = (
-        "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization"
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "gpu_memory_utilization",
     )
     SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = ("max_tokens", "temperature")
 
@@ -184,6 +186,7 @@ def inference_assets(
         ... )
         >>> defs = dg.Definitions(assets=pipeline.assets, resources={"gpu": GpuInferenceResource()})
     """
+
     def as_dict(value: Any) -> Any:
         return value.model_dump(mode="json") if hasattr(value, "model_dump") else dict(value or {})
 
@@ -229,17 +232,27 @@ def inference_assets(
         group_name=group_name,
         required_resource_keys={resource_key},
         check_specs=[
-            dg.AssetCheckSpec(ROWS_BALANCED, asset=output_key,
-                              description="rows_in == rows_out + rows_errored, from the files"),
-            dg.AssetCheckSpec(ERROR_RATE, asset=output_key,
-                              description=f"quarantined rows at most {max_error_rate:.0%}"),
+            dg.AssetCheckSpec(
+                ROWS_BALANCED,
+                asset=output_key,
+                description="rows_in == rows_out + rows_errored, from the files",
+            ),
+            dg.AssetCheckSpec(
+                ERROR_RATE,
+                asset=output_key,
+                description=f"quarantined rows at most {max_error_rate:.0%}",
+            ),
             *(
-                [dg.AssetCheckSpec(
-                    VALID_OUTPUT, asset=output_key,
-                    description="outputs failing their structured-output constraint (JSON "
-                    f"schema, regex, choice) at most {max_invalid_output_rate:.0%}",
-                )]
-                if generates else []
+                [
+                    dg.AssetCheckSpec(
+                        VALID_OUTPUT,
+                        asset=output_key,
+                        description="outputs failing their structured-output constraint (JSON "
+                        f"schema, regex, choice) at most {max_invalid_output_rate:.0%}",
+                    )
+                ]
+                if generates
+                else []
             ),
         ],
         kinds={"vllm", output_format if output_format == "parquet" else "json"},

@@ -43,7 +43,8 @@ def check_results(
     extra = []
     if max_invalid_output_rate is not None:
         extra.append(invalid_output_check(result, max_invalid_output_rate))
-    return [*extra,
+    return [
+        *extra,
         dg.AssetCheckResult(
             check_name=ROWS_BALANCED,
             passed=not problems,

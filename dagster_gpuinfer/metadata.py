@@ -11,7 +11,9 @@ from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest, partition_dir
 
 
-def partition_metadata(spec: InferenceSpec, manifest: Manifest, *, computed: bool) -> dict[str, Any]:
+def partition_metadata(
+    spec: InferenceSpec, manifest: Manifest, *, computed: bool
+) -> dict[str, Any]:
     """What the UI shows for one partition: counts, speed, tokens, where the output is."""
     seconds = manifest.wall_seconds or 1e-9
     tokens = manifest.prompt_tokens + manifest.generated_tokens

@@ -47,7 +47,9 @@ def validate_spec(raw: Mapping[str, Any], *, where: str) -> InferenceSpec:
             if error.get("type") not in ("missing",) and "input" in error:
                 problem += f" (got {error['input']!r})"
             problems.append(problem)
-        raise InvalidInferenceSpec(f"invalid inference spec for {where}: " + "; ".join(problems)) from None
+        raise InvalidInferenceSpec(
+            f"invalid inference spec for {where}: " + "; ".join(problems)
+        ) from None
 
 
 @dataclass
@@ -156,7 +158,9 @@ class GpuInferenceResource(dg.ConfigurableResource):
             result.summary = {"model_loads": 0, "partitions_computed": 0}
             return result
         worker_spec = spec.model_copy(update={"partition_keys": todo})
-        messages = self._launch_stepping_down_memory(context=context, spec=worker_spec, result=result)
+        messages = self._launch_stepping_down_memory(
+            context=context, spec=worker_spec, result=result
+        )
         self._collect(messages, result)
         if result.memory_step_down is not None:
             for key in todo:

@@ -30,9 +30,7 @@ PARTITION_KEY_PLACEHOLDER = "{partition_key}"
 # A large file split into several partitions: `<file key>@rows=<start>-<end>` (Parquet rows,
 # or JSONL lines) or `<file key>@bytes=<start>-<end>` (JSONL bytes; a line belongs to the
 # range holding its first byte). Ranges are half-open: `@rows=0-1000` is rows 0..999.
-RANGE_KEY_PATTERN = re.compile(
-    r"^(?P<file>.+)@(?P<unit>rows|bytes)=(?P<start>\d+)-(?P<end>\d+)$"
-)
+RANGE_KEY_PATTERN = re.compile(r"^(?P<file>.+)@(?P<unit>rows|bytes)=(?P<start>\d+)-(?P<end>\d+)$")
 
 
 class _Strict(BaseModel):

@@ -378,7 +378,9 @@ def read_chunk_markers(
     markers: dict[int, ChunkMarker] = {}
     for name in list_names(fs, directory):
         if name.endswith(".json") and not name.startswith(".tmp-"):
-            marker = ChunkMarker.model_validate_json(read_bytes(fs, posixpath.join(directory, name)))
+            marker = ChunkMarker.model_validate_json(
+                read_bytes(fs, posixpath.join(directory, name))
+            )
             if marker.spec_hash == spec_hash:
                 markers[marker.index] = marker
     return markers
@@ -483,7 +485,10 @@ def create_exclusive(
         client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
         return True
     except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
+        if exc.response.get("Error", {}).get("Code") in (
+            "PreconditionFailed",
+            "ConditionalRequestConflict",
+        ):
             return False
         raise
 
@@ -567,7 +572,9 @@ def verify_manifest(fs: pafs.FileSystem, partition_path: str, manifest: Manifest
     if counted_errors < 0:
         problems.append("errors.parquet named by the manifest is missing")
     if counted_out != manifest.rows_out:
-        problems.append(f"output files hold {counted_out} rows, manifest rows_out={manifest.rows_out}")
+        problems.append(
+            f"output files hold {counted_out} rows, manifest rows_out={manifest.rows_out}"
+        )
     if counted_errors >= 0 and counted_errors != manifest.rows_errored:
         problems.append(
             f"errors.parquet holds {counted_errors} rows, manifest rows_errored="

@@ -15,7 +15,9 @@ def local_resources() -> dict[str, GpuInferenceResource]:
             engine_overrides={
                 # On the CPU backend this is the share of CPU memory (NUMA node 0) for the KV
                 # cache: vLLM's 0.9 default does not fit beside everything else on a laptop.
-                "gpu_memory_utilization": float(os.environ.get("GPUINFER_LOCAL_KV_FRACTION", "0.2")),
+                "gpu_memory_utilization": float(
+                    os.environ.get("GPUINFER_LOCAL_KV_FRACTION", "0.2")
+                ),
                 # Skipping graph compilation starts the CPU engine in about 23 s instead of 33 s
                 # (measured here); the small models run as fast either way.
                 "enforce_eager": True,

@@ -40,6 +40,7 @@ def instance() -> Iterator[dg.DagsterInstance]:
     with dg.instance_for_test() as test_instance:
         yield test_instance
 
+
 # --------------------------------------------------------------------------- loopback S3
 # A real S3 wire protocol on 127.0.0.1 (moto's server, as dagster-aws tests use): boto3,
 # pyarrow and the worker subprocess all talk HTTP to it; nothing is patched.

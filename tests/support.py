@@ -17,10 +17,13 @@ RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
 
 
-
 def cpu_resource(load_log: Path | None = None, **kwargs: Any) -> GpuInferenceResource:
     """The local launcher configured for vLLM's CPU build, as resources/local.py does."""
-    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
     if load_log is not None:
         env["GPUINFER_MODEL_LOAD_LOG"] = str(load_log)
     env.update(kwargs.pop("env", {}))
@@ -33,7 +36,9 @@ def model_loads(load_log: Path) -> int:
     return len(load_log.read_text().splitlines()) if load_log.exists() else 0
 
 
-def write_parquet(path: Path, columns: dict[str, list[Any]], row_group_size: int | None = None) -> Path:
+def write_parquet(
+    path: Path, columns: dict[str, list[Any]], row_group_size: int | None = None
+) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
     return path
@@ -116,4 +121,7 @@ def gen_pipeline(root: Path, model: str, *, chunk_size: int, retries: int, parti
 
 
 def write_prompts(path: Path, rows: int) -> None:
-    write_jsonl(path, [{"id": f"id-{i}", "prompt": f"Question {i}: what is {i} plus {i}?"} for i in range(rows)])
+    write_jsonl(
+        path,
+        [{"id": f"id-{i}", "prompt": f"Question {i}: what is {i} plus {i}?"} for i in range(rows)],
+    )

@@ -45,8 +45,11 @@ def committed_files(tmp_path):
 def run_failing(tmp_path, instance, model, keys=("s0", "s1"), **overrides):
     load_log = tmp_path / "loads.log"
     result = materialize_partitions(
-        pipeline(tmp_path, model, **overrides), list(keys),
-        resource=cpu_resource(load_log), instance=instance, raise_on_error=False,
+        pipeline(tmp_path, model, **overrides),
+        list(keys),
+        resource=cpu_resource(load_log),
+        instance=instance,
+        raise_on_error=False,
     )
     assert not result.success
     assert step_attempts(result) == 1, "a user error must not be retried"
@@ -122,11 +125,17 @@ def test_model_directory_without_config_fails_naming_the_path(tmp_path, instance
     assert "has no config.json" in message
 
 
-def test_invalid_run_config_fails_in_the_control_plane_naming_the_field(tmp_path, instance, minilm_dir):
+def test_invalid_run_config_fails_in_the_control_plane_naming_the_field(
+    tmp_path, instance, minilm_dir
+):
     write_parquet(tmp_path / "in" / "s0.parquet", {"id": ["a"], "text": ["fine"]})
     result = materialize_partitions(
-        pipeline(tmp_path, minilm_dir), ["s0", "s0"], resource=cpu_resource(), instance=instance,
-        raise_on_error=False, run_config={"ops": {"emb": {"config": {"chunk_size": 0}}}},
+        pipeline(tmp_path, minilm_dir),
+        ["s0", "s0"],
+        resource=cpu_resource(),
+        instance=instance,
+        raise_on_error=False,
+        run_config={"ops": {"emb": {"config": {"chunk_size": 0}}}},
     )
     assert not result.success and step_attempts(result) == 1
     assert "chunk_size: Input should be greater than or equal to 1" in failure_message(result)
@@ -137,8 +146,11 @@ def test_unknown_task_never_reaches_a_worker():
     expected = r"task: Input should be 'embed', 'generate', 'chat', 'score' or 'classify'"
     with pytest.raises(ValueError, match=expected):
         inference_assets(
-            name="x", model="/m", task="summarize",  # type: ignore[arg-type]
-            input={"uri": "/d/{partition_key}.parquet"}, output_root="/o",
+            name="x",
+            model="/m",
+            task="summarize",  # type: ignore[arg-type]
+            input={"uri": "/d/{partition_key}.parquet"},
+            output_root="/o",
             partitions_def=dg.StaticPartitionsDefinition(["a"]),
         )
 
@@ -160,7 +172,9 @@ def test_worker_command_line_reports_a_bad_shard_as_a_failed_partition(tmp_path)
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     done = subprocess.run(
         [sys.executable, "-m", "dagster_gpuinfer.worker", "--spec", str(tmp_path / "spec.json")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     messages = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

@@ -14,22 +14,45 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+
 @pytest.mark.engine
 def test_bench_smoke_runs_every_section_and_writes_the_report(tmp_path: Path) -> None:
     results = tmp_path / "results"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(p for p in [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")] if p)}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(
+            p for p in [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")] if p
+        ),
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--results", str(results),
-         "--work", str(tmp_path / "work"), "--no-ray"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=2400,
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--smoke",
+            "--results",
+            str(results),
+            "--work",
+            str(tmp_path / "work"),
+            "--no-ray",
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=2400,
     )
     report_json = results / "results.json"
     data = json.loads(report_json.read_text()) if report_json.exists() else {}
     # A failed section names itself and its traceback first; the log tail comes after.
     assert done.returncode == 0 and data.get("errors") == {}, (
         "\n\n".join(f"section {k} failed:\n{v}" for k, v in data.get("errors", {}).items())
-        + "\n--- log tail ---\n" + done.stdout[-3000:] + done.stderr[-3000:])
+        + "\n--- log tail ---\n"
+        + done.stdout[-3000:]
+        + done.stderr[-3000:]
+    )
 
     for task, rows in (("embed", 24), ("generate", 12)):
         res = data["throughput"][task]

@@ -41,7 +41,6 @@ SENTENCES = [
 ]
 
 
-
 def output_of(pipeline) -> OutputSpec:
     return OutputSpec(**pipeline.spec["output"])
 
@@ -77,8 +76,13 @@ def embed_run(tmp_path_factory, minilm_dir):
             pipeline, keys, resource=cpu_resource(load_log), instance=instance
         )
         yield {
-            "root": root, "keys": keys, "pipeline": pipeline, "result": result, "rerun": rerun,
-            "instance": instance, "loads_after_first": loads_after_first,
+            "root": root,
+            "keys": keys,
+            "pipeline": pipeline,
+            "result": result,
+            "rerun": rerun,
+            "instance": instance,
+            "loads_after_first": loads_after_first,
             "loads_after_rerun": model_loads(load_log),
         }
 
@@ -119,7 +123,9 @@ def test_embeddings_match_transformers_mean_pooling_reference(embed_run, minilm_
         pooled = (hidden * mask).sum(1) / mask.sum(1)
         reference = torch.nn.functional.normalize(pooled, dim=1).numpy()
     ours = np.asarray([by_id[i] for i in ids], dtype=np.float32)
-    cosine = (ours * reference).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1))
+    cosine = (ours * reference).sum(1) / (
+        np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1)
+    )
     assert cosine.min() > 0.999, f"lowest cosine {cosine.min():.5f} at row {cosine.argmin()}"
 
 
@@ -135,7 +141,10 @@ def test_partition_metadata_reports_rows_tokens_speed_and_load(embed_run):
 
 def test_row_count_checks_pass_on_every_partition(embed_run):
     evaluations = embed_run["result"].get_asset_check_evaluations()
-    assert {e.check_name: e.passed for e in evaluations} == {"rows_balanced": True, "error_rate": True}
+    assert {e.check_name: e.passed for e in evaluations} == {
+        "rows_balanced": True,
+        "error_rate": True,
+    }
     balanced = next(e for e in evaluations if e.check_name == "rows_balanced")
     assert balanced.metadata["partitions_checked"].value == 3
 
@@ -150,7 +159,9 @@ def test_rerun_reuses_committed_partitions_without_loading_the_model(embed_run):
 # --------------------------------------------------------------------------- generation
 
 
-PROMPTS = [f"Tell me about {topic}." for topic in ("rivers", "compilers", "bread", "glaciers", "jazz")]
+PROMPTS = [
+    f"Tell me about {topic}." for topic in ("rivers", "compilers", "bread", "glaciers", "jazz")
+]
 
 
 @pytest.fixture(scope="module")
@@ -201,13 +212,22 @@ def generate_runs(tmp_path_factory, tiny_llama_dir):
         parts_before = sorted(os.listdir(partition_dir(output_of(one), "g0")))
         texts_before_change = {key: texts_by_id(one, key) for key in ("g0", "g1")}
         changed = materialize_partitions(
-            one, ["g0", "g0"], resource=cpu_resource(logs["changed"]), instance=instance,
+            one,
+            ["g0", "g0"],
+            resource=cpu_resource(logs["changed"]),
+            instance=instance,
             run_config={"ops": {"gen": {"config": {"max_tokens": 4}}}},
         )
         yield {
-            "root": root, "one": one, "two": two, "instance": instance,
-            "result_one": result_one, "result_two": result_two, "changed": changed,
-            "loads": {k: model_loads(v) for k, v in logs.items()}, "parts_before": parts_before,
+            "root": root,
+            "one": one,
+            "two": two,
+            "instance": instance,
+            "result_one": result_one,
+            "result_two": result_two,
+            "changed": changed,
+            "loads": {k: model_loads(v) for k, v in logs.items()},
+            "parts_before": parts_before,
             "texts_one": texts_before_change,
         }
 
@@ -246,7 +266,11 @@ def test_bad_rows_are_quarantined_and_the_shard_still_commits(generate_runs):
     for error in errors:
         by_type.setdefault(error["error_type"], []).append(error)
     assert sorted(by_type) == [
-        "duplicate_id", "empty_input", "invalid_json", "invalid_utf8", "prompt_too_long",
+        "duplicate_id",
+        "empty_input",
+        "invalid_json",
+        "invalid_utf8",
+        "prompt_too_long",
     ]
     assert len(by_type["empty_input"]) == 2
     assert by_type["prompt_too_long"][0]["id"] == "long"
@@ -292,14 +316,23 @@ def chat_batch_run(tmp_path_factory, tiny_llama_dir):
     root = tmp_path_factory.mktemp("chat")
 
     def request(custom_id, messages, url="/v1/chat/completions"):
-        return {"custom_id": custom_id, "method": "POST", "url": url,
-                "body": {"model": "tiny", "messages": messages}}
+        return {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": url,
+            "body": {"model": "tiny", "messages": messages},
+        }
 
     write_jsonl(
         root / "in" / "batch-1.jsonl",
         [
-            request("req-1", [{"role": "system", "content": "Be brief."},
-                              {"role": "user", "content": "Name a river."}]),
+            request(
+                "req-1",
+                [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Name a river."},
+                ],
+            ),
             request("req-2", [{"role": "user", "content": "Name a mountain."}]),
             request("req-3", [{"role": "robot", "content": "beep"}]),
             request("req-4", "not a list"),
@@ -345,5 +378,7 @@ def test_chat_batch_answers_in_openai_batch_output_format(chat_batch_run):
 def test_invalid_chats_and_wrong_endpoints_are_quarantined(chat_batch_run):
     errors = read_errors(output_of(chat_batch_run["pipeline"]), "batch-1").to_pylist()
     assert {(e["id"], e["error_type"]) for e in errors} == {
-        ("req-3", "invalid_messages"), ("req-4", "invalid_messages"), ("req-5", "unsupported_url"),
+        ("req-3", "invalid_messages"),
+        ("req-4", "invalid_messages"),
+        ("req-5", "unsupported_url"),
     }

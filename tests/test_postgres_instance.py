@@ -47,7 +47,7 @@ def flaky_python(tmp_path) -> str:
     script.write_text(
         "#!/usr/bin/env bash\n"
         f"n=$(( $(cat {counter} 2>/dev/null || echo 0) + 1 )); echo $n > {counter}\n"
-        'if [ $((n % 2)) -eq 1 ]; then\n'
+        "if [ $((n % 2)) -eq 1 ]; then\n"
         '  echo "planted transient failure (launch $n)" >&2; exit 3\n'
         "fi\n"
         f'exec {sys.executable} "$@"\n'
@@ -61,8 +61,13 @@ def test_backfill_on_postgres_instance_survives_transient_failures_by_retry(
 ):
     keys = [f"s{i}" for i in range(4)]
     for key in keys:
-        write_parquet(tmp_path / "in" / f"{key}.parquet",
-                      {"id": [f"{key}-{i}" for i in range(20)], "text": [f"row {i} of {key}" for i in range(20)]})
+        write_parquet(
+            tmp_path / "in" / f"{key}.parquet",
+            {
+                "id": [f"{key}-{i}" for i in range(20)],
+                "text": [f"row {i} of {key}" for i in range(20)],
+            },
+        )
     pipeline = inference_assets(
         name="emb",
         model=minilm_dir,

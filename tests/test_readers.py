@@ -56,7 +56,9 @@ def test_jsonl_bad_lines_become_row_errors_and_keep_their_row_numbers(tmp_path):
     assert chunk.rows_in == 5
     assert [r[:2] for r in chunk.rows] == [(0, "a"), (4, "b")]
     assert [(e.row, e.error_type) for e in chunk.errors] == [
-        (1, "invalid_json"), (2, "invalid_utf8"), (3, "invalid_json"),
+        (1, "invalid_json"),
+        (2, "invalid_utf8"),
+        (3, "invalid_json"),
     ]
     assert "line 2: not valid JSON" in chunk.errors[0].message
     assert "quarantined" in chunk.errors[0].message
@@ -76,7 +78,11 @@ def test_openai_batch_lines_map_to_the_task_and_reject_other_urls(tmp_path):
     write_jsonl(
         tmp_path / "b.jsonl",
         [
-            request("c1", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+            request(
+                "c1",
+                "/v1/chat/completions",
+                {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            ),
             request("c2", "/v1/embeddings", {"model": "m", "input": "x"}),
             request("c3", "/v1/images/generations", {"prompt": "cat"}),
             request("c4", "/v1/chat/completions", {"model": "m"}),
@@ -86,7 +92,9 @@ def test_openai_batch_lines_map_to_the_task_and_reject_other_urls(tmp_path):
     (chunk,) = list(ShardReader(spec, "b").chunks(10))
     assert chunk.rows == [(0, "c1", [{"role": "user", "content": "hi"}])]
     assert [(e.id, e.error_type) for e in chunk.errors] == [
-        ("c2", "unsupported_url"), ("c3", "unsupported_url"), ("c4", "invalid_request"),
+        ("c2", "unsupported_url"),
+        ("c3", "unsupported_url"),
+        ("c4", "invalid_request"),
     ]
     assert "/v1/images/generations" in chunk.errors[1].message
 

@@ -69,26 +69,41 @@ def _chunks_ready_to_commit(root: Path) -> tuple[InferenceSpec, ShardLocation]:
         ids = [f"r{index}-{i}" for i in range(4)]
         table = pa.table({"id": ids, "text": ["t"] * 4})
         part = write_file_entry(
-            where.fs, where.path, storage.chunk_part_name(where.spec_hash, index, "a1", ".parquet"),
-            table_to_parquet_bytes(table), 4,
+            where.fs,
+            where.path,
+            storage.chunk_part_name(where.spec_hash, index, "a1", ".parquet"),
+            table_to_parquet_bytes(table),
+            4,
         )
         bad = errors_table([RowError(f"bad{index}", "s", 99, "empty_input", "empty")])
         errors = write_file_entry(
-            where.fs, storage.chunk_dir(where.path, where.spec_hash),
-            f"errors-{index:05d}-a1.parquet", table_to_parquet_bytes(bad), 1,
+            where.fs,
+            storage.chunk_dir(where.path, where.spec_hash),
+            f"errors-{index:05d}-a1.parquet",
+            table_to_parquet_bytes(bad),
+            1,
         )
         write_chunk_marker(
-            where.fs, where.path,
-            ChunkMarker(index=index, spec_hash=where.spec_hash, rows_in=5, rows_out=4,
-                        rows_errored=1, part=part, errors=errors),
+            where.fs,
+            where.path,
+            ChunkMarker(
+                index=index,
+                spec_hash=where.spec_hash,
+                rows_in=5,
+                rows_out=4,
+                rows_errored=1,
+                part=part,
+                errors=errors,
+            ),
         )
     return spec, where
 
 
 def _commit(spec: InferenceSpec, where: ShardLocation):
     markers = read_chunk_markers(where.fs, where.path, where.spec_hash)
-    return commit_chunks(where, spec, markers, rows_resumed=0, wall_seconds=0.0,
-                         model_load_seconds=0.0, worker={})
+    return commit_chunks(
+        where, spec, markers, rows_resumed=0, wall_seconds=0.0, model_load_seconds=0.0, worker={}
+    )
 
 
 def _crash_during_commit(root: str, crash_at: int, torn: bool) -> None:
@@ -197,8 +212,11 @@ def test_killed_worker_resumes_without_recomputing_committed_chunks(tmp_path, ti
             if markers_dir.exists() and any(markers_dir.glob("[0-9]*.json")):
                 killed["processes"] = _kill_worker_tree()
                 time.sleep(0.5)  # let the last marker write (if any) settle before reading
-                where = ShardLocation(*storage.filesystem_for(str(tmp_path / "out" / "gen" / "p0")),
-                                      spec_hash=spec_hash, partition_key="p0")
+                where = ShardLocation(
+                    *storage.filesystem_for(str(tmp_path / "out" / "gen" / "p0")),
+                    spec_hash=spec_hash,
+                    partition_key="p0",
+                )
                 killed["markers"] = read_chunk_markers(where.fs, where.path, spec_hash)
                 return
             time.sleep(0.01)
@@ -285,12 +303,15 @@ def _write_attempt(where: ShardLocation, attempt: str, chunks: int = 2) -> dict[
     for index in range(chunks):
         table = pa.table({"id": [f"r{index}-{i}" for i in range(3)], "text": [attempt] * 3})
         part = write_file_entry(
-            where.fs, where.path,
+            where.fs,
+            where.path,
             storage.chunk_part_name(where.spec_hash, index, attempt, ".parquet"),
-            table_to_parquet_bytes(table), 3,
+            table_to_parquet_bytes(table),
+            3,
         )
-        markers[index] = ChunkMarker(index=index, spec_hash=where.spec_hash, rows_in=3,
-                                     rows_out=3, rows_errored=0, part=part)
+        markers[index] = ChunkMarker(
+            index=index, spec_hash=where.spec_hash, rows_in=3, rows_out=3, rows_errored=0, part=part
+        )
     return markers
 
 

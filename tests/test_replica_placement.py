@@ -10,8 +10,11 @@ from dagster_gpuinfer.worker.job import plan_replica_env
 
 def test_gpu_replicas_get_disjoint_slices_of_tensor_parallel_size():
     envs = plan_replica_env(
-        replicas=2, tensor_parallel_size=4, device="cuda",
-        gpu_ids=[str(i) for i in range(8)], cpu_ids=[0],
+        replicas=2,
+        tensor_parallel_size=4,
+        device="cuda",
+        gpu_ids=[str(i) for i in range(8)],
+        cpu_ids=[0],
     )
     assert envs == [{"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}]
 

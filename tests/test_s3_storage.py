@@ -229,7 +229,9 @@ def test_manifest_creation_on_s3_is_exclusive(s3_server, bucket):
     from dagster_gpuinfer.spec import StorageOptions
     from dagster_gpuinfer.storage import create_exclusive, filesystem_for
 
-    options = StorageOptions(endpoint_url=s3_server.endpoint_url, region=s3_server.region, allow_http=True)
+    options = StorageOptions(
+        endpoint_url=s3_server.endpoint_url, region=s3_server.region, allow_http=True
+    )
     fs, path = filesystem_for(f"s3://{bucket}/out/p/_SUCCESS", options)
     assert create_exclusive(fs, path, b"first", options) is True
     assert create_exclusive(fs, path, b"second", options) is False

@@ -76,9 +76,10 @@ def test_spec_hash_ignores_performance_knobs_and_parallelism():
     ],
 )
 def test_spec_hash_changes_with_what_decides_results(change):
-    assert InferenceSpec.model_validate(BASE).spec_hash() != InferenceSpec.model_validate(
-        {**BASE, **change}
-    ).spec_hash()
+    assert (
+        InferenceSpec.model_validate(BASE).spec_hash()
+        != InferenceSpec.model_validate({**BASE, **change}).spec_hash()
+    )
 
 
 def test_sampling_change_changes_the_hash_of_a_generation_spec():

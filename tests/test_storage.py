@@ -28,7 +28,19 @@ from dagster_gpuinfer.storage import (
 
 
 @pytest.mark.parametrize(
-    "key", ["../../etc", "..", ".", "a/b", "/abs/path", "with space", "ünïcødé-ключ", "_SUCCESS", "a\\b", "%2F"]
+    "key",
+    [
+        "../../etc",
+        "..",
+        ".",
+        "a/b",
+        "/abs/path",
+        "with space",
+        "ünïcødé-ключ",
+        "_SUCCESS",
+        "a\\b",
+        "%2F",
+    ],
 )
 def test_partition_keys_never_escape_the_output_root(tmp_path, key):
     output = OutputSpec(root=str(tmp_path / "root"), asset_name="asset")
@@ -58,8 +70,15 @@ def _committed_partition(tmp_path: Path, rows: int = 3) -> tuple[OutputSpec, str
     table = pa.table({"id": [str(i) for i in range(rows)], "text": ["x"] * rows})
     part = write_file_entry(fs, path, "part-h-00000.parquet", table_to_parquet_bytes(table), rows)
     manifest = Manifest(
-        partition_key="p", spec_hash="h", model="m", task="generate", output_format="parquet",
-        rows_in=rows, rows_out=rows, rows_errored=0, parts=[part],
+        partition_key="p",
+        spec_hash="h",
+        model="m",
+        task="generate",
+        output_format="parquet",
+        rows_in=rows,
+        rows_out=rows,
+        rows_errored=0,
+        parts=[part],
         errors=FileEntry(name=ERRORS_NAME, rows=0, bytes=0, sha256=""),
     )
     return output, path, commit_partition(fs, path, manifest, [])

@@ -36,8 +36,12 @@ def test_bad_rows_are_quarantined_with_their_reason(chat_tokenizer):
     assert out.ids == ["a"]
     reasons = {e.row: e.error_type for e in out.errors}
     assert reasons == {
-        1: "empty_input", 2: "empty_input", 3: "duplicate_id", 4: "missing_id",
-        5: "prompt_too_long", 6: "wrong_type",
+        1: "empty_input",
+        2: "empty_input",
+        3: "duplicate_id",
+        4: "missing_id",
+        5: "prompt_too_long",
+        6: "wrong_type",
     }
     too_long = next(e for e in out.errors if e.row == 5)
     assert too_long.prompt_tokens and too_long.prompt_tokens > 16
@@ -63,8 +67,12 @@ def test_tokens_match_the_tokenizer_with_special_tokens(chat_tokenizer):
 def test_chat_rows_render_the_model_template(chat_tokenizer):
     validator = RowValidator(task="chat", tokenizer=chat_tokenizer, max_model_len=64)
     messages = [{"role": "user", "content": "hi there"}]
-    out = validator.validate(chunk([(0, "a", messages), (1, "b", '[{"role": "user", "content": "x"}]')]))
-    rendered = chat_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = validator.validate(
+        chunk([(0, "a", messages), (1, "b", '[{"role": "user", "content": "x"}]')])
+    )
+    rendered = chat_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     assert out.ids == ["a", "b"]
     assert out.token_ids[0] == chat_tokenizer(rendered, add_special_tokens=False)["input_ids"]
 

@@ -27,8 +27,9 @@ SCRIPT = textwrap.dedent(
 
 
 def test_exit_now_flushes_keeps_the_code_and_leaves_no_child_but_the_resource_tracker() -> None:
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 7, done.stderr
     first, last = done.stdout.splitlines()
     child, tracker, shm_name = first.split()

@@ -129,7 +129,10 @@ class InferenceEngine:
         if not token_ids:
             return ChunkResult(
                 embeddings=np.zeros((0, 0), np.float32) if self.spec.task == "embed" else None,
-                texts=[], finish_reasons=[], prompt_tokens=[], generated_tokens=[],
+                texts=[],
+                finish_reasons=[],
+                prompt_tokens=[],
+                generated_tokens=[],
             )
         prompts: list[Any] = [{"prompt_token_ids": ids} for ids in token_ids]
         started = time.perf_counter()
@@ -146,9 +149,7 @@ class InferenceEngine:
         sampling: Any = self.sampling_params
         if requests is not None:
             sampling = [requests[i].sampling or self.sampling_params for i in order]
-        submitted = self.llm.generate(
-            [prompts[i] for i in order], sampling, use_tqdm=False
-        )
+        submitted = self.llm.generate([prompts[i] for i in order], sampling, use_tqdm=False)
         outputs: list[Any] = [None] * len(prompts)
         for position, output in zip(order, submitted, strict=True):
             outputs[position] = output  # back to input order: results stay keyed by row
@@ -180,7 +181,9 @@ def request_builder(spec: InferenceSpec, llm: Any) -> Any:
 
     def verify(params: Any) -> None:
         params.verify(
-            config.model_config, config.speculative_config, config.structured_outputs_config,
+            config.model_config,
+            config.speculative_config,
+            config.structured_outputs_config,
             tokenizer,
         )
 

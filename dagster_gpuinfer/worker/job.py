@@ -150,7 +150,11 @@ def plan_replica_env(
                 "). Lower replicas or tensor_parallel_size, or request more GPUs per pod"
             )
         return [
-            {"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids[i * tensor_parallel_size : (i + 1) * tensor_parallel_size])}
+            {
+                "CUDA_VISIBLE_DEVICES": ",".join(
+                    gpu_ids[i * tensor_parallel_size : (i + 1) * tensor_parallel_size]
+                )
+            }
             for i in range(replicas)
         ]
     cores = sorted(cpu_ids)
@@ -253,7 +257,9 @@ def run_replicas(
                 process.terminate()
                 process.join(timeout=10)
     if pending:
-        raise RuntimeError(f"replicas finished but partitions were not committed: {sorted(pending)}")
+        raise RuntimeError(
+            f"replicas finished but partitions were not committed: {sorted(pending)}"
+        )
     return load_seconds
 
 

@@ -338,7 +338,10 @@ class ShardReader:
             text = line.decode("utf-8")
         except UnicodeDecodeError as exc:
             return RowError(
-                None, self.source, row, "invalid_utf8",
+                None,
+                self.source,
+                row,
+                "invalid_utf8",
                 f"{self.source} line {row + 1}: not valid UTF-8 ({exc.reason} at byte "
                 f"{exc.start}); the row was quarantined",
             )
@@ -346,12 +349,18 @@ class ShardReader:
             record = json.loads(text)
         except ValueError as exc:
             return RowError(
-                None, self.source, row, "invalid_json",
+                None,
+                self.source,
+                row,
+                "invalid_json",
                 f"{self.source} line {row + 1}: not valid JSON ({exc}); the row was quarantined",
             )
         if not isinstance(record, dict):
             return RowError(
-                None, self.source, row, "invalid_json",
+                None,
+                self.source,
+                row,
+                "invalid_json",
                 f"{self.source} line {row + 1}: a JSON {type(record).__name__}, not an object; "
                 "the row was quarantined",
             )
@@ -378,28 +387,40 @@ class ShardReader:
             where = ".".join(str(p) for p in error["loc"]) or "line"
             if where != "custom_id" or custom_id is not None:
                 return RowError(
-                    row_id, self.source, row, "invalid_request",
+                    row_id,
+                    self.source,
+                    row,
+                    "invalid_request",
                     f"{self.source} line {row + 1}: not an OpenAI batch request line: {where}: "
                     f"{error['msg']}; the row was quarantined",
                 )
         endpoint = OPENAI_ENDPOINTS.get(url) if isinstance(url, str) else None
         if endpoint is None:
             return RowError(
-                row_id, self.source, row, "unsupported_url",
+                row_id,
+                self.source,
+                row,
+                "unsupported_url",
                 f"{self.source} line {row + 1}: url {url!r} is not supported; use one of "
                 f"{', '.join(OPENAI_ENDPOINTS)}; the row was quarantined",
             )
         task, body_field = endpoint
         if task != self.spec.task:
             return RowError(
-                row_id, self.source, row, "unsupported_url",
+                row_id,
+                self.source,
+                row,
+                "unsupported_url",
                 f"{self.source} line {row + 1}: url {url} asks for task {task!r} but this "
                 f"pipeline runs {self.spec.task!r}; the row was quarantined",
             )
         if task == "score":
             if not isinstance(body, dict) or not SCORE_BODY_FIELDS & set(body):
                 return RowError(
-                    row_id, self.source, row, "invalid_request",
+                    row_id,
+                    self.source,
+                    row,
+                    "invalid_request",
                     f"{self.source} line {row + 1}: body has neither text_1/text_2 (score) nor "
                     "query/documents (rerank); the row was quarantined",
                 )
@@ -410,7 +431,10 @@ class ShardReader:
             return (row, row_id, payload, params)
         if not isinstance(body, dict) or body_field not in body:
             return RowError(
-                row_id, self.source, row, "invalid_request",
+                row_id,
+                self.source,
+                row,
+                "invalid_request",
                 f"{self.source} line {row + 1}: body has no {body_field!r}; the row was "
                 "quarantined",
             )

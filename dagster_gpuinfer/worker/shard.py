@@ -80,8 +80,13 @@ class ShardLocation:
     @classmethod
     def of(cls, spec: InferenceSpec, partition_key: str) -> ShardLocation:
         fs, path = filesystem_for(partition_dir(spec.output, partition_key), spec.storage)
-        return cls(fs=fs, path=path, spec_hash=spec.spec_hash(), partition_key=partition_key,
-                   storage=spec.storage)
+        return cls(
+            fs=fs,
+            path=path,
+            spec_hash=spec.spec_hash(),
+            partition_key=partition_key,
+            storage=spec.storage,
+        )
 
     def committed(self) -> Manifest | None:
         """The manifest if the partition is committed for this spec (by anyone), else None."""
@@ -145,8 +150,12 @@ def process_shard(
             rows_resumed=sum(resumed.values()),
             wall_seconds=time.perf_counter() - started,
             model_load_seconds=engine.load_seconds,
-            worker={"host": socket.gethostname(), "pid": os.getpid(), "replica": replica,
-                    "attempt": attempt},
+            worker={
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "replica": replica,
+                "attempt": attempt,
+            },
         )
     except CommitConflict as conflict:
         return where.yield_to(conflict.manifest, attempt), False
@@ -212,7 +221,10 @@ def commit_chunk(
     write_chunk_marker(where.fs, where.path, marker)
     log.info(
         "partition %s chunk %d committed: %d rows out, %d quarantined",
-        where.partition_key, chunk.index, marker.rows_out, marker.rows_errored,
+        where.partition_key,
+        chunk.index,
+        marker.rows_out,
+        marker.rows_errored,
     )
     return marker
 

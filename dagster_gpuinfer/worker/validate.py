@@ -111,16 +111,26 @@ class RowValidator:
                 request = self._request(chunk.params.get(row))
             except ParameterError as exc:
                 out.errors.append(
-                    RowError(row_id, chunk.source, row, exc.error_type,
-                             f"{where}: {exc}; the row was quarantined")
+                    RowError(
+                        row_id,
+                        chunk.source,
+                        row,
+                        exc.error_type,
+                        f"{where}: {exc}; the row was quarantined",
+                    )
                 )
                 continue
             candidate, problem = self._candidate(row, row_id, payload, request)
             if candidate is None:
                 error_type, message = problem
                 out.errors.append(
-                    RowError(row_id, chunk.source, row, error_type,
-                             f"{where}: {message}; the row was quarantined")
+                    RowError(
+                        row_id,
+                        chunk.source,
+                        row,
+                        error_type,
+                        f"{where}: {message}; the row was quarantined",
+                    )
                 )
                 continue
             candidates.append(candidate)
@@ -139,12 +149,13 @@ class RowValidator:
             ]
             longest = max(token_lists, key=len)
             if len(longest) > self.max_prompt_tokens:
-                element = (
-                    f" (input {token_lists.index(longest)})" if len(token_lists) > 1 else ""
-                )
+                element = f" (input {token_lists.index(longest)})" if len(token_lists) > 1 else ""
                 out.errors.append(
                     RowError(
-                        candidate.row_id, chunk.source, candidate.row, "prompt_too_long",
+                        candidate.row_id,
+                        chunk.source,
+                        candidate.row,
+                        "prompt_too_long",
                         f"{chunk.source} row {candidate.row} (id {candidate.row_id}){element}: "
                         f"{len(longest)} prompt tokens, more than the {self.max_prompt_tokens} "
                         f"this engine takes (max_model_len={self.max_model_len}); shorten the "
@@ -167,17 +178,24 @@ class RowValidator:
             self.requests = RequestBuilder(task=self.task, defaults={})
         return self.requests.build(parse_params_value(params))
 
-    def _check_row(self, source: str, row: int, row_id: str | None, payload: Any) -> RowError | None:
+    def _check_row(
+        self, source: str, row: int, row_id: str | None, payload: Any
+    ) -> RowError | None:
         where = f"{source} row {row}"
         if row_id is None or row_id == "":
             return RowError(
-                None, source, row, "missing_id",
-                f"{where}: the id is null or empty; every row needs an id; the row was "
-                "quarantined",
+                None,
+                source,
+                row,
+                "missing_id",
+                f"{where}: the id is null or empty; every row needs an id; the row was quarantined",
             )
         if row_id in self.seen_ids:
             return RowError(
-                row_id, source, row, "duplicate_id",
+                row_id,
+                source,
+                row,
+                "duplicate_id",
                 f"{where}: id {row_id!r} already appeared earlier in this shard; the first "
                 "row was kept and this one quarantined",
             )
@@ -185,7 +203,10 @@ class RowValidator:
             return None  # checked while rendering the chat template / parsing the pairs
         if payload is None or (isinstance(payload, (str, list)) and not _has_content(payload)):
             return RowError(
-                row_id, source, row, "empty_input",
+                row_id,
+                source,
+                row,
+                "empty_input",
                 f"{where} (id {row_id}): the text is null or empty; the row was quarantined",
             )
         return None
@@ -251,7 +272,10 @@ class RowValidator:
                     problem = f"the model's chat template rejected it ({exc})"
             errors.append(
                 RowError(
-                    candidate.row_id, source, candidate.row, "invalid_messages",
+                    candidate.row_id,
+                    source,
+                    candidate.row,
+                    "invalid_messages",
                     f"{source} row {candidate.row} (id {candidate.row_id}): messages are not a "
                     f"valid chat: {problem}; the row was quarantined",
                 )
@@ -269,7 +293,10 @@ class RowValidator:
             if max(counts) > self.max_prompt_tokens:
                 out.errors.append(
                     RowError(
-                        candidate.row_id, source, candidate.row, "prompt_too_long",
+                        candidate.row_id,
+                        source,
+                        candidate.row,
+                        "prompt_too_long",
                         f"{source} row {candidate.row} (id {candidate.row_id}): a pair of "
                         f"{max(counts)} tokens, more than the {self.max_prompt_tokens} this "
                         f"engine takes (max_model_len={self.max_model_len}); the row was "
@@ -339,4 +366,3 @@ def parse_messages(value: Any) -> tuple[list[dict[str, Any]], str | None]:
             return [], f"message {i} content must be a string, got {type(content).__name__}"
         messages.append({"role": role, "content": content})
     return messages, None
-

@@ -88,8 +88,12 @@ def output_table(spec: InferenceSpec, valid: Any, result: Any) -> pa.Table:
         )
     if task == "classify":
         return pa.Table.from_pydict(
-            {"id": ids, "label": result.labels, "probs": result.probs,
-             "prompt_tokens": result.prompt_tokens},
+            {
+                "id": ids,
+                "label": result.labels,
+                "probs": result.probs,
+                "prompt_tokens": result.prompt_tokens,
+            },
             schema=CLASSIFY_SCHEMA,
         )
     choices = result.choices or [[] for _ in ids]
@@ -203,24 +207,32 @@ def _response_body(
                 )
                 for i, score in ranked
             ]
-            return oa.Rerank(id=f"rerank-{rid}", model=model, results=results,
-                             usage=usage).model_dump(exclude_none=True)
+            return oa.Rerank(
+                id=f"rerank-{rid}", model=model, results=results, usage=usage
+            ).model_dump(exclude_none=True)
         return oa.ScoreList(
-            id=f"score-{rid}", created=created, model=model,
+            id=f"score-{rid}",
+            created=created,
+            model=model,
             data=[oa.ScoreData(index=i, score=s) for i, s in enumerate(row["scores"])],
             usage=usage,
         ).model_dump(exclude_none=True)
     if task == "classify":
         probs = row["probs"]
         return {
-            "id": f"classify-{rid}", "object": "list", "created": created, "model": model,
-            "data": [{"index": 0, "label": row["label"], "probs": probs,
-                      "num_classes": len(probs)}],
+            "id": f"classify-{rid}",
+            "object": "list",
+            "created": created,
+            "model": model,
+            "data": [
+                {"index": 0, "label": row["label"], "probs": probs, "num_classes": len(probs)}
+            ],
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
         }
     generated = row.get("generated_tokens", 0)
     usage = oa.Usage(
-        prompt_tokens=prompt_tokens, completion_tokens=generated,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=generated,
         total_tokens=prompt_tokens + generated,
     )
     choices = row.get("choices") or [
@@ -228,27 +240,35 @@ def _response_body(
     ]
     if task == "chat":
         return oa.ChatCompletion(
-            id=f"chatcmpl-{rid}", created=created, model=model, usage=usage,
+            id=f"chatcmpl-{rid}",
+            created=created,
+            model=model,
+            usage=usage,
             choices=[
                 oa.ChatChoice(
                     index=c["index"],
                     message=oa.ChatMessage(content=c["text"]),
                     finish_reason=c["finish_reason"],
-                    logprobs=None if c["logprobs"] is None else oa.ChatLogprobs(
-                        content=c["logprobs"]
-                    ),
+                    logprobs=None
+                    if c["logprobs"] is None
+                    else oa.ChatLogprobs(content=c["logprobs"]),
                 )
                 for c in choices
             ],
         ).model_dump(exclude_none=True)
     return oa.TextCompletion(
-        id=f"cmpl-{rid}", created=created, model=model, usage=usage,
+        id=f"cmpl-{rid}",
+        created=created,
+        model=model,
+        usage=usage,
         choices=[
             oa.CompletionChoice(
-                index=c["index"], text=c["text"], finish_reason=c["finish_reason"],
-                logprobs=None if c["logprobs"] is None else oa.CompletionLogprobs(
-                    **completion_logprobs(c["logprobs"])
-                ),
+                index=c["index"],
+                text=c["text"],
+                finish_reason=c["finish_reason"],
+                logprobs=None
+                if c["logprobs"] is None
+                else oa.CompletionLogprobs(**completion_logprobs(c["logprobs"])),
             )
             for c in choices
         ],
