@@ -1,4 +1,5 @@
-"""The reference code location: document embeddings and prompt completions with vLLM.
+"""The reference code location: document embeddings, prompt completions, structured
+extraction to JSON and passage reranking with vLLM.
 
 `dagster dev -w workspace.yaml` loads this module. Models and data come from `make demo`
 (or `python -m assets.prepare`); environment variables point the pipelines elsewhere:
@@ -15,6 +16,12 @@ import dagster as dg
 from assets.daily import daily_embeddings_job, daily_embeddings_schedule, daily_note_embeddings
 from assets.downstream import embedding_stats_asset
 from assets.paths import embedding_model_dir, generation_model_dir, input_root, output_root
+from assets.request_pipelines import (
+    extract_tickets_job,
+    passage_rerank,
+    rerank_job,
+    ticket_fields,
+)
 from assets.yaml_pipelines import load_yaml_pipelines
 from dagster_gpuinfer import (
     EngineArgs,
@@ -74,7 +81,12 @@ prompt_completions = inference_assets(
     description="Greedy completions of every prompt shard by the local test Llama",
 )
 
-PIPELINES = {"doc_embeddings": doc_embeddings, "prompt_completions": prompt_completions}
+PIPELINES = {
+    "doc_embeddings": doc_embeddings,
+    "prompt_completions": prompt_completions,
+    "ticket_fields": ticket_fields,
+    "passage_rerank": passage_rerank,
+}
 
 embed_docs_job = dg.define_asset_job(
     "embed_docs", selection=[doc_embeddings.output_asset.key], partitions_def=DOC_SHARDS
@@ -85,7 +97,12 @@ complete_prompts_job = dg.define_asset_job(
     partitions_def=PROMPT_SHARDS,
 )
 
-JOBS = {"doc_embeddings": embed_docs_job, "prompt_completions": complete_prompts_job}
+JOBS = {
+    "doc_embeddings": embed_docs_job,
+    "prompt_completions": complete_prompts_job,
+    "ticket_fields": extract_tickets_job,
+    "passage_rerank": rerank_job,
+}
 
 # Per-partition polars statistics of the embeddings, materialized by the automation daemon
 # whenever a partition of doc_embeddings updates (AutomationCondition.eager()).
@@ -97,9 +114,17 @@ defs = dg.Definitions.merge(
             *doc_embeddings.assets,
             *prompt_completions.assets,
             *daily_note_embeddings.assets,
+            *ticket_fields.assets,
+            *passage_rerank.assets,
             doc_embedding_stats,
         ],
-        jobs=[embed_docs_job, complete_prompts_job, daily_embeddings_job],
+        jobs=[
+            embed_docs_job,
+            complete_prompts_job,
+            daily_embeddings_job,
+            extract_tickets_job,
+            rerank_job,
+        ],
         schedules=[daily_embeddings_schedule],
         # What backfilling the missing partitions costs, on each output asset's page.
         sensors=[backfill_estimate_sensor(p) for p in PIPELINES.values()],

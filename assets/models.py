@@ -74,3 +74,147 @@ def make_tiny_llama(dst: str | os.PathLike[str], *, seed: int = 0) -> str:
     )
     tmp.rename(dst)
     return str(dst)
+
+
+def _byte_level_corpus() -> list[str]:
+    """Text to train the byte-level tokenizer on: English sentences, JSON, digits."""
+    words = (
+        "the a of and to in is for on with as by at from this that it be are was were note "
+        "river solar power database trade protein jazz cycling volcano tax fish compiler bread "
+        "glacier chess supply bird migration topic summary sentiment positive negative neutral "
+        "score label title name city date year price quantity email phone order customer "
+        "ticket urgent low high medium question answer document query relevant yes no true "
+        "false null"
+    ).split()
+    lines = []
+    for i in range(400):
+        chosen = [words[(i * 7 + j * 13) % len(words)] for j in range(12)]
+        lines.append(" ".join(chosen).capitalize() + ".")
+        lines.append(
+            '{"'
+            + chosen[0]
+            + '": "'
+            + " ".join(chosen[1:4])
+            + '", "'
+            + chosen[4]
+            + '": '
+            + str(i * 37 % 1000)
+            + ', "'
+            + chosen[5]
+            + '": ['
+            + str(i % 10)
+            + ", "
+            + str(i % 7)
+            + '], "ok": '
+            + ("true" if i % 2 else "false")
+            + "}"
+        )
+    lines.append("0123456789 {}[]:,\"'-_.!?()<>|/\\ \n\t")
+    return lines
+
+
+def make_tiny_llama_bpe(dst: str | os.PathLike[str], *, seed: int = 0) -> str:
+    """Write a 2-layer random-weight Llama whose tokenizer is a byte-level BPE trained here.
+
+    Structured outputs need a tokenizer whose tokens decode to exactly the bytes the grammar
+    matched: the MiniLM WordPiece tokenizer of `make_tiny_llama` inserts spaces between
+    tokens when decoding, so a JSON-constrained token sequence decodes to text that is not
+    JSON. A byte-level BPE (GPT-2's scheme) decodes byte for byte. Reuses `dst` when complete.
+
+    Returns:
+        The model directory.
+    """
+    dst = Path(dst)
+    if (dst / "config.json").exists() and (dst / "model.safetensors").exists():
+        return str(dst)
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<s>", "</s>", "<pad>", "<unk>"]
+    trainer = ByteLevelBPETokenizer()
+    trainer.train_from_iterator(_byte_level_corpus(), vocab_size=2048, special_tokens=specials)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=trainer._tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = TINY_LLAMA_CHAT_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    tmp = dst.with_name(dst.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "MODEL_CARD.json").write_text(
+        json.dumps(
+            {"what": "random-weight test Llama, byte-level BPE tokenizer", "seed": seed}, indent=2
+        )
+    )
+    tmp.rename(dst)
+    return str(dst)
+
+
+SENTIMENT_LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def make_minilm_classifier(dst: str | os.PathLike[str], *, num_labels: int, seed: int = 0) -> str:
+    """Write a `BertForSequenceClassification` on the packaged MiniLM encoder to `dst`.
+
+    The encoder is the real all-MiniLM-L6-v2; the classification head (and the pooler, which
+    the sentence-transformers checkpoint lacks) is random but seeded. `num_labels=1` makes a
+    cross-encoder vLLM serves through `LLM.score`; `num_labels=3` a classifier for
+    `LLM.classify`, with labels negative / neutral / positive. Reuses `dst` when complete.
+
+    Returns:
+        The model directory.
+    """
+    dst = Path(dst)
+    if (dst / "config.json").exists() and (dst / "model.safetensors").exists():
+        return str(dst)
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    labels = (
+        {0: "relevance"}
+        if num_labels == 1
+        else {i: SENTIMENT_LABELS.get(i, f"label_{i}") for i in range(num_labels)}
+    )
+    model = BertForSequenceClassification.from_pretrained(
+        minilm_path(),
+        num_labels=num_labels,
+        id2label=labels,
+        label2id={v: k for k, v in labels.items()},
+    )
+    with torch.no_grad():  # a head that separates inputs visibly, not one near zero
+        model.classifier.weight.normal_(0.0, 0.5)
+        model.classifier.bias.zero_()
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    tmp = dst.with_name(dst.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "MODEL_CARD.json").write_text(
+        json.dumps(
+            {"what": f"MiniLM encoder + seeded {num_labels}-label head", "seed": seed}, indent=2
+        )
+    )
+    tmp.rename(dst)
+    return str(dst)

@@ -28,3 +28,22 @@ def embedding_model_dir() -> str:
     from assets.models import minilm_path
 
     return os.environ.get("GPUINFER_EMBED_MODEL") or minilm_path()
+
+
+def structured_model_dir() -> str:
+    """The tiny Llama with a byte-level tokenizer, for structured outputs."""
+    return os.environ.get(
+        "GPUINFER_STRUCTURED_MODEL", str(data_dir() / "models" / "tiny-llama-bpe")
+    )
+
+
+def cross_encoder_dir() -> str:
+    """MiniLM with a seeded 1-label head: a cross-encoder for `score`."""
+    default = data_dir() / "models" / "minilm-cross-encoder"
+    return os.environ.get("GPUINFER_SCORE_MODEL", str(default))
+
+
+def classifier_dir() -> str:
+    """MiniLM with a seeded 3-label head (negative / neutral / positive) for `classify`."""
+    default = data_dir() / "models" / "minilm-classifier"
+    return os.environ.get("GPUINFER_CLASSIFY_MODEL", str(default))

@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import json
 import random
+from datetime import UTC, date, datetime, timedelta
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from assets.models import make_tiny_llama
-from assets.paths import data_dir, generation_model_dir
+from assets.daily import DAILY_START, write_daily_notes
+from assets.models import make_minilm_classifier, make_tiny_llama, make_tiny_llama_bpe
+from assets.paths import (
+    cross_encoder_dir,
+    data_dir,
+    generation_model_dir,
+    structured_model_dir,
+)
 
 TOPICS = [
     "solar power",
@@ -97,15 +104,108 @@ def write_prompt_shards(shards: int = 4, rows_per_shard: int = 200, seed: int = 
     return written
 
 
+PRODUCTS = ["the app", "the website", "my invoice", "the router", "the checkout page"]
+PROBLEMS = [
+    "crashes when I open it",
+    "charges me twice",
+    "is very slow since Monday",
+    "shows an empty page",
+    "will not connect",
+    "lost my saved settings",
+]
+
+
+def write_ticket_shards(shards: int = 2, rows_per_shard: int = 24, seed: int = 5) -> list[str]:
+    """Support tickets for the structured extraction pipeline (`ticket_fields`)."""
+    out = data_dir() / "inputs" / "ticket_texts"
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    written = []
+    for shard in range(shards):
+        path = out / f"tickets-{shard:03d}.parquet"
+        tickets = [
+            f"{rng.choice(PRODUCTS).capitalize()} {rng.choice(PROBLEMS)}. "
+            f"{rng.choice(['Please help.', 'This is urgent!', 'No rush.'])}"
+            for _ in range(rows_per_shard)
+        ]
+        if path.exists():
+            continue
+        prompts = [
+            "Extract product, urgency (1-5) and a short summary as JSON.\nTicket: " + t
+            for t in tickets
+        ]
+        table = pa.table(
+            {
+                "ticket_id": [f"ticket-{shard:03d}-{i:04d}" for i in range(rows_per_shard)],
+                "prompt": prompts,
+            }
+        )
+        pq.write_table(table, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)
+        written.append(str(path))
+    return written
+
+
+def write_rerank_shards(shards: int = 2, queries_per_shard: int = 12, seed: int = 13) -> list[str]:
+    """OpenAI Batch `/v1/rerank` lines (a query, 5 candidate passages) for `passage_rerank`."""
+    out = data_dir() / "inputs" / "rerank"
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    written = []
+    for shard in range(shards):
+        path = out / f"queries-{shard:03d}.jsonl"
+        lines = []
+        for i in range(queries_per_shard):
+            topic = rng.choice(TOPICS)
+            passages = [make_document(rng, shard * 1000 + i * 10 + j) for j in range(4)]
+            passages.insert(rng.randrange(5), f"A short introduction to {topic} for beginners.")
+            lines.append(
+                json.dumps(
+                    {
+                        "custom_id": f"q-{shard:03d}-{i:04d}",
+                        "method": "POST",
+                        "url": "/v1/rerank",
+                        "body": {
+                            "model": "minilm-cross-encoder",
+                            "query": f"What is {topic}?",
+                            "documents": passages,
+                            "top_n": 3,
+                        },
+                    }
+                )
+            )
+        if path.exists():
+            continue
+        path.with_suffix(".tmp").write_text("\n".join(lines) + "\n")
+        path.with_suffix(".tmp").rename(path)
+        written.append(str(path))
+    return written
+
+
+def daily_note_days(today: date | None = None) -> list[str]:
+    """Every day of `daily_note_embeddings` from its start to today (UTC), so every partition
+    the UI offers, including today's once it ends, has its input file."""
+    today = today or datetime.now(UTC).date()
+    first = date.fromisoformat(DAILY_START)
+    return [(first + timedelta(days=d)).isoformat() for d in range((today - first).days + 1)]
+
+
 def main() -> None:
     docs = write_doc_shards()
     prompts = write_prompt_shards()
+    tickets = write_ticket_shards()
+    rerank = write_rerank_shards()
+    days = daily_note_days()
+    daily = write_daily_notes(days)
     model = make_tiny_llama(generation_model_dir())
+    structured = make_tiny_llama_bpe(structured_model_dir())
+    cross_encoder = make_minilm_classifier(cross_encoder_dir(), num_labels=1)
     print(
-        f"inputs: {len(docs)} doc shards and {len(prompts)} prompt shards written under "
-        f"{data_dir() / 'inputs'} (existing ones kept)"
+        f"inputs under {data_dir() / 'inputs'} (existing ones kept): {len(docs)} doc shards, "
+        f"{len(prompts)} prompt shards, {len(tickets)} ticket shards, {len(rerank)} rerank "
+        f"shards, {len(daily)} new daily note files ({days[0]} to {days[-1]})"
     )
-    print(f"models: generation model at {model}")
+    print(f"models: {model}, {structured}, {cross_encoder}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, NoReturn
 import dagster as dg
 from pydantic import Field
 
-from dagster_gpuinfer.checks import ERROR_RATE, ROWS_BALANCED, check_results
+from dagster_gpuinfer.checks import ERROR_RATE, ROWS_BALANCED, VALID_OUTPUT, check_results
 from dagster_gpuinfer.metadata import partition_metadata, run_metadata
 from dagster_gpuinfer.resource import GpuInferenceResource, InferenceRunResult, validate_spec
 from dagster_gpuinfer.run_metrics import run_timing_fields
@@ -141,6 +141,7 @@ def inference_assets(
     max_requests_in_flight: int | None = None,
     group_prefixes: bool = True,
     max_error_rate: float = 0.10,
+    max_invalid_output_rate: float = 0.0,
     backfill_policy: dg.BackfillPolicy | None = None,
     retry_policy: dg.RetryPolicy | None = None,
     pool: str | None = None,
@@ -170,6 +171,8 @@ def inference_assets(
             shards; default 2 x the engine's `max_num_seqs` (for experts).
         group_prefixes: Submit generation rows grouped by shared prompt prefix.
         max_error_rate: Quarantined share of rows above which the error-rate check fails.
+        max_invalid_output_rate: generate/chat: share of outputs failing their structured-output
+            constraint above which the `valid_structured_output` check fails.
         backfill_policy: Dagster's; defaults to multi-run with 4 partitions per run.
         retry_policy, pool, op_tags, group_name, key_prefix: passed to `@dg.asset` as is.
         resource_key: Resource key of the `GpuInferenceResource`.
@@ -217,6 +220,7 @@ def inference_assets(
         if input_asset_key is not None
         else dg.AssetKey([*prefix, f"{name}_input"])
     )
+    generates = task in ("generate", "chat")
     input_uri = raw_spec["input"]["uri"]
     input_spec = dg.AssetSpec(
         key=input_key,
@@ -247,6 +251,18 @@ def inference_assets(
                 ERROR_RATE,
                 asset=output_key,
                 description=f"quarantined rows at most {max_error_rate:.0%}",
+            ),
+            *(
+                [
+                    dg.AssetCheckSpec(
+                        VALID_OUTPUT,
+                        asset=output_key,
+                        description="outputs failing their structured-output constraint (JSON "
+                        f"schema, regex, choice) at most {max_invalid_output_rate:.0%}",
+                    )
+                ]
+                if generates
+                else []
             ),
         ],
         kinds={"vllm", output_format if output_format == "parquet" else "json"},
@@ -281,7 +297,11 @@ def inference_assets(
             )
         return dg.MaterializeResult(
             metadata=run_metadata(result),
-            check_results=check_results(result, max_error_rate=max_error_rate),
+            check_results=check_results(
+                result,
+                max_error_rate=max_error_rate,
+                max_invalid_output_rate=max_invalid_output_rate if generates else None,
+            ),
         )
 
     return InferencePipeline(input_asset=input_spec, output_asset=_inference_asset, spec=raw_spec)

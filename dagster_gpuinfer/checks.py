@@ -15,10 +15,15 @@ from dagster_gpuinfer.storage import filesystem_for, partition_dir, verify_manif
 
 ROWS_BALANCED = "rows_balanced"
 ERROR_RATE = "error_rate"
+# Generation only: the share of output rows that fail their structured-output constraint.
+VALID_OUTPUT = "valid_structured_output"
 
 
 def check_results(
-    result: InferenceRunResult, *, max_error_rate: float
+    result: InferenceRunResult,
+    *,
+    max_error_rate: float,
+    max_invalid_output_rate: float | None = None,
 ) -> list[dg.AssetCheckResult]:
     assert result.spec is not None
     spec = result.spec
@@ -35,7 +40,11 @@ def check_results(
             over_threshold[key] = round(rate, 4)
         error_types.update(manifest.error_types)
     top = dict(error_types.most_common(5))
+    extra = []
+    if max_invalid_output_rate is not None:
+        extra.append(invalid_output_check(result, max_invalid_output_rate))
     return [
+        *extra,
         dg.AssetCheckResult(
             check_name=ROWS_BALANCED,
             passed=not problems,
@@ -59,3 +68,31 @@ def check_results(
             f"error types: {top}",
         ),
     ]
+
+
+def invalid_output_check(result: InferenceRunResult, max_rate: float) -> dg.AssetCheckResult:
+    """The share of output rows whose text fails its structured-output constraint (JSON
+    schema, regex, choice), per partition and over the run, from the manifests."""
+    shares: dict[str, float] = {}
+    invalid = rows_out = 0
+    for key, manifest in sorted(result.manifests.items()):
+        invalid += manifest.rows_invalid_output
+        rows_out += manifest.rows_out
+        if manifest.rows_out:
+            shares[key] = round(manifest.rows_invalid_output / manifest.rows_out, 4)
+    over = {key: share for key, share in shares.items() if share > max_rate}
+    share = invalid / rows_out if rows_out else 0.0
+    return dg.AssetCheckResult(
+        check_name=VALID_OUTPUT,
+        passed=not over,
+        metadata={
+            "rows_invalid_output": invalid,
+            "invalid_output_share": round(share, 4),
+            "max_invalid_output_rate": max_rate,
+            "invalid_share_by_partition": dg.MetadataValue.json(shares),
+        },
+        description=None
+        if not over
+        else f"{invalid} of {rows_out} outputs ({share:.1%}) fail their structured-output "
+        f"constraint; above {max_rate:.0%} in {sorted(over)} (see output_error in the rows)",
+    )

@@ -23,6 +23,7 @@ def partition_metadata(
         "rows_out": manifest.rows_out,
         "rows_errored": manifest.rows_errored,
         "rows_resumed": manifest.rows_resumed,
+        "rows_invalid_output": manifest.rows_invalid_output,
         "prompt_tokens": manifest.prompt_tokens,
         "generated_tokens": manifest.generated_tokens,
         "rows_per_second": round(manifest.rows_in / seconds, 2),

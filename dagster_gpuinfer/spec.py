@@ -21,7 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from dagster_gpuinfer.secrets import find_secrets_in_options, secret_in_options_message
 
-Task = Literal["embed", "generate", "chat"]
+Task = Literal["embed", "generate", "chat", "score", "classify"]
+# Tasks served by vLLM's pooling runner (no sampling).
+POOLING_TASKS: frozenset[str] = frozenset({"embed", "score", "classify"})
 InputFormat = Literal["parquet", "jsonl", "openai_batch"]
 OutputFormat = Literal["parquet", "openai_batch"]
 
@@ -156,8 +158,69 @@ class EngineArgs(_Strict):
         return kwargs
 
 
+class StructuredOutputs(_Strict):
+    """vLLM `StructuredOutputsParams`: constrain every output to a JSON schema, a regex or a
+    choice of strings (exactly one of them).
+
+    `json` takes a JSON schema (a dict or its JSON text) or a pydantic model class, whose
+    `model_json_schema()` is used; `json_object=True` asks for any JSON object. Whitespace
+    inside JSON is an engine setting in vLLM, not a request one: set
+    `EngineArgs(extra={"structured_outputs_config": {"disable_any_whitespace": True}})`.
+    """
+
+    json_schema: dict[str, Any] | None = Field(
+        None,
+        alias="json",
+        description="A JSON schema (or pydantic model class) every output must satisfy.",
+    )
+    regex: str | None = Field(None, description="A regular expression every output must match.")
+    choice: list[str] | None = Field(None, description="The output must be one of these strings.")
+    json_object: bool | None = Field(None, description="The output must be a JSON object.")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _schema_from_model(cls, value: Any) -> Any:
+        if isinstance(value, type) and issubclass(value, BaseModel):
+            return value.model_json_schema()
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON text: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        chosen = [
+            name
+            for name, value in (
+                ("json", self.json_schema),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("json_object", self.json_object),
+            )
+            if value not in (None, False)
+        ]
+        if len(chosen) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, regex, choice, json_object; "
+                f"got {chosen or 'none'}"
+            )
+        return self
+
+    def to_vllm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `vllm.sampling_params.StructuredOutputsParams`."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
 class SamplingParams(_Strict):
-    """vLLM `SamplingParams` for `generate` and `chat`, under vLLM's names."""
+    """vLLM `SamplingParams` for `generate` and `chat`, under vLLM's names.
+
+    These are the pipeline's defaults: a row's own parameters (an OpenAI Batch line's body,
+    or the `input.params_column` of a Parquet/JSONL row) override them for that row.
+    """
 
     temperature: float = Field(0.0, ge=0, description="0 is greedy decoding.")
     top_p: float = Field(1.0, gt=0, le=1)
@@ -169,6 +232,13 @@ class SamplingParams(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    n: int = Field(1, ge=1, description="Completions per row; all land in the row's `choices`.")
+    logprobs: int | None = Field(
+        None, ge=0, description="Log probabilities of the top `logprobs` tokens per position."
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="Constrain outputs to a JSON schema, regex or choice (vLLM's)."
+    )
     extra: dict[str, Any] = Field(
         default_factory=dict, description="Other `vllm.SamplingParams` fields, passed as is."
     )
@@ -179,9 +249,13 @@ class SamplingParams(_Strict):
         return _refuse_secrets(extra, "sampling.extra")
 
     def to_vllm_kwargs(self) -> dict[str, Any]:
-        kwargs = self.model_dump(exclude={"extra"}, exclude_none=True)
+        """Keyword arguments of `vllm.SamplingParams`; `structured_outputs` stays a dict of
+        `StructuredOutputsParams` keyword arguments (the worker builds the object)."""
+        kwargs = self.model_dump(exclude={"extra", "structured_outputs"}, exclude_none=True)
         if not kwargs["stop"]:
             kwargs.pop("stop")
+        if self.structured_outputs is not None:
+            kwargs["structured_outputs"] = self.structured_outputs.to_vllm_kwargs()
         kwargs.update(self.extra)
         return kwargs
 
@@ -251,8 +325,21 @@ class InputSpec(_Strict):
             "OpenAI batch input always uses `custom_id`."
         ),
     )
-    text_column: str = Field("text", description="Text column for `embed` and `generate`.")
+    text_column: str = Field(
+        "text", description="Text column for `embed`, `generate`, `classify`; the query of `score`."
+    )
+    text_pair_column: str = Field(
+        "text_pair", description="For `score`: the column of the document paired with the query."
+    )
     messages_column: str = Field("messages", description="OpenAI-style messages for `chat`.")
+    params_column: str | None = Field(
+        None,
+        description=(
+            "Optional column of per-row parameters (an object, or its JSON text, with OpenAI / "
+            "vLLM sampling names: max_tokens, temperature, seed, n, response_format, ...). "
+            "OpenAI batch input always takes them from each line's `body`."
+        ),
+    )
 
     @field_validator("uri")
     @classmethod
@@ -378,8 +465,8 @@ class InferenceSpec(_Strict):
                     f"partition {key!r} asks for a byte range of a Parquet file; Parquet shards "
                     "split by rows (`@rows=<start>-<end>`), byte ranges are for JSONL"
                 )
-        if self.task == "embed" and self.sampling != SamplingParams():
-            raise ValueError("sampling parameters are set but task 'embed' does not sample")
+        if self.task in POOLING_TASKS and self.sampling != SamplingParams():
+            raise ValueError(f"sampling parameters are set but task {self.task!r} does not sample")
         return self
 
     def spec_hash(self) -> str:

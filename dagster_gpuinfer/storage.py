@@ -40,6 +40,8 @@ from dagster_gpuinfer.spec import InferenceSpec, OutputSpec, StorageOptions
 
 MANIFEST_NAME = "_SUCCESS"
 ERRORS_NAME = "errors.parquet"
+# With output_format="openai_batch": the quarantined rows again, as OpenAI error lines.
+OPENAI_ERRORS_NAME = "errors.jsonl"
 CHUNKS_DIR = "_chunks"
 MANIFEST_VERSION = 1
 
@@ -365,6 +367,7 @@ class ChunkMarker(BaseModel):
     rows_in: int
     rows_out: int
     rows_errored: int
+    rows_invalid_output: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
     inference_seconds: float = 0.0
@@ -421,10 +424,14 @@ class Manifest(BaseModel):
     rows_out: int
     rows_errored: int
     rows_resumed: int = 0
+    # Rows whose output fails its structured-output constraint (kept in the output, flagged).
+    rows_invalid_output: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
     parts: list[FileEntry]
     errors: FileEntry
+    # errors.jsonl: the quarantined rows as OpenAI Batch error lines (openai_batch output).
+    openai_errors: FileEntry | None = None
     error_types: dict[str, int] = Field(default_factory=dict)
     inference_seconds: float = 0.0
     wall_seconds: float = 0.0
@@ -514,8 +521,11 @@ def commit_partition(
     manifest: Manifest,
     error_tables: list[pa.Table],
     storage: StorageOptions | None = None,
+    openai_errors: bytes | None = None,
 ) -> Manifest:
-    """Write `errors.parquet`, then the manifest (the commit point), then clear leftovers.
+    """Write `errors.parquet` (and `errors.jsonl` when `openai_errors` is given: the same
+    rows as OpenAI Batch error lines), then the manifest (the commit point), then clear
+    leftovers.
 
     The manifest is created exclusively: of two workers racing on one partition exactly one
     commits, and the other gets `CommitConflict` with the winner's manifest. A manifest of an
@@ -531,7 +541,12 @@ def commit_partition(
     errors_entry = write_file_entry(
         fs, partition_path, ERRORS_NAME, table_to_parquet_bytes(errors), errors.num_rows
     )
-    manifest = manifest.model_copy(update={"errors": errors_entry})
+    update: dict[str, Any] = {"errors": errors_entry}
+    if openai_errors is not None:
+        update["openai_errors"] = write_file_entry(
+            fs, partition_path, OPENAI_ERRORS_NAME, openai_errors, errors.num_rows
+        )
+    manifest = manifest.model_copy(update=update)
     data = manifest.model_dump_json(indent=2).encode()
     target = manifest_path(partition_path)
     for _ in range(2):
@@ -548,6 +563,8 @@ def commit_partition(
             raise CommitConflict(existing)
         raise OSError(f"could not create {display_uri(fs, target)}: it keeps reappearing")
     keep = {MANIFEST_NAME, ERRORS_NAME, *(part.name for part in manifest.parts)}
+    if manifest.openai_errors is not None:
+        keep.add(manifest.openai_errors.name)
     stale = [
         posixpath.join(partition_path, name)
         for name in list_names(fs, partition_path)
@@ -585,6 +602,15 @@ def verify_manifest(fs: pafs.FileSystem, partition_path: str, manifest: Manifest
             f"errors.parquet holds {counted_errors} rows, manifest rows_errored="
             f"{manifest.rows_errored}"
         )
+    if manifest.openai_errors is not None:
+        jsonl_path = posixpath.join(partition_path, manifest.openai_errors.name)
+        if not exists(fs, jsonl_path):
+            problems.append(f"{manifest.openai_errors.name} named by the manifest is missing")
+        elif count_rows(fs, jsonl_path) != manifest.rows_errored:
+            problems.append(
+                f"{manifest.openai_errors.name} holds {count_rows(fs, jsonl_path)} lines, "
+                f"manifest rows_errored={manifest.rows_errored}"
+            )
     if not manifest.balanced:
         problems.append(
             f"rows_in={manifest.rows_in} != rows_out={manifest.rows_out} + "

@@ -143,7 +143,8 @@ def test_invalid_run_config_fails_in_the_control_plane_naming_the_field(
 
 
 def test_unknown_task_never_reaches_a_worker():
-    with pytest.raises(ValueError, match=r"task: Input should be 'embed', 'generate' or 'chat'"):
+    expected = r"task: Input should be 'embed', 'generate', 'chat', 'score' or 'classify'"
+    with pytest.raises(ValueError, match=expected):
         inference_assets(
             name="x",
             model="/m",

@@ -114,10 +114,12 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, dg.Model):
 
     name: str = Field(description="Output asset name (and its folder under output_root).")
     model: str = Field(description="Model directory (or hub id) vLLM loads.")
-    task: Literal["embed", "generate", "chat"] = Field(description="embed, generate or chat.")
+    task: Literal["embed", "generate", "chat", "score", "classify"] = Field(
+        description="embed, generate, chat, score or classify."
+    )
     input: dict[str, Any] = Field(
         description="InputSpec fields: uri (template with {partition_key}), format, id_column, "
-        "text_column, messages_column."
+        "text_column, text_pair_column, messages_column, params_column."
     )
     output_root: str = Field(description="Local directory or s3://bucket/prefix for outputs.")
     output_format: Literal["parquet", "openai_batch"] = "parquet"
@@ -135,6 +137,9 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, dg.Model):
     chunk_size: int = Field(512, ge=1, description="Rows per chunk.")
     max_error_rate: float = Field(
         0.10, ge=0, le=1, description="Error-rate check threshold, 0 to 1."
+    )
+    max_invalid_output_rate: float = Field(
+        0.0, ge=0, le=1, description="generate/chat: structured-output check threshold, 0 to 1."
     )
     max_partitions_per_run: int = Field(
         4, ge=1, description="Backfill policy: partitions (shards) per run; one model load each."
@@ -181,6 +186,7 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, dg.Model):
             replicas=self.replicas,
             chunk_size=self.chunk_size,
             max_error_rate=self.max_error_rate,
+            max_invalid_output_rate=self.max_invalid_output_rate,
             backfill_policy=dg.BackfillPolicy.multi_run(
                 max_partitions_per_run=self.max_partitions_per_run
             ),

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from dagster_gpuinfer.out_of_memory import memory_problem
-from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.spec import POOLING_TASKS, InferenceSpec
+from dagster_gpuinfer.worker.completions import choices_of
 from dagster_gpuinfer.worker.errors import SpecError
 from dagster_gpuinfer.worker.metrics import current_metrics
 
@@ -40,12 +41,28 @@ class ChunkResult:
     prompt_tokens: list[int] | None = None
     generated_tokens: list[int] | None = None
     cached_tokens: list[int] | None = None  # prompt tokens served from vLLM's prefix cache
+    choices: list[list[dict[str, Any]]] | None = None  # every choice of each row (n >= 1)
     seconds: float = 0.0
 
     @classmethod
-    def from_outputs(cls, task: str, outputs: Sequence[Any], seconds: float = 0.0) -> ChunkResult:
-        """The columns of a chunk from vLLM's finished outputs, one per row in input order
-        (`RequestOutput` for generate and chat, `PoolingRequestOutput` for embed)."""
+    def from_outputs(
+        cls,
+        task: str,
+        outputs: Sequence[Any],
+        seconds: float = 0.0,
+        requests: Sequence[Any] | None = None,
+    ) -> ChunkResult:
+        """The columns of a chunk from vLLM's finished outputs, in input order.
+
+        Args:
+            task: The spec's task.
+            outputs: `RequestOutput` per row for generate and chat; `PoolingRequestOutput`
+                per prompt for embed (a row whose input is a list has several, see
+                `ValidChunk.spans`).
+            seconds: Inference time of the chunk.
+            requests: Each row's `request_params.RowRequest` (its `top_logprobs`); None: no
+                row asked for logprobs.
+        """
         if task == "embed":
             if outputs:
                 embeddings = np.stack(
@@ -60,12 +77,15 @@ class ChunkResult:
                 generated_tokens=[0] * len(outputs),
                 seconds=seconds,
             )
+        top = [r.top_logprobs for r in requests] if requests else [None] * len(outputs)
+        choices = [choices_of(o, k) for o, k in zip(outputs, top, strict=True)]
         return cls(
-            texts=[o.outputs[0].text for o in outputs],
-            finish_reasons=[o.outputs[0].finish_reason for o in outputs],
+            texts=[c[0]["text"] for c in choices],
+            finish_reasons=[c[0]["finish_reason"] for c in choices],
             prompt_tokens=[len(o.prompt_token_ids or ()) for o in outputs],
-            generated_tokens=[len(o.outputs[0].token_ids) for o in outputs],
+            generated_tokens=[sum(choice["generated_tokens"] for choice in c) for c in choices],
             cached_tokens=[o.num_cached_tokens or 0 for o in outputs],
+            choices=choices,
             seconds=seconds,
         )
 
@@ -92,7 +112,7 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     gives the raw engine the very same ones."""
     kwargs = spec.engine.to_vllm_kwargs()
     kwargs["tensor_parallel_size"] = spec.tensor_parallel_size
-    if spec.task == "embed":
+    if spec.task in POOLING_TASKS:
         kwargs["runner"] = "pooling"
     kwargs.setdefault(
         "disable_log_stats", False
@@ -129,7 +149,7 @@ class InferenceEngine:
     def __init__(self, spec: InferenceSpec) -> None:
         check_model_dir(spec)
         started = time.perf_counter()  # the build counts vllm's import (seconds, once)
-        from vllm import LLM, PoolingParams, SamplingParams
+        from vllm import LLM, PoolingParams
         from vllm.sampling_params import RequestOutputKind
 
         self.spec = spec
@@ -156,11 +176,20 @@ class InferenceEngine:
         self.window = (
             spec.max_requests_in_flight or self.WINDOW_PER_MAX_NUM_SEQS * self.max_num_seqs
         )
-        self.default_params: Any
+        self.requests = request_builder(spec, self.llm)
+        # score and classify run whole chunks through `LLM.score` / `LLM.classify`
+        # (`pooling_tasks`); embed, generate and chat stream requests through `submit`.
+        self.default_params: Any = None
         if spec.task == "embed":
             self.default_params = PoolingParams(task="embed")
-        else:
-            self.default_params = SamplingParams(**spec.sampling.to_vllm_kwargs())
+        elif spec.task not in POOLING_TASKS:
+            from dagster_gpuinfer.worker.request_params import ParameterError
+
+            try:
+                self.default_params = self.requests.build(None).sampling
+            except ParameterError as exc:
+                self.shutdown()
+                raise SpecError(f"the pipeline's sampling parameters: {exc}") from None
             # Only the finished output of each request comes back (as in `LLM.generate`).
             self.default_params.output_kind = RequestOutputKind.FINAL_ONLY
         self._final_only = RequestOutputKind.FINAL_ONLY
@@ -208,10 +237,20 @@ class InferenceEngine:
                 finished.append((output.request_id, output))
         return finished
 
-    def run(self, token_ids: list[list[int]], *, group_prefixes: bool = True) -> ChunkResult:
-        """Run the task over pre-tokenized prompts until all are done; results in the same
-        order. One barrier for the whole list: the worker streams instead; the benchmark uses
-        this to compare row orders."""
+    def run(
+        self,
+        token_ids: list[list[int]],
+        requests: list[Any] | None = None,
+        *,
+        group_prefixes: bool = True,
+    ) -> ChunkResult:
+        """Run the task (embed, generate, chat) over pre-tokenized prompts until all are
+        done; results in the same order. One barrier for the whole list: the worker streams
+        instead; the benchmark uses this to compare row orders.
+
+        `requests[i]` (a `request_params.RowRequest`) carries row i's own sampling parameters
+        and logprobs; without them every row runs the pipeline's defaults.
+        """
         started = time.perf_counter()
         order = (
             prefix_order(token_ids)
@@ -226,11 +265,14 @@ class InferenceEngine:
                 position = next(pending, None)
                 if position is None:
                     break
-                self.submit(f"run-{position}", token_ids[position])
+                params = requests[position].sampling if requests is not None else None
+                self.submit(f"run-{position}", token_ids[position], params)
             for request_id, output in self.step():
                 outputs[int(request_id.removeprefix("run-"))] = output
                 done += 1
-        return ChunkResult.from_outputs(self.spec.task, outputs, time.perf_counter() - started)
+        return ChunkResult.from_outputs(
+            self.spec.task, outputs, time.perf_counter() - started, requests
+        )
 
     def shutdown(self) -> None:
         """Stop the engine's processes now; left to garbage collection they can hang at exit.
@@ -247,6 +289,25 @@ class InferenceEngine:
                 engine_core.shutdown(timeout=grace)
             except TypeError:  # an engine client whose shutdown takes no timeout
                 engine_core.shutdown()
+
+
+def request_builder(spec: InferenceSpec, llm: Any) -> Any:
+    """Builds each row's request from its parameters, checked against this engine."""
+    from dagster_gpuinfer.worker.request_params import RequestBuilder
+
+    config = llm.llm_engine.vllm_config
+    tokenizer = llm.get_tokenizer()
+
+    def verify(params: Any) -> None:
+        params.verify(
+            config.model_config,
+            config.speculative_config,
+            config.structured_outputs_config,
+            tokenizer,
+        )
+
+    defaults = spec.sampling.to_vllm_kwargs() if spec.task not in POOLING_TASKS else {}
+    return RequestBuilder(task=spec.task, defaults=defaults, verify=verify)
 
 
 def _is_memory_error(message: str) -> bool:

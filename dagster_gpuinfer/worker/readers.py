@@ -26,17 +26,18 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+from pydantic import ValidationError
 
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import display_uri, filesystem_for
 from dagster_gpuinfer.worker.errors import RowError, ShardError
+from dagster_gpuinfer.worker.openai_batch import ENDPOINTS as OPENAI_ENDPOINTS
+from dagster_gpuinfer.worker.openai_batch import BatchRequestLine
 
-# Which OpenAI endpoint serves which task, and where the input sits in the request body.
-OPENAI_ENDPOINTS: dict[str, tuple[str, str]] = {
-    "/v1/embeddings": ("embed", "input"),
-    "/v1/completions": ("generate", "prompt"),
-    "/v1/chat/completions": ("chat", "messages"),
-}
+# Body fields that carry a score/rerank request's input (the rest are parameters).
+SCORE_BODY_FIELDS = frozenset(
+    {"text_1", "text_2", "queries", "documents", "data_1", "data_2", "query"}
+)
 
 
 @dataclass
@@ -44,8 +45,11 @@ class RawChunk:
     """One chunk of input rows, before validation.
 
     `rows` holds `(row number, id, payload)` for the rows that parsed; `payload` is a string
-    for embed/generate and a messages value for chat (validated later). `errors` holds the
-    rows of this chunk that failed to parse. `rows_in` counts both.
+    for embed/generate, a messages value for chat, a `(query, document)` tuple or a score
+    body for score (validated later). `params` holds the per-request parameters of the rows
+    that carry any, by row number (an OpenAI line's body minus its input; the
+    `input.params_column` value). `errors` holds the rows of this chunk that failed to
+    parse. `rows_in` counts both.
     """
 
     index: int
@@ -53,6 +57,7 @@ class RawChunk:
     rows: list[tuple[int, str | None, Any]] = field(default_factory=list)
     errors: list[RowError] = field(default_factory=list)
     rows_in: int = 0
+    params: dict[int, Any] = field(default_factory=dict)
 
 
 class ShardReader:
@@ -103,6 +108,10 @@ class ShardReader:
 
     def _required_columns(self) -> list[str]:
         columns = [self.payload_column]
+        if self.spec.task == "score":
+            columns.append(self.spec.input.text_pair_column)
+        if self.spec.input.params_column:
+            columns.append(self.spec.input.params_column)
         if self.spec.input.id_column:
             columns.insert(0, self.spec.input.id_column)
         return columns
@@ -111,7 +120,9 @@ class ShardReader:
         return ShardError(
             f"shard {self.source} has no column {', '.join(repr(m) for m in missing)} "
             f"(columns: {', '.join(present) or 'none'}). Set input.id_column / "
-            f"input.{'messages' if self.spec.task == 'chat' else 'text'}_column to the "
+            f"input.{'messages' if self.spec.task == 'chat' else 'text'}_column"
+            f"{' / input.text_pair_column' if self.spec.task == 'score' else ''}"
+            f"{' / input.params_column' if self.spec.input.params_column else ''} to the "
             "right names",
             partition_key=self.partition_key,
         )
@@ -221,12 +232,21 @@ class ShardReader:
         self, index: int, first_row: int, table: pa.Table, id_column: str | None
     ) -> RawChunk:
         payloads = table.column(self.payload_column).to_pylist()
+        if self.spec.task == "score":
+            pairs = table.column(self.spec.input.text_pair_column).to_pylist()
+            payloads = list(zip(payloads, pairs, strict=True))
         if id_column:
             ids = [None if v is None else str(v) for v in table.column(id_column).to_pylist()]
         else:
             ids = [self._default_id(first_row + i) for i in range(table.num_rows)]
         rows = [(first_row + i, ids[i], payloads[i]) for i in range(table.num_rows)]
-        return RawChunk(index=index, source=self.source, rows=rows, rows_in=len(rows))
+        chunk = RawChunk(index=index, source=self.source, rows=rows, rows_in=len(rows))
+        params_column = self.spec.input.params_column
+        if params_column:
+            for i, value in enumerate(table.column(params_column).to_pylist()):
+                if value is not None:
+                    chunk.params[first_row + i] = value
+        return chunk
 
     def _default_id(self, row: int) -> str:
         return f"{self.partition_key}:{row}"
@@ -306,11 +326,14 @@ class ShardReader:
             if isinstance(parsed, RowError):
                 chunk.errors.append(parsed)
             else:
-                chunk.rows.append(parsed)
+                row_params = parsed[3] if len(parsed) > 3 else None
+                if row_params:
+                    chunk.params[row] = row_params
+                chunk.rows.append(parsed[:3])
         if chunk.rows_in:
             yield chunk
 
-    def _parse_line(self, row: int, line: bytes) -> tuple[int, str | None, Any] | RowError:
+    def _parse_line(self, row: int, line: bytes) -> tuple[Any, ...] | RowError:
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -345,13 +368,32 @@ class ShardReader:
             return self._parse_openai_request(row, record)
         id_column = self.spec.input.id_column
         row_id = self._default_id(row) if id_column is None else record.get(id_column)
-        return (row, None if row_id is None else str(row_id), record.get(self.payload_column))
+        payload = record.get(self.payload_column)
+        if self.spec.task == "score":
+            payload = (payload, record.get(self.spec.input.text_pair_column))
+        params_column = self.spec.input.params_column
+        params = record.get(params_column) if params_column else None
+        return (row, None if row_id is None else str(row_id), payload, params)
 
     def _parse_openai_request(self, row: int, record: dict[str, Any]) -> Any:
         custom_id = record.get("custom_id")
         row_id = None if custom_id is None else str(custom_id)
         url = record.get("url")
         body = record.get("body")
+        try:
+            BatchRequestLine.model_validate(record)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(p) for p in error["loc"]) or "line"
+            if where != "custom_id" or custom_id is not None:
+                return RowError(
+                    row_id,
+                    self.source,
+                    row,
+                    "invalid_request",
+                    f"{self.source} line {row + 1}: not an OpenAI batch request line: {where}: "
+                    f"{error['msg']}; the row was quarantined",
+                )
         endpoint = OPENAI_ENDPOINTS.get(url) if isinstance(url, str) else None
         if endpoint is None:
             return RowError(
@@ -372,6 +414,21 @@ class ShardReader:
                 f"{self.source} line {row + 1}: url {url} asks for task {task!r} but this "
                 f"pipeline runs {self.spec.task!r}; the row was quarantined",
             )
+        if task == "score":
+            if not isinstance(body, dict) or not SCORE_BODY_FIELDS & set(body):
+                return RowError(
+                    row_id,
+                    self.source,
+                    row,
+                    "invalid_request",
+                    f"{self.source} line {row + 1}: body has neither text_1/text_2 (score) nor "
+                    "query/documents (rerank); the row was quarantined",
+                )
+            payload = {k: v for k, v in body.items() if k in SCORE_BODY_FIELDS}
+            if url.endswith("rerank") and "query" not in payload:
+                payload["query"] = None
+            params = {k: v for k, v in body.items() if k not in SCORE_BODY_FIELDS}
+            return (row, row_id, payload, params)
         if not isinstance(body, dict) or body_field not in body:
             return RowError(
                 row_id,
@@ -381,4 +438,5 @@ class ShardReader:
                 f"{self.source} line {row + 1}: body has no {body_field!r}; the row was "
                 "quarantined",
             )
-        return (row, row_id, body[body_field])
+        params = {k: v for k, v in body.items() if k != body_field}
+        return (row, row_id, body[body_field], params)

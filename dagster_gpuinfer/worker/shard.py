@@ -54,9 +54,15 @@ from dagster_gpuinfer.storage import (
 )
 from dagster_gpuinfer.worker.engine import ChunkResult
 from dagster_gpuinfer.worker.metrics import current_metrics
+from dagster_gpuinfer.worker.openai_batch import openai_error_lines
 from dagster_gpuinfer.worker.readers import RawChunk
 from dagster_gpuinfer.worker.validate import ValidChunk
-from dagster_gpuinfer.worker.writers import encode_openai_batch, errors_table, output_table
+from dagster_gpuinfer.worker.writers import (
+    encode_openai_batch,
+    errors_table,
+    output_table,
+    rows_invalid_output,
+)
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 
@@ -112,10 +118,12 @@ def write_chunk(
     """Write one chunk's outputs and quarantined rows; its marker, written last, commits it."""
     started = time.perf_counter()
     part = None
+    invalid_outputs = 0
     if valid.ids:
-        table = output_table(spec.task, valid.ids, result)
+        table = output_table(spec, valid, result)
+        invalid_outputs = rows_invalid_output(table)
         if spec.output.format == "openai_batch":
-            data = encode_openai_batch(spec.task, spec.model, where.spec_hash, table)
+            data = encode_openai_batch(spec.task, spec.model, where.spec_hash, table, valid)
             suffix = ".jsonl"
         else:
             data = table_to_parquet_bytes(table)
@@ -137,6 +145,7 @@ def write_chunk(
         rows_in=chunk.rows_in,
         rows_out=len(valid.ids),
         rows_errored=len(valid.errors),
+        rows_invalid_output=invalid_outputs,
         prompt_tokens=sum(result.prompt_tokens or ()),
         generated_tokens=sum(result.generated_tokens or ()),
         inference_seconds=result.seconds,
@@ -183,6 +192,7 @@ def commit_chunks(
         rows_out=sum(m.rows_out for m in ordered),
         rows_errored=sum(m.rows_errored for m in ordered),
         rows_resumed=rows_resumed,
+        rows_invalid_output=sum(m.rows_invalid_output for m in ordered),
         prompt_tokens=sum(m.prompt_tokens for m in ordered),
         generated_tokens=sum(m.generated_tokens for m in ordered),
         parts=[m.part for m in ordered if m.part is not None],
@@ -196,7 +206,12 @@ def commit_chunks(
             where.partition_key, rows_resumed=rows_resumed
         ),
     )
-    return commit_partition(where.fs, where.path, manifest, error_tables, where.storage)
+    openai_errors = None
+    if spec.output.format == "openai_batch":
+        openai_errors = openai_error_lines(where.spec_hash, error_tables)
+    return commit_partition(
+        where.fs, where.path, manifest, error_tables, where.storage, openai_errors=openai_errors
+    )
 
 
 def read_chunk_errors(where: ShardLocation, marker: ChunkMarker) -> pa.Table:

@@ -14,7 +14,14 @@ in any order. Three threads share the work:
 
 The chunk stays the unit of commit and resume, and memory stays bounded by the window and
 the read-ahead, never by the shard. Outputs are keyed by row: each request carries its row's
-place in its chunk, and a chunk's table is written in input order.
+place in its chunk, and a chunk's table is written in input order. Each generate/chat row is
+submitted with its own `SamplingParams` (`RowRequest.sampling`, from the line's parameters);
+an embeddings row whose input is a list submits one request per element.
+
+Tasks `score` and `classify` take another path through the same threads: the engine thread
+runs each prepared chunk through one `LLM.score` / `LLM.classify` call
+(`pooling_tasks.run_pooling_chunk`), since vLLM's offline scoring pairs and tokenizes inside
+that call; reading ahead, writing behind and committing are the same.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import ChunkMarker
 from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine
 from dagster_gpuinfer.worker.metrics import current_metrics
+from dagster_gpuinfer.worker.pooling_tasks import run_pooling_chunk
 from dagster_gpuinfer.worker.readers import RawChunk
 from dagster_gpuinfer.worker.shard import ShardLocation, write_chunk
 from dagster_gpuinfer.worker.validate import RowValidator, ValidChunk
@@ -61,15 +69,25 @@ class ChunkCommitted:
 
 @dataclass
 class _ChunkInFlight:
+    """A chunk between preparation and writing: one request per prompt of `valid.token_ids`
+    (one per row, but for embedding rows whose input is a list), outputs by prompt."""
+
     work: WorkChunk
     valid: ValidChunk
     outputs: list[Any] = field(default_factory=list)
     remaining: int = 0
     first_submitted: float | None = None
+    result: Any = None  # score/classify: the chunk's `PoolingResult`, computed whole
 
     def __post_init__(self) -> None:
-        self.outputs = [None] * len(self.valid.ids)
-        self.remaining = len(self.valid.ids)
+        self.outputs = [None] * len(self.valid.token_ids)
+        self.remaining = len(self.valid.token_ids)
+
+    def params(self, position: int) -> Any:
+        """The vLLM params of the request at `position` (None: the engine's defaults)."""
+        if len(self.valid.requests) != len(self.valid.token_ids):
+            return None  # embeddings: rows and prompts differ; PoolingParams are all alike
+        return self.valid.requests[position].sampling
 
 
 class _Worker(threading.Thread):
@@ -114,6 +132,7 @@ def serve_chunks(
         tokenizer=engine.tokenizer,
         max_model_len=engine.max_model_len,
         check_ids=False,
+        requests=engine.requests,
     )
     stopping = threading.Event()
 
@@ -140,8 +159,12 @@ def serve_chunks(
                 return
             key = item.work.partition_key
             where = locations.get(key) or locations.setdefault(key, ShardLocation.of(spec, key))
-            seconds = time.perf_counter() - (item.first_submitted or time.perf_counter())
-            result = ChunkResult.from_outputs(spec.task, item.outputs, seconds)
+            result = item.result
+            if result is None:
+                seconds = time.perf_counter() - (item.first_submitted or time.perf_counter())
+                result = ChunkResult.from_outputs(
+                    spec.task, item.outputs, seconds, requests=item.valid.requests
+                )
             marker = write_chunk(
                 spec, where, item.work.chunk, item.valid, result, item.work.attempt
             )
@@ -150,6 +173,13 @@ def serve_chunks(
     preparer, writer = _Worker("gpuinfer-prepare", prepare), _Worker("gpuinfer-write", write)
     preparer.start()
     writer.start()
+    if spec.task in ("score", "classify"):
+        try:
+            return _serve_whole_chunks(engine, spec, prepared, finished, (preparer, writer))
+        finally:
+            stopping.set()
+            if writer.is_alive():
+                finished.put(None)
     group = spec.group_prefixes and spec.task != "embed"
     requests: dict[str, tuple[_ChunkInFlight, int]] = {}
     incoming: deque[tuple[_ChunkInFlight, int]] = deque()  # read ahead, not yet ordered
@@ -202,8 +232,7 @@ def serve_chunks(
                 request_id = str(sequence)
                 sequence += 1
                 requests[request_id] = (item, position)
-                params = item.valid.params[position] if item.valid.params else None
-                engine.submit(request_id, item.valid.token_ids[position], params)
+                engine.submit(request_id, item.valid.token_ids[position], item.params(position))
                 metrics.requests_started(1)
                 if item.first_submitted is None:
                     item.first_submitted = time.perf_counter()
@@ -231,3 +260,41 @@ def serve_chunks(
         stopping.set()
         if writer.is_alive():
             finished.put(None)
+
+
+def _serve_whole_chunks(
+    engine: InferenceEngine,
+    spec: InferenceSpec,
+    prepared: queue.Queue[_ChunkInFlight | None],
+    finished: queue.Queue[_ChunkInFlight | None],
+    threads: tuple[_Worker, _Worker],
+) -> int:
+    """score / classify: each prepared chunk through one `LLM.score` / `LLM.classify` call
+    in this (the engine) thread, then to the writer; returns the rows inferred."""
+    metrics = current_metrics()
+    preparer, writer = threads
+    rows = 0
+    while True:
+        for thread in threads:
+            if thread.error is not None:
+                raise thread.error
+        try:
+            item = prepared.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            continue
+        if item is None:
+            break
+        count = len(item.valid.ids)  # none: every row quarantined, empty columns
+        metrics.requests_started(count)
+        try:
+            item.result = run_pooling_chunk(engine, spec.task, item.valid)
+        finally:
+            metrics.requests_finished(count)
+        rows += count
+        finished.put(item)
+    finished.put(None)
+    while writer.is_alive():
+        writer.join(POLL_SECONDS)
+    if writer.error is not None:
+        raise writer.error
+    return rows

@@ -12,31 +12,61 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from dagster_gpuinfer.spec import POOLING_TASKS
 from dagster_gpuinfer.worker.errors import RowError
+from dagster_gpuinfer.worker.pooling_tasks import ScorePairs, parse_score_payload
 from dagster_gpuinfer.worker.readers import RawChunk
+from dagster_gpuinfer.worker.request_params import (
+    ParameterError,
+    RequestBuilder,
+    RowRequest,
+    parse_params_value,
+)
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
 @dataclass
 class ValidChunk:
-    """The rows of a chunk that go to the engine, and the ones quarantined."""
+    """The rows of a chunk that go to the engine, and the ones quarantined.
+
+    `token_ids` holds one prompt per row, except for embeddings whose input is a list (an
+    OpenAI line's `input: [...]`): `spans[i]` prompts then belong to row i, consecutively.
+    `requests[i]` is row i's own request (per-row `SamplingParams`, logprobs, structured
+    output constraint). `pairs[i]` are the (query, document) pairs of score row i.
+    """
 
     index: int
     rows: list[int] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     errors: list[RowError] = field(default_factory=list)
-    # Per-row vLLM params (`SamplingParams` / `PoolingParams`), in step with `ids`; empty:
-    # every row takes the spec's.
-    params: list[Any] = field(default_factory=list)
+    requests: list[RowRequest] = field(default_factory=list)
+    spans: list[int] = field(default_factory=list)
+    pairs: list[ScorePairs] = field(default_factory=list)
+    pair_tokens: list[int] = field(default_factory=list)
+
+    def sampling_params(self) -> list[Any] | None:
+        """Each row's vLLM `SamplingParams` (None: every row runs the engine's defaults)."""
+        if not self.requests or all(r.sampling is None for r in self.requests):
+            return None
+        return [r.sampling for r in self.requests]
+
+
+@dataclass
+class _Candidate:
+    row: int
+    row_id: str
+    request: RowRequest
+    prompts: list[str | list[int]]  # text to tokenize, or token ids already
+    pairs: ScorePairs | None = None
 
 
 class RowValidator:
     """Validates and tokenizes the rows of a shard, chunk by chunk.
 
     Args:
-        task: embed, generate or chat.
+        task: embed, generate, chat, score or classify.
         tokenizer: the engine's (Hugging Face) tokenizer.
         max_model_len: the engine's context length.
         seen_ids: ids already taken in this shard (from committed chunks on resume); the
@@ -44,6 +74,9 @@ class RowValidator:
         check_ids: False when the chunks were already screened by `screen_ids` (the
             streaming worker screens ids where the shard is read, in shard order, so that
             engines serving chunks of one shard in any order agree on the first occurrence).
+        requests: builds each row's request from its parameters (see `request_params`);
+            without one, rows run the engine's defaults and a row with parameters is checked
+            against an empty set of defaults.
     """
 
     def __init__(
@@ -54,14 +87,16 @@ class RowValidator:
         max_model_len: int,
         seen_ids: set[str] | None = None,
         check_ids: bool = True,
+        requests: RequestBuilder | None = None,
     ) -> None:
         self.task = task
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.seen_ids: set[str] = seen_ids if seen_ids is not None else set()
         self.check_ids = check_ids
+        self.requests = requests
         # Generation needs room for at least one new token.
-        self.max_prompt_tokens = max_model_len if task == "embed" else max_model_len - 1
+        self.max_prompt_tokens = max_model_len if task in POOLING_TASKS else max_model_len - 1
 
     def validate(self, chunk: RawChunk) -> ValidChunk:
         out = ValidChunk(index=chunk.index, errors=list(chunk.errors))
@@ -69,7 +104,7 @@ class RowValidator:
             for error in chunk.errors:
                 if error.id is not None:
                     self.seen_ids.add(error.id)
-        candidates: list[tuple[int, str, Any]] = []
+        candidates: list[_Candidate] = []
         for row, row_id, payload in chunk.rows:
             error = self._check_row(chunk.source, row, row_id, payload)
             if error is not None:
@@ -78,33 +113,77 @@ class RowValidator:
             assert row_id is not None
             if self.check_ids:
                 self.seen_ids.add(row_id)
-            candidates.append((row, row_id, payload))
-        if not candidates:
-            return out
-        prompts, render_errors = self._render(chunk.source, candidates)
-        out.errors.extend(render_errors)
-        kept = [c for c in candidates if c[0] in prompts]
-        token_lists = self._tokenize([prompts[row] for row, _, _ in kept])
-        for (row, row_id, _), token_ids in zip(kept, token_lists, strict=True):
-            if len(token_ids) > self.max_prompt_tokens:
+            where = f"{chunk.source} row {row} (id {row_id})"
+            try:
+                request = self._request(chunk.params.get(row))
+            except ParameterError as exc:
                 out.errors.append(
                     RowError(
                         row_id,
                         chunk.source,
                         row,
-                        "prompt_too_long",
-                        f"{chunk.source} row {row} (id {row_id}): {len(token_ids)} prompt "
-                        f"tokens, more than the {self.max_prompt_tokens} this engine takes "
-                        f"(max_model_len={self.max_model_len}); shorten the input or raise "
-                        "engine.max_model_len; the row was quarantined",
-                        prompt_tokens=len(token_ids),
+                        exc.error_type,
+                        f"{where}: {exc}; the row was quarantined",
                     )
                 )
                 continue
-            out.rows.append(row)
-            out.ids.append(row_id)
-            out.token_ids.append(token_ids)
+            candidate, problem = self._candidate(row, row_id, payload, request)
+            if candidate is None:
+                error_type, message = problem
+                out.errors.append(
+                    RowError(
+                        row_id,
+                        chunk.source,
+                        row,
+                        error_type,
+                        f"{where}: {message}; the row was quarantined",
+                    )
+                )
+                continue
+            candidates.append(candidate)
+        if not candidates:
+            return out
+        if self.task == "chat":
+            candidates = self._render(chunk.source, candidates, out.errors)
+        if self.task == "score":
+            self._tokenize_pairs(chunk.source, candidates, out)
+            return out
+        texts = [p for c in candidates for p in c.prompts if isinstance(p, str)]
+        encoded = iter(self._tokenize(texts))
+        for candidate in candidates:
+            token_lists = [
+                next(encoded) if isinstance(p, str) else list(p) for p in candidate.prompts
+            ]
+            longest = max(token_lists, key=len)
+            if len(longest) > self.max_prompt_tokens:
+                element = f" (input {token_lists.index(longest)})" if len(token_lists) > 1 else ""
+                out.errors.append(
+                    RowError(
+                        candidate.row_id,
+                        chunk.source,
+                        candidate.row,
+                        "prompt_too_long",
+                        f"{chunk.source} row {candidate.row} (id {candidate.row_id}){element}: "
+                        f"{len(longest)} prompt tokens, more than the {self.max_prompt_tokens} "
+                        f"this engine takes (max_model_len={self.max_model_len}); shorten the "
+                        "input or raise engine.max_model_len; the row was quarantined",
+                        prompt_tokens=len(longest),
+                    )
+                )
+                continue
+            out.rows.append(candidate.row)
+            out.ids.append(candidate.row_id)
+            out.requests.append(candidate.request)
+            out.spans.append(len(token_lists))
+            out.token_ids.extend(token_lists)
         return out
+
+    def _request(self, params: Any) -> RowRequest:
+        if params is None and self.requests is None:
+            return RowRequest()
+        if self.requests is None:
+            self.requests = RequestBuilder(task=self.task, defaults={})
+        return self.requests.build(parse_params_value(params))
 
     def _check_row(
         self, source: str, row: int, row_id: str | None, payload: Any
@@ -114,9 +193,9 @@ class RowValidator:
             error = id_error(source, row, row_id, self.seen_ids)
             if error is not None:
                 return error
-        if self.task == "chat":
-            return None  # checked while rendering the chat template
-        if payload is None or (isinstance(payload, str) and not payload.strip()):
+        if self.task in ("chat", "score"):
+            return None  # checked while rendering the chat template / parsing the pairs
+        if payload is None or (isinstance(payload, (str, list)) and not _has_content(payload)):
             return RowError(
                 row_id,
                 source,
@@ -124,46 +203,108 @@ class RowValidator:
                 "empty_input",
                 f"{where} (id {row_id}): the text is null or empty; the row was quarantined",
             )
-        if not isinstance(payload, str):
-            return RowError(
-                row_id,
-                source,
-                row,
-                "wrong_type",
-                f"{where} (id {row_id}): expected a string, got {type(payload).__name__}; the "
-                "row was quarantined",
-            )
         return None
 
+    def _candidate(
+        self, row: int, row_id: str, payload: Any, request: RowRequest
+    ) -> tuple[_Candidate | None, tuple[str, str]]:
+        """The row's prompts, or (error type, message) when its input has the wrong shape."""
+        if self.task == "chat":
+            return _Candidate(row, row_id, request, [payload]), ("", "")
+        if self.task == "score":
+            pairs, problem = parse_score_payload(payload)
+            if pairs is None:
+                return None, ("wrong_type", problem or "not a score request")
+            return _Candidate(row, row_id, request, [], pairs=pairs), ("", "")
+        if isinstance(payload, str):
+            return _Candidate(row, row_id, request, [payload]), ("", "")
+        if self.task in ("embed", "generate") and _is_token_ids(payload):
+            return self._checked_tokens(row, row_id, request, [payload])
+        if self.task == "embed" and isinstance(payload, list):
+            if all(isinstance(p, str) for p in payload):
+                if not all(p.strip() for p in payload):
+                    return None, ("empty_input", "an input of the list is empty")
+                return _Candidate(row, row_id, request, list(payload)), ("", "")
+            if all(_is_token_ids(p) for p in payload):
+                return self._checked_tokens(row, row_id, request, list(payload))
+        expected = {
+            "embed": "a string, a list of strings, token ids or a list of token id lists",
+            "generate": "a string or token ids",
+        }.get(self.task, "a string")
+        return None, ("wrong_type", f"expected {expected}, got {_describe(payload)}")
+
+    def _checked_tokens(
+        self, row: int, row_id: str, request: RowRequest, prompts: list[list[int]]
+    ) -> tuple[_Candidate | None, tuple[str, str]]:
+        vocab = len(self.tokenizer)
+        for prompt in prompts:
+            bad = [t for t in prompt if t < 0 or t >= vocab]
+            if bad:
+                return None, (
+                    "wrong_type",
+                    f"token ids {bad[:5]} are outside the model's vocabulary (0..{vocab - 1})",
+                )
+        return _Candidate(row, row_id, request, [list(p) for p in prompts]), ("", "")
+
     def _render(
-        self, source: str, candidates: list[tuple[int, str, Any]]
-    ) -> tuple[dict[int, str], list[RowError]]:
-        """The prompt text of each row; chat rows go through the model's chat template."""
-        if self.task != "chat":
-            return {row: payload for row, _, payload in candidates}, []
-        prompts: dict[int, str] = {}
-        errors: list[RowError] = []
-        for row, row_id, payload in candidates:
-            messages, problem = parse_messages(payload)
+        self, source: str, candidates: list[_Candidate], errors: list[RowError]
+    ) -> list[_Candidate]:
+        """Chat rows through the model's chat template; the rows that render."""
+        kept: list[_Candidate] = []
+        for candidate in candidates:
+            messages, problem = parse_messages(candidate.prompts[0])
             if problem is None:
                 try:
-                    prompts[row] = self.tokenizer.apply_chat_template(
-                        messages, tokenize=False, add_generation_prompt=True
-                    )
+                    candidate.prompts = [
+                        self.tokenizer.apply_chat_template(
+                            messages, tokenize=False, add_generation_prompt=True
+                        )
+                    ]
+                    kept.append(candidate)
                     continue
                 except Exception as exc:  # the template rejected it; quarantine the row
                     problem = f"the model's chat template rejected it ({exc})"
             errors.append(
                 RowError(
-                    row_id,
+                    candidate.row_id,
                     source,
-                    row,
+                    candidate.row,
                     "invalid_messages",
-                    f"{source} row {row} (id {row_id}): messages are not a valid chat: "
-                    f"{problem}; the row was quarantined",
+                    f"{source} row {candidate.row} (id {candidate.row_id}): messages are not a "
+                    f"valid chat: {problem}; the row was quarantined",
                 )
             )
-        return prompts, errors
+        return kept
+
+    def _tokenize_pairs(self, source: str, candidates: list[_Candidate], out: ValidChunk) -> None:
+        """Score rows: count each pair's tokens as the cross-encoder will see them."""
+        queries = [q for c in candidates for q in c.pairs.queries]  # type: ignore[union-attr]
+        documents = [d for c in candidates for d in c.pairs.documents]  # type: ignore[union-attr]
+        lengths = iter(len(ids) for ids in self.tokenizer(queries, documents)["input_ids"])
+        for candidate in candidates:
+            assert candidate.pairs is not None
+            counts = [next(lengths) for _ in candidate.pairs.queries]
+            if max(counts) > self.max_prompt_tokens:
+                out.errors.append(
+                    RowError(
+                        candidate.row_id,
+                        source,
+                        candidate.row,
+                        "prompt_too_long",
+                        f"{source} row {candidate.row} (id {candidate.row_id}): a pair of "
+                        f"{max(counts)} tokens, more than the {self.max_prompt_tokens} this "
+                        f"engine takes (max_model_len={self.max_model_len}); the row was "
+                        "quarantined",
+                        prompt_tokens=max(counts),
+                    )
+                )
+                continue
+            out.rows.append(candidate.row)
+            out.ids.append(candidate.row_id)
+            out.requests.append(candidate.request)
+            out.pairs.append(candidate.pairs)
+            out.pair_tokens.append(sum(counts))
+            out.spans.append(len(counts))
 
     def _tokenize(self, prompts: list[str]) -> list[list[int]]:
         if not prompts:
@@ -215,8 +356,34 @@ def screen_ids(chunk: RawChunk, seen_ids: set[str]) -> RawChunk:
         seen_ids.add(row_id)
         rows.append((row, row_id, payload))
     return RawChunk(
-        index=chunk.index, source=chunk.source, rows=rows, errors=errors, rows_in=chunk.rows_in
+        index=chunk.index,
+        source=chunk.source,
+        rows=rows,
+        errors=errors,
+        rows_in=chunk.rows_in,
+        params=chunk.params,
     )
+
+
+def _has_content(payload: str | list[Any]) -> bool:
+    if isinstance(payload, str):
+        return bool(payload.strip())
+    return bool(payload)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a list of {', '.join(kinds) or 'nothing'}"
+    return type(value).__name__
 
 
 def parse_messages(value: Any) -> tuple[list[dict[str, Any]], str | None]:

@@ -1,0 +1,366 @@
+"""Per-request parameters: a row's own parameters become that row's vLLM `SamplingParams`.
+
+An OpenAI Batch line's `body` (minus its input field) and the `input.params_column` of a
+Parquet/JSONL row go through the same rules:
+
+- A key the platform honours (`REQUEST_KEYS`) overrides the pipeline's default
+  (`InferenceSpec.sampling`) for that row only; keys a row leaves out keep the default.
+- A key it does not honour (`tools`, `stream: true`, a legacy `guided_json`, a typo) quarantines
+  the row as `unsupported_parameter`, naming the key: nothing is silently dropped (vLLM issue
+  #53975 was a `guided_json` accepted and ignored).
+- A value of the wrong type, or one vLLM rejects (`temperature: -1`, `logprobs: 500`, a JSON
+  schema the grammar backend cannot compile), quarantines the row as `invalid_parameter`,
+  naming the key and vLLM's reason. vLLM's own `SamplingParams` constructor and `verify()`
+  against the running engine's configuration decide, so what passes here is what the engine
+  accepts.
+
+OpenAI names map to vLLM's: `max_completion_tokens` -> `max_tokens`; chat `logprobs: true` +
+`top_logprobs: k` -> `logprobs=k`; `response_format` `json_schema` / `json_object` ->
+`structured_outputs` json / json_object; `logit_bias` keys (token ids as strings) -> ints.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dagster_gpuinfer.spec import StructuredOutputs
+
+# Keys accepted on every request and without effect on the result: OpenAI lines name the
+# model (the pipeline's model serves every line) and may carry an end-user id.
+NEUTRAL_KEYS = frozenset({"model", "user"})
+
+# Sampling keys a generate/chat row may set, under OpenAI's or vLLM's name.
+GENERATION_KEYS = frozenset(
+    {
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "structured_outputs",
+        "logit_bias",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "stream",
+    }
+)
+EMBEDDING_KEYS = frozenset({"encoding_format"})
+SCORE_KEYS = frozenset({"top_n", "return_documents"})
+
+REQUEST_KEYS: dict[str, frozenset[str]] = {
+    "generate": GENERATION_KEYS,
+    "chat": GENERATION_KEYS,
+    "embed": EMBEDDING_KEYS,
+    "score": SCORE_KEYS,
+    "classify": frozenset(),
+}
+
+
+class ParameterError(Exception):
+    """A row's parameter the platform does not honour, or a value vLLM rejects."""
+
+    def __init__(self, error_type: str, key: str, message: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+        self.key = key
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class GenerationParams(BaseModel):
+    """The types of the generation keys; ranges are vLLM's to judge."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    stream: Literal[False] | None = None
+
+
+class EmbeddingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    encoding_format: Literal["float"] | None = None
+
+
+class ScoreParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    top_n: int | None = Field(None, ge=0)
+    return_documents: bool | None = None
+
+
+@dataclass
+class RowRequest:
+    """What one row asks of the engine, beyond its prompt.
+
+    `sampling` is the row's `vllm.SamplingParams` (generate/chat). `top_logprobs`: how many
+    alternatives each token's logprobs list (None: no logprobs). `constraint`: the structured
+    output its text must satisfy, checked after generation.
+    """
+
+    sampling: Any = None
+    top_logprobs: int | None = None
+    constraint: StructuredOutputs | None = None
+    top_n: int | None = None
+    return_documents: bool = True
+
+
+def parse_params_value(value: Any) -> dict[str, Any]:
+    """A params column value (an object or its JSON text; null: none) as a dict.
+
+    Raises:
+        ParameterError: not an object.
+    """
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        if not value.strip():
+            return {}
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ParameterError(
+                "invalid_parameter", "params", f"the params value is not valid JSON ({exc})"
+            ) from None
+    if not isinstance(value, dict):
+        raise ParameterError(
+            "invalid_parameter",
+            "params",
+            f"the params value must be an object of parameters, got {type(value).__name__}",
+        )
+    return value
+
+
+class RequestBuilder:
+    """Builds each row's `RowRequest` from the pipeline's defaults and the row's params.
+
+    Args:
+        task: the pipeline's task.
+        defaults: `InferenceSpec.sampling.to_vllm_kwargs()`.
+        verify: called with each row's `vllm.SamplingParams` (a copy) to check it against the
+            running engine (`SamplingParams.verify`); raises ValueError on a rejected value.
+    """
+
+    def __init__(self, *, task: str, defaults: dict[str, Any], verify: Any = None) -> None:
+        self.task = task
+        self.defaults = dict(defaults)
+        self.verify = verify
+        default_structured = self.defaults.get("structured_outputs")
+        self.default_constraint = (
+            StructuredOutputs.model_validate(default_structured) if default_structured else None
+        )
+        self._default_request: RowRequest | None = None
+
+    def build(self, params: dict[str, Any] | None) -> RowRequest:
+        """The row's request.
+
+        Raises:
+            ParameterError: naming the first unsupported key or rejected value.
+        """
+        # A null value is the default (as in OpenAI's API; and a Parquet struct column gives
+        # every row every field, null where the row sets none).
+        params = {
+            k: v for k, v in (params or {}).items() if k not in NEUTRAL_KEYS and v is not None
+        }
+        allowed = REQUEST_KEYS.get(self.task, frozenset())
+        for key in params:
+            if key not in allowed:
+                hint = (
+                    f"; supported here: {', '.join(sorted(allowed | NEUTRAL_KEYS))}"
+                    if allowed
+                    else f"; task {self.task!r} takes no per-request parameters"
+                )
+                raise ParameterError(
+                    "unsupported_parameter",
+                    key,
+                    f"parameter {key!r} is not supported{hint}",
+                )
+        if self.task == "embed":
+            _typed(EmbeddingParams, params)
+            return RowRequest()
+        if self.task == "score":
+            typed = _typed(ScoreParams, params)
+            return RowRequest(
+                top_n=typed.top_n or None,
+                return_documents=True if typed.return_documents is None else typed.return_documents,
+            )
+        if self.task == "classify":
+            return RowRequest()
+        if not params and self._default_request is not None:
+            return self._default_request
+        request = self._generation_request(_typed(GenerationParams, params), set(params))
+        if not params:
+            self._default_request = request
+        return request
+
+    def _generation_request(self, typed: GenerationParams, given: set[str]) -> RowRequest:
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.exceptions import VLLMError
+        from vllm.sampling_params import StructuredOutputsParams
+
+        rejected = (ValueError, TypeError, VLLMError)
+
+        kwargs = dict(self.defaults)
+        kwargs.pop("structured_outputs", None)
+        constraint = self.default_constraint
+        overrides = typed.model_dump(
+            exclude_none=True, exclude={"response_format", "structured_outputs"}
+        )
+        overrides.pop("stream", None)
+        if "max_completion_tokens" in overrides:
+            overrides["max_tokens"] = overrides.pop("max_completion_tokens")
+        if "logit_bias" in overrides:
+            try:
+                overrides["logit_bias"] = {int(k): v for k, v in overrides["logit_bias"].items()}
+            except ValueError:
+                raise ParameterError(
+                    "invalid_parameter",
+                    "logit_bias",
+                    "parameter 'logit_bias' must map token ids (integers as strings) to biases",
+                ) from None
+        top_logprobs = overrides.pop("top_logprobs", None)
+        if "logprobs" in overrides:
+            logprobs = overrides.pop("logprobs")
+            if isinstance(logprobs, bool):  # chat: logprobs true + top_logprobs k
+                if logprobs:
+                    overrides["logprobs"] = top_logprobs or 0
+            else:  # completions: logprobs k
+                overrides["logprobs"] = logprobs
+        elif top_logprobs is not None:
+            raise ParameterError(
+                "invalid_parameter",
+                "top_logprobs",
+                "parameter 'top_logprobs' needs 'logprobs': true",
+            )
+        kwargs.update(overrides)
+        if typed.structured_outputs is not None:
+            constraint = typed.structured_outputs
+        if typed.response_format is not None:
+            if "structured_outputs" in given:
+                raise ParameterError(
+                    "invalid_parameter",
+                    "response_format",
+                    "set either 'response_format' or 'structured_outputs', not both",
+                )
+            constraint = _constraint_of(typed.response_format, default=constraint)
+        if constraint is not None:
+            try:
+                kwargs["structured_outputs"] = StructuredOutputsParams(
+                    **constraint.to_vllm_kwargs()
+                )
+            except rejected as exc:
+                raise _rejected(exc, given) from None
+        try:
+            sampling = VllmSamplingParams(**kwargs)
+        except rejected as exc:
+            raise _rejected(exc, given) from None
+        if self.verify is not None:
+            try:
+                self.verify(sampling.clone())
+            except (*rejected, RuntimeError) as exc:
+                raise _rejected(exc, given) from None
+        logprobs_k = kwargs.get("logprobs")
+        return RowRequest(
+            sampling=sampling,
+            top_logprobs=logprobs_k if logprobs_k is not None else None,
+            constraint=constraint,
+        )
+
+
+def _constraint_of(
+    response_format: ResponseFormat, *, default: StructuredOutputs | None
+) -> StructuredOutputs | None:
+    if response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutputs(json_object=True)
+    if response_format.json_schema is None:
+        raise ParameterError(
+            "invalid_parameter",
+            "response_format",
+            "parameter 'response_format' of type json_schema needs a 'json_schema' object with "
+            "a 'schema'",
+        )
+    return StructuredOutputs.model_validate({"json": response_format.json_schema.json_schema})
+
+
+def _typed(model: type[BaseModel], params: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(params)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        key = str(error["loc"][0]) if error["loc"] else "params"
+        raise ParameterError(
+            "invalid_parameter",
+            key,
+            f"parameter {key!r} has an invalid value {error.get('input')!r}: {error['msg']}",
+        ) from None
+
+
+def _rejected(exc: Exception, given: set[str]) -> ParameterError:
+    """vLLM's rejection as an `invalid_parameter` naming the key (vLLM's `parameter` when it
+    says, else the row's key its message names, else the row's keys)."""
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    key = getattr(exc, "parameter", None)
+    if not key:
+        named = [k for k in sorted(given, key=len, reverse=True) if k in message]
+        key = named[0] if named else (", ".join(sorted(given)) or "sampling")
+    if key == "structured_outputs" and "response_format" in given:
+        key = "response_format"
+    return ParameterError(
+        "invalid_parameter", key, f"parameter {key!r} was rejected by vLLM: {message}"
+    )
