@@ -255,11 +255,14 @@ def run_batch_command(
         str(batch_out),
         "--model",
         model,
-        "--disable-log-stats",
     ]
     for key, value in engine_kwargs.items():
         flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
+        if key == "disable_log_stats":
+            # a plain store_true flag in run-batch (there is no --no-disable-log-stats); the
+            # worker keeps stats on for its metrics, so run-batch gets them on as well
+            command += [flag] if value else []
+        elif isinstance(value, bool):
             command.append(flag if value else "--no-" + flag[2:])
         elif value is not None:
             command += [flag, str(value)]
