@@ -43,14 +43,38 @@ def make_tiny_llama(dst: str | os.PathLike[str], *, seed: int = 0) -> str:
     dst = Path(dst)
     if (dst / "config.json").exists() and (dst / "model.safetensors").exists():
         return str(dst)
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     tokenizer.chat_template = TINY_LLAMA_CHAT_TEMPLATE
     tokenizer.eos_token = tokenizer.sep_token
-    config = LlamaConfig(
+    return _write_tiny_llama(
+        dst,
+        tokenizer,
         vocab_size=tokenizer.vocab_size,
+        special_ids=(tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id),
+        seed=seed,
+        what="random-weight test Llama",
+    )
+
+
+def _write_tiny_llama(
+    dst: Path,
+    tokenizer: object,
+    *,
+    vocab_size: int,
+    special_ids: tuple[int, int, int],
+    seed: int,
+    what: str,
+) -> str:
+    """The 2-layer Llama both test tokenizers share: seeded weights, saved beside the
+    tokenizer. `special_ids` are the (bos, eos, pad) token ids."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    bos, eos, pad = special_ids
+    config = LlamaConfig(
+        vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -58,20 +82,23 @@ def make_tiny_llama(dst: str | os.PathLike[str], *, seed: int = 0) -> str:
         num_key_value_heads=2,
         head_dim=64,
         max_position_embeddings=512,
-        bos_token_id=tokenizer.cls_token_id,
-        eos_token_id=tokenizer.sep_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
         tie_word_embeddings=True,
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    return _save_model(dst, LlamaForCausalLM(config), tokenizer, {"what": what, "seed": seed})
+
+
+def _save_model(dst: Path, model: object, tokenizer: object, card: dict[str, object]) -> str:
+    """Save `model` (safetensors) and `tokenizer` with a MODEL_CARD.json beside a temporary
+    folder, then rename it to `dst`, so a half-written model is never taken as complete."""
     tmp = dst.with_name(dst.name + ".tmp")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "MODEL_CARD.json").write_text(
-        json.dumps({"what": "random-weight test Llama", "seed": seed}, indent=2)
-    )
+    model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[attr-defined]
+    tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
+    (tmp / "MODEL_CARD.json").write_text(json.dumps(card, indent=2))
     tmp.rename(dst)
     return str(dst)
 
@@ -127,9 +154,8 @@ def make_tiny_llama_bpe(dst: str | os.PathLike[str], *, seed: int = 0) -> str:
     dst = Path(dst)
     if (dst / "config.json").exists() and (dst / "model.safetensors").exists():
         return str(dst)
-    import torch
     from tokenizers import ByteLevelBPETokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     specials = ["<s>", "</s>", "<pad>", "<unk>"]
     trainer = ByteLevelBPETokenizer()
@@ -143,33 +169,14 @@ def make_tiny_llama_bpe(dst: str | os.PathLike[str], *, seed: int = 0) -> str:
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = TINY_LLAMA_CHAT_TEMPLATE
-    config = LlamaConfig(
+    return _write_tiny_llama(
+        dst,
+        tokenizer,
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-        torch_dtype="float32",
+        special_ids=(tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id),
+        seed=seed,
+        what="random-weight test Llama, byte-level BPE tokenizer",
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    tmp = dst.with_name(dst.name + ".tmp")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "MODEL_CARD.json").write_text(
-        json.dumps(
-            {"what": "random-weight test Llama, byte-level BPE tokenizer", "seed": seed}, indent=2
-        )
-    )
-    tmp.rename(dst)
-    return str(dst)
 
 
 SENTIMENT_LABELS = {0: "negative", 1: "neutral", 2: "positive"}
@@ -208,13 +215,5 @@ def make_minilm_classifier(dst: str | os.PathLike[str], *, num_labels: int, seed
         model.classifier.weight.normal_(0.0, 0.5)
         model.classifier.bias.zero_()
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
-    tmp = dst.with_name(dst.name + ".tmp")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "MODEL_CARD.json").write_text(
-        json.dumps(
-            {"what": f"MiniLM encoder + seeded {num_labels}-label head", "seed": seed}, indent=2
-        )
-    )
-    tmp.rename(dst)
-    return str(dst)
+    card = {"what": f"MiniLM encoder + seeded {num_labels}-label head", "seed": seed}
+    return _save_model(dst, model, tokenizer, card)

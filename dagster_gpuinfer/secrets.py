@@ -22,9 +22,10 @@ worker, which copies the values from its own environment (dagster_gpuinfer.worke
 # Environment variable names that usually hold credentials (matched anywhere, any case):
 # *TOKEN*, *SECRET*, *PASSWORD*, *PASSWD*, *_PASS* (DB_PASS, SMTP_PASSPHRASE), *CREDENTIAL*,
 # *PRIVATE_KEY*, *API_KEY*, *ACCESS_KEY*, *SESSION_KEY*, and any name ending in _KEY
-# (OPENAI_KEY, AWS_SECRET_KEY).
+# (OPENAI_KEY, AWS_SECRET_KEY). TOKENIZER is not a token: the Hugging Face libraries'
+# TOKENIZERS_PARALLELISM, which every worker sets, holds no credential.
 SECRET_ENV_NAME = re.compile(
-    r"(TOKEN|SECRET|PASSWORD|PASSWD|_PASS|CREDENTIAL|PRIVATE_KEY|API_KEY|ACCESS_KEY"
+    r"(TOKEN(?!IZER)|SECRET|PASSWORD|PASSWD|_PASS|CREDENTIAL|PRIVATE_KEY|API_KEY|ACCESS_KEY"
     r"|SESSION_KEY|_KEY$|^KEY$)",
     re.IGNORECASE,
 )

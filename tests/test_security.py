@@ -571,7 +571,7 @@ def test_the_gpu_image_installs_only_hash_locked_packages():
 @pytest.mark.parametrize(
     "name",
     ["DB_PASS", "DB_PASSWORD", "SMTP_PASSPHRASE", "OPENAI_KEY", "AWS_SECRET_KEY", "HF_TOKEN",
-     "GITHUB_TOKEN_FILE", "MY_API_KEY", "CREDENTIALS_JSON"],
+     "GITHUB_TOKEN_FILE", "MY_API_KEY", "CREDENTIALS_JSON", "TOKENIZER_HUB_TOKEN"],
 )  # fmt: skip
 def test_secret_env_names_are_refused_in_plain_env(name):
     assert is_secret_env_name(name)
@@ -596,10 +596,18 @@ def worker_spec() -> InferenceSpec:
 
 
 @pytest.mark.parametrize(
-    "name", ["HF_HUB_OFFLINE", "VLLM_LOGGING_LEVEL", "KEYBOARD", "PASSAGE_LIMIT"]
+    "name",
+    ["HF_HUB_OFFLINE", "VLLM_LOGGING_LEVEL", "KEYBOARD", "PASSAGE_LIMIT", "TOKENIZERS_PARALLELISM"],
 )
 def test_honest_env_names_pass(name):
     assert not is_secret_env_name(name)
+    pod = build_worker_pod(
+        worker_spec(),
+        K8sLauncherConfig(image="w:1", env={name: "false"}),
+        RunIdentity(run_id="r", asset_key="a"),
+    )
+    entries = pod["spec"]["containers"][0]["env"]
+    assert [item["value"] for item in entries if item["name"] == name] == ["false"]
 
 
 def test_credentials_in_url_values_are_refused():
