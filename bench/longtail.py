@@ -13,7 +13,11 @@ slowest row. Every contestant gets the same rows and the same sampling parameter
 - run-batch: `python -m vllm.entrypoints.openai.run_batch` on the rows as an OpenAI Batch
   file of chat requests (vLLM's own batch runner; 0.32 serves no `/v1/completions` there,
   so each row is one user message); it builds its engine inside, so only its end-to-end rate
-  (wall time of the command, engine build included) exists, compared with the platform's.
+  (wall time of the command, engine build included) exists, compared with the platform's;
+- ray-data (when Ray is installed, as in the throughput section): Ray Data `map_batches` with
+  a vLLM actor, one `LLM.generate` per batch of `RAY_BATCH_SIZE` rows (each batch a barrier,
+  the pattern the streaming loop replaced); its rate counts from the actor's engine being
+  ready, its end-to-end rate includes the actor's engine build.
 
 Sampled outputs differ run to run, so rates are generated tokens per second (the length
 distribution is the same for all; its summary is reported).
@@ -42,6 +46,8 @@ from dagster_gpuinfer import EngineArgs, SamplingParams
 log = logging.getLogger("bench")
 RAW = "raw-vllm"
 RUN_BATCH = "run-batch"
+RAY = "ray-data"
+RAY_BATCH_SIZE = 512
 
 
 def platform_name(chunk_size: int) -> str:
@@ -90,7 +96,24 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
         env=env,
         log_dir=ctx.log_dir,
     )
-    names = [platform_name(c) for c in pipelines] + [RAW, RUN_BATCH]
+    ray = None
+    if ctx.ray_python:
+        log.info("longtail: starting Ray")
+        ray = ContestantProcess(
+            "longtail-ray",
+            "bench.backends:RayDataBackend",
+            dict(
+                model=model,
+                task="generate",
+                engine_kwargs=kwargs,
+                sampling=sampling_kwargs,
+                batch_size=RAY_BATCH_SIZE,
+            ),
+            env=env,
+            python=ctx.ray_python,
+            log_dir=ctx.log_dir,
+        )
+    names = [platform_name(c) for c in pipelines] + [RAW, RUN_BATCH] + ([RAY] if ray else [])
     rates: dict[str, list[float]] = {n: [] for n in names}  # generated tokens/s
     end_to_end: dict[str, list[float]] = {n: [] for n in names if n != RAW}
     platform_runs: list[dict[str, Any]] = []
@@ -102,6 +125,11 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
                 if name == RAW:
                     out = raw.call("run", texts)
                     rows, tokens, seconds = out["rows"], out["generated_tokens"], out["seconds"]
+                elif name == RAY:
+                    assert ray is not None
+                    out = ray.call("run", texts)
+                    rows, tokens, seconds = out["rows"], out["generated_tokens"], out["seconds"]
+                    end_to_end[name].append(tokens / out["wall_seconds"])
                 elif name == RUN_BATCH:
                     out = run_vllm_batch(
                         batch_in,
@@ -160,10 +188,17 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
                 )
     finally:
         raw.close()
+        if ray is not None:
+            ray.close()
     ratios = {
         f"{platform_name(c)}/{RAW}": paired_ratios(rates[platform_name(c)], rates[RAW]).__dict__
         for c in pipelines
     }
+    if ray is not None:
+        for c in pipelines:
+            ratios[f"{platform_name(c)}/{RAY}"] = paired_ratios(
+                rates[platform_name(c)], rates[RAY]
+            ).__dict__
     for c in pipelines:
         ratios[f"{platform_name(c)} end-to-end/{RUN_BATCH}"] = paired_ratios(
             end_to_end[platform_name(c)], end_to_end[RUN_BATCH]

@@ -156,8 +156,9 @@ def _throughput(throughput: dict[str, Any]) -> list[str]:
 
 def _longtail(lt: dict[str, Any]) -> list[str]:
     lengths = lt["lengths"]
+    peers = "raw vLLM, vllm run-batch" + (", Ray Data" if "ray-data" in lt["contestants"] else "")
     lines = [
-        "## Long-tailed generation: streaming worker, raw vLLM, vllm run-batch",
+        f"## Long-tailed generation: streaming worker, {peers}",
         "",
         f"{lt['rows']} rows of the tiny Llama, sampled (temperature 1), each ending at one "
         f"of {lt['stop_tokens']} random stop token ids or at max_tokens={lt['max_tokens']}: "
