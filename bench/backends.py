@@ -383,7 +383,9 @@ class EngineBackend:
             "prompt_tokens": manifest.prompt_tokens,
             "generated_tokens": manifest.generated_tokens,
             "cached_tokens": self.cached_tokens,
-            "fingerprint": _fingerprint(table.column("text").to_pylist()),
+            "fingerprint": _fingerprint(
+                table.column("text" if "text" in table.column_names else "embedding").to_pylist()
+            ),
         }
 
     def close(self) -> None:
