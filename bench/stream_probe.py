@@ -1,0 +1,88 @@
+"""The worker's streaming loop against one raw vLLM call on the same engine, in one process.
+
+The platform rows of the throughput section are whole Dagster runs; this probe takes the
+Dagster run, the Pipes launch and the shard reader away and compares only the order and
+pacing in which rows reach the engine: `serve_chunks` (chunks written and committed as in a
+run) against one `LLM.generate` / `LLM.embed` over the same texts, alternating, on the
+throughput section's uniform workloads and engine arguments.
+
+    python -m bench.stream_probe generate --rounds 4 --chunk-size 512
+    python -m bench.stream_probe embed
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from bench.backends import EngineBackend
+from bench.context import FULL, KV_CACHE_BYTES
+from bench.workloads import embed_texts, generate_texts
+from dagster_gpuinfer.spec import EngineArgs, InferenceSpec, InputSpec, OutputSpec, SamplingParams
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("task", choices=("generate", "embed"))
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--chunk-size", type=int, default=512)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="stream-probe-") as work:
+        if args.task == "generate":
+            from assets.models import make_tiny_llama
+
+            model = make_tiny_llama(f"{work}/tiny-llama")
+            engine = EngineArgs(max_model_len=256, extra={"kv_cache_memory_bytes": KV_CACHE_BYTES})
+            sampling = SamplingParams(temperature=0.0, max_tokens=FULL.max_tokens)
+            texts = generate_texts(FULL.generate_rows)
+        else:
+            from assets.models import minilm_path
+
+            model = minilm_path()
+            engine = EngineArgs(dtype="float32", extra={"kv_cache_memory_bytes": KV_CACHE_BYTES})
+            sampling = SamplingParams()
+            texts = embed_texts(FULL.embed_rows)
+        spec = InferenceSpec(
+            model=model,
+            task=args.task,
+            engine=engine,
+            sampling=sampling,
+            input=InputSpec(uri=f"{work}/in/{{partition_key}}.parquet"),
+            output=OutputSpec(root=f"{work}/out", asset_name="probe"),
+            chunk_size=args.chunk_size,
+        )
+        backend = EngineBackend(spec_json=spec.model_dump_json())
+
+        def raw() -> dict[str, Any]:
+            if args.task == "generate":
+                return backend.raw_generate(texts)
+            started = time.perf_counter()
+            outputs = backend.engine.llm.embed(texts, use_tqdm=False)
+            return {"seconds": time.perf_counter() - started, "rows": len(outputs)}
+
+        def stream() -> dict[str, Any]:
+            return backend.stream(texts, chunk_size=args.chunk_size, group_prefixes=True)
+
+        ratios = []
+        try:
+            for round_index in range(args.rounds):
+                rates = {}
+                for name, run in (("stream", stream), ("raw", raw)):
+                    out = run()
+                    rates[name] = out["rows"] / out["seconds"]
+                    print(f"round {round_index} {name:6s} {rates[name]:8.1f} rows/s", flush=True)
+                ratios.append(rates["stream"] / rates["raw"])
+        finally:
+            backend.close()
+    print(
+        f"stream/raw: median {statistics.median(ratios):.2f} "
+        f"({min(ratios):.2f}-{max(ratios):.2f}) over {len(ratios)} rounds"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
