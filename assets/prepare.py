@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -61,6 +62,18 @@ def make_document(rng: random.Random, doc_id: int) -> str:
     return " ".join(sentences)
 
 
+def _write_atomic(path: Path, content: pa.Table | list[str]) -> str:
+    """Write a Parquet table or JSONL lines to a temporary sibling, then rename it to `path`,
+    so a half-written input shard is never listed by a sensor or read by a run."""
+    tmp = path.with_suffix(".tmp")
+    if isinstance(content, pa.Table):
+        pq.write_table(content, tmp)
+    else:
+        tmp.write_text("\n".join(content) + "\n")
+    tmp.rename(path)
+    return str(path)
+
+
 def write_doc_shards(shards: int = 4, rows_per_shard: int = 500, seed: int = 7) -> list[str]:
     out = data_dir() / "inputs" / "docs"
     out.mkdir(parents=True, exist_ok=True)
@@ -73,9 +86,7 @@ def write_doc_shards(shards: int = 4, rows_per_shard: int = 500, seed: int = 7) 
         if path.exists():
             continue
         table = pa.table({"doc_id": ids, "text": texts})
-        pq.write_table(table, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").rename(path)
-        written.append(str(path))
+        written.append(_write_atomic(path, table))
     return written
 
 
@@ -98,9 +109,7 @@ def write_prompt_shards(shards: int = 4, rows_per_shard: int = 200, seed: int = 
         ]
         if path.exists():
             continue
-        path.with_suffix(".tmp").write_text("\n".join(lines) + "\n")
-        path.with_suffix(".tmp").rename(path)
-        written.append(str(path))
+        written.append(_write_atomic(path, lines))
     return written
 
 
@@ -140,9 +149,7 @@ def write_ticket_shards(shards: int = 2, rows_per_shard: int = 24, seed: int = 5
                 "prompt": prompts,
             }
         )
-        pq.write_table(table, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").rename(path)
-        written.append(str(path))
+        written.append(_write_atomic(path, table))
     return written
 
 
@@ -176,9 +183,7 @@ def write_rerank_shards(shards: int = 2, queries_per_shard: int = 12, seed: int 
             )
         if path.exists():
             continue
-        path.with_suffix(".tmp").write_text("\n".join(lines) + "\n")
-        path.with_suffix(".tmp").rename(path)
-        written.append(str(path))
+        written.append(_write_atomic(path, lines))
     return written
 
 
