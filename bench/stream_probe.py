@@ -19,9 +19,9 @@ import time
 from typing import Any
 
 from bench.backends import EngineBackend
-from bench.context import FULL, KV_CACHE_BYTES
-from bench.workloads import embed_texts, generate_texts
-from dagster_gpuinfer.spec import EngineArgs, InferenceSpec, InputSpec, OutputSpec, SamplingParams
+from bench.context import FULL
+from bench.throughput import uniform_workload
+from dagster_gpuinfer.spec import InferenceSpec, InputSpec, OutputSpec, SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,21 +35,16 @@ def main(argv: list[str] | None = None) -> int:
             from assets.models import make_tiny_llama
 
             model = make_tiny_llama(f"{work}/tiny-llama")
-            engine = EngineArgs(max_model_len=256, extra={"kv_cache_memory_bytes": KV_CACHE_BYTES})
-            sampling = SamplingParams(temperature=0.0, max_tokens=FULL.max_tokens)
-            texts = generate_texts(FULL.generate_rows)
         else:
             from assets.models import minilm_path
 
             model = minilm_path()
-            engine = EngineArgs(dtype="float32", extra={"kv_cache_memory_bytes": KV_CACHE_BYTES})
-            sampling = SamplingParams()
-            texts = embed_texts(FULL.embed_rows)
+        texts, engine, sampling = uniform_workload(args.task, FULL)
         spec = InferenceSpec(
             model=model,
             task=args.task,
             engine=engine,
-            sampling=sampling,
+            sampling=sampling or SamplingParams(),
             input=InputSpec(uri=f"{work}/in/{{partition_key}}.parquet"),
             output=OutputSpec(root=f"{work}/out", asset_name="probe"),
             chunk_size=args.chunk_size,

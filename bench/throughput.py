@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from bench.context import KV_CACHE_BYTES, BenchContext
+from bench.context import KV_CACHE_BYTES, BenchContext, Sizes
 from bench.platform_run import PlatformPipeline, local_resource
 from bench.server import ContestantProcess
 from bench.stats import paired_ratios, rotations, summarize
@@ -34,19 +34,24 @@ HF = "transformers"
 RAY = "ray-data"
 
 
+def uniform_workload(
+    task: str, sizes: Sizes
+) -> tuple[list[str], EngineArgs, SamplingParams | None]:
+    """The section's rows, engine arguments and sampling for `task` (also the workload of
+    `bench.stream_probe`)."""
+    if task == "embed":
+        engine = EngineArgs(dtype="float32", extra={"kv_cache_memory_bytes": KV_CACHE_BYTES})
+        return embed_texts(sizes.embed_rows), engine, None
+    engine = EngineArgs(max_model_len=256, extra={"kv_cache_memory_bytes": KV_CACHE_BYTES})
+    sampling = SamplingParams(temperature=0.0, max_tokens=sizes.max_tokens)
+    return generate_texts(sizes.generate_rows), engine, sampling
+
+
 def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
     sizes = ctx.sizes
     root = ctx.fresh_dir(f"throughput-{task}")
-    if task == "embed":
-        model = ctx.embed_model()
-        texts = embed_texts(sizes.embed_rows)
-        engine = EngineArgs(dtype="float32", extra={"kv_cache_memory_bytes": KV_CACHE_BYTES})
-        sampling = None
-    else:
-        model = ctx.generate_model()
-        texts = generate_texts(sizes.generate_rows)
-        engine = EngineArgs(max_model_len=256, extra={"kv_cache_memory_bytes": KV_CACHE_BYTES})
-        sampling = SamplingParams(temperature=0.0, max_tokens=sizes.max_tokens)
+    model = ctx.embed_model() if task == "embed" else ctx.generate_model()
+    texts, engine, sampling = uniform_workload(task, sizes)
     write_shard(root / "inputs" / "shard-0.parquet", texts, id_prefix=task)
     resource = local_resource(env=ctx.engine_env())
     platform = PlatformPipeline(
