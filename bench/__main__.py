@@ -161,10 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         "errors": {},
     }
     _keep_earlier_sections(results, results_dir / "results.json", only)
-    if "throughput" in only and not args.no_ray:
+    with_ray = {"throughput", "longtail"} & set(only)  # the sections Ray Data runs in
+    if with_ray and not args.no_ray:
         ctx.ray_python, why = find_ray_python(args.ray_python)
         (ctx.notes if ctx.ray_python else results["skipped"]).append(why)
-    elif "throughput" in only:
+    elif with_ray:
         results["skipped"].append("Ray Data contestant: --no-ray")
 
     def save() -> Path:
