@@ -13,7 +13,7 @@ export VLLM_LOGGING_LEVEL ?= WARNING
 CHECKOV_VENV := .venv-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
 
-.PHONY: install prepare demo lint test test-fast dev bench lock lock-gpu security clean
+.PHONY: install prepare demo lint test test-all test-fast dev bench lock lock-gpu security clean
 
 install: $(STAMP)
 
@@ -46,6 +46,11 @@ lint: install
 # start throwaway ones on loopback. The linters and the security gate run first, so CI
 # fails on them before the long suite.
 test: lint security prepare
+	PROMETHEUS_ENV=$$(bash deploy/local/test-prometheus.sh) && eval "$$PROMETHEUS_ENV" && \
+	GPUINFER_TEST_POSTGRES_URL=$$(bash deploy/local/test-postgres.sh) $(PY) -m pytest tests -m "not slow"
+
+# Everything, the slow cases too (each class keeps one case in `make test`).
+test-all: prepare
 	PROMETHEUS_ENV=$$(bash deploy/local/test-prometheus.sh) && eval "$$PROMETHEUS_ENV" && \
 	GPUINFER_TEST_POSTGRES_URL=$$(bash deploy/local/test-postgres.sh) $(PY) -m pytest tests
 
