@@ -120,6 +120,12 @@ def create_app(service: BatchService, *, reconcile_interval: float | None = 5.0)
             )
         return found
 
+    @app.get("/health")
+    def health():
+        """Unauthenticated liveness/readiness probe: the store answers."""
+        service.store.engine.connect().close()
+        return {"status": "ok"}
+
     Caller = Annotated[Tenant, Depends(tenant)]
     _file_routes(app, service, Caller)
     _batch_routes(app, service, Caller)
