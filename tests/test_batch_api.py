@@ -456,3 +456,27 @@ def test_postgres_as_the_store(tmp_path, instance):
     finally:
         admin.cursor().execute(f"DROP DATABASE {database} WITH (FORCE)")
         admin.close()
+
+
+def test_health_answers_without_a_key(api):
+    import httpx
+
+    answer = httpx.get(api.removesuffix("/v1") + "/health", timeout=10)
+    assert answer.status_code == 200 and answer.json() == {"status": "ok"}
+
+
+def test_the_service_and_the_batch_pipelines_import_no_torch_or_vllm():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import dagster_gpuinfer.batch_api.app, dagster_gpuinfer.batch_api.__main__\n"
+        "import dagster_gpuinfer.batch_api.pipelines, assets.batch_pipelines\n"
+        "print('\\n'.join(sorted(sys.modules)))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout.split()
+    heavy = sorted(m for m in loaded if m.split(".")[0] in ("torch", "vllm", "transformers"))
+    assert not heavy, f"the batch API imported {heavy[:5]}"

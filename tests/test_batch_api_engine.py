@@ -176,6 +176,12 @@ class Stack:
 def stack(tmp_path_factory, minilm_dir):
     tmp = tmp_path_factory.mktemp("batch_api_engine")
     stack = Stack(tmp, minilm_dir)
+    # Create the instance's SQLite storages once, here: the daemon and the service starting
+    # together on a fresh DAGSTER_HOME would both migrate them ("more than one head", seen).
+    instance = stack.instance()
+    instance.get_runs(limit=1)
+    instance.all_instigator_state()
+    instance.dispose()
     store = BatchStore(stack.store_url)
     stack.key = store.create_key("acme", kueue_queue="acme-gpu").token
     store.close()
