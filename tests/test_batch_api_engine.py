@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from batch_api_support import client, free_port, jsonl_ids
 
+from assets.paths import cross_encoder_dir, generation_model_dir
 from dagster_gpuinfer.batch_api.store import BatchStore
 
 pytestmark = pytest.mark.engine
@@ -75,6 +76,19 @@ class Stack:
             f"    model_path: {minilm_dir}\n"
             "    engine: {dtype: float32}\n"
             "    chunk_size: 16\n"
+            # Served by the slow test, which makes these models first (the paths are only
+            # read when a run starts).
+            "  - model: tiny-llama\n"
+            "    endpoint: /v1/chat/completions\n"
+            "    pipeline: batch_chat\n"
+            f"    model_path: {generation_model_dir()}\n"
+            "    engine: {max_model_len: 256}\n"
+            "    sampling: {temperature: 0.0, max_tokens: 8}\n"
+            "  - model: minilm-cross-encoder\n"
+            "    endpoint: /v1/rerank\n"
+            "    pipeline: batch_rerank\n"
+            f"    model_path: {cross_encoder_dir()}\n"
+            "    engine: {dtype: float32}\n"
         )
         (tmp / "workspace.yaml").write_text(
             "load_from:\n"
@@ -274,6 +288,44 @@ def test_cancel_mid_run_terminates_the_run_and_keeps_partial_output(stack):
     instance = stack.instance()
     [run] = instance.get_runs(filters=dg.RunsFilter(tags={"gpuinfer/batch_id": batch.id}))
     assert run.status == dg.DagsterRunStatus.CANCELED
+
+
+@pytest.mark.slow
+def test_chat_and_rerank_batches_answer_every_custom_id_once(stack, tiny_llama_dir):
+    from assets.models import make_minilm_classifier
+
+    make_minilm_classifier(cross_encoder_dir(), num_labels=1)
+    sdk = client(stack.base_url, stack.key)
+    chat = [
+        {"model": "tiny-llama", "messages": [{"role": "user", "content": f"Say {i}"}]}
+        for i in range(20)
+    ]
+    chat.append({"model": "tiny-llama", "messages": "not a list"})  # quarantined by the worker
+    rerank = [
+        {
+            "model": "minilm-cross-encoder",
+            "query": f"rivers {i}",
+            "documents": ["A river flows.", "Bread rises.", f"River number {i}."],
+        }
+        for i in range(12)
+    ]
+    for endpoint, bodies in (("/v1/chat/completions", chat), ("/v1/rerank", rerank)):
+        lines = [
+            json.dumps({"custom_id": f"r-{i}", "method": "POST", "url": endpoint, "body": b})
+            for i, b in enumerate(bodies)
+        ]
+        uploaded = sdk.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+        batch = sdk.batches.create(
+            input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h"
+        )
+        done = poll(stack, batch.id, lambda b: b.status not in ("in_progress", "finalizing"))
+        assert done.status == "completed", f"{endpoint}: {done}\n{stack.logs()}"
+        answered = jsonl_ids(sdk.files.content(done.output_file_id).read())
+        if done.error_file_id:
+            answered += jsonl_ids(sdk.files.content(done.error_file_id).read())
+        assert sorted(answered) == sorted(f"r-{i}" for i in range(len(bodies))), endpoint
+        assert done.request_counts.completed + done.request_counts.failed == len(bodies)
+    assert done.request_counts.failed == 0  # every rerank line answered
 
 
 def reference_embeddings(model_dir: str, texts: list[str]) -> np.ndarray:
