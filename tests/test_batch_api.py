@@ -147,6 +147,8 @@ def test_limits_on_requests_and_bytes(tmp_path, instance):
         with pytest.raises(openai.APIStatusError) as too_big:
             upload(sdk, request_lines(40, model="mini"))
         assert too_big.value.status_code == 413
+        with pytest.raises(openai.BadRequestError, match="input_file_id"):
+            sdk.post("/batches", body={"endpoint": "/v1/embeddings"}, cast_to=object)
         with pytest.raises(openai.BadRequestError, match="endpoint"):
             ok = upload(sdk, request_lines(1, model="mini"))
             sdk.batches.create(

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
@@ -76,9 +77,7 @@ class CreateBatch(BaseModel):
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
-    kind = {401: "invalid_request_error", 404: "invalid_request_error"}.get(status, "api_error")
-    if 400 <= status < 500:
-        kind = "invalid_request_error"
+    kind = "invalid_request_error" if 400 <= status < 500 else "api_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
 
@@ -106,6 +105,13 @@ def create_app(service: BatchService, *, reconcile_interval: float | None = 5.0)
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return _error(exc.status, exc.message, exc.code, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        message = f"invalid request: {param or 'body'}: {first.get('msg', 'not valid')}"
+        return _error(400, message, "invalid_request", param)
 
     def tenant(request: Request) -> Tenant:
         header = request.headers.get("authorization", "")
