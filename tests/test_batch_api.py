@@ -482,3 +482,30 @@ def test_the_service_and_the_batch_pipelines_import_no_torch_or_vllm():
     ).stdout.split()
     heavy = sorted(m for m in loaded if m.split(".")[0] in ("torch", "vllm", "transformers"))
     assert not heavy, f"the batch API imported {heavy[:5]}"
+
+
+def test_a_failed_run_fails_the_batch_with_its_committed_rows_as_partial_output(service, api):
+    """A real run in the instance, tagged with the batch id, that fails (retries spent)."""
+    sdk = client(api, service.store.create_key("acme").token)
+    uploaded = upload(sdk, request_lines(4, model="mini"))
+    batch = sdk.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    write_chunk(service, "batch_embed", batch.id, 0, ["req-0", "req-1"])
+
+    @dg.op
+    def lose_the_worker():
+        raise RuntimeError("the worker pod was evicted")
+
+    @dg.job(tags={BATCH_ID_TAG: batch.id})
+    def batch_run():
+        lose_the_worker()
+
+    result = batch_run.execute_in_process(instance=service.instance, raise_on_error=False)
+    assert not result.success
+    failed = sdk.batches.retrieve(batch.id)
+    assert failed.status == "failed" and failed.failed_at is not None
+    [error] = failed.errors.data
+    assert error.code == "run_failed" and result.run_id in error.message
+    assert jsonl_ids(sdk.files.content(failed.output_file_id).read()) == ["req-0", "req-1"]
+    assert failed.request_counts.completed == 2
