@@ -509,3 +509,26 @@ def test_a_failed_run_fails_the_batch_with_its_committed_rows_as_partial_output(
     assert error.code == "run_failed" and result.run_id in error.message
     assert jsonl_ids(sdk.files.content(failed.output_file_id).read()) == ["req-0", "req-1"]
     assert failed.request_counts.completed == 2
+
+
+def test_a_batch_left_validating_by_a_dead_service_fails_instead_of_hanging(service, api):
+    key = service.store.create_key("acme")
+    sdk = client(api, key.token)
+    uploaded = upload(sdk, request_lines(1, model="mini"))
+    long_ago = int(time.time()) - 3600
+    service.store.add_batch(
+        {
+            "id": "batch_interrupted",
+            "tenant": "acme",
+            "endpoint": "/v1/embeddings",
+            "input_file_id": uploaded.id,
+            "completion_window": "24h",
+            "status": "validating",
+            "created_at": long_ago,
+            "expires_at": long_ago + 86400,
+        }
+    )
+    service.reconcile_all()
+    batch = sdk.batches.retrieve("batch_interrupted")
+    assert batch.status == "failed"
+    assert [e.code for e in batch.errors.data] == ["validation_interrupted"]

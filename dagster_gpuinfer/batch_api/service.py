@@ -33,6 +33,8 @@ AUDIT = logging.getLogger("dagster_gpuinfer.batch_api.audit")
 _WINDOW = re.compile(r"^(\d+)([smh])$")
 # A cancelled run that has not stopped after this long is finalized anyway.
 CANCEL_GRACE_SECONDS = 120
+# A batch validating this long was left by a service that died inside the create request.
+VALIDATION_TIMEOUT_SECONDS = 600
 
 
 class ApiError(Exception):
@@ -245,6 +247,8 @@ class BatchService:
 
     def reconcile(self, record: dict) -> dict:
         """Bring a batch's row up to date with its run and its partition; returns the row."""
+        if record["status"] == "validating":
+            return self._reconcile_validating(record)
         if record["status"] not in ACTIVE:
             return record
         batch_id = record["id"]
@@ -268,6 +272,25 @@ class BatchService:
         if values["completed"] != record["completed"] or values["failed"] != record["failed"]:
             self.store.update_batch(batch_id, when_status=("in_progress",), **values)
         return {**record, **values}
+
+    def _reconcile_validating(self, record: dict) -> dict:
+        """Validation runs inside the create request; a batch still validating long after
+        was left by a service that died mid-request: fail it, so it does not hang."""
+        if now() - record["created_at"] < VALIDATION_TIMEOUT_SECONDS:
+            return record
+        message = (
+            "validation was interrupted (the service restarted while creating the batch); "
+            "create the batch again"
+        )
+        error = {"code": "validation_interrupted", "line": None, "message": message, "param": None}
+        self.store.update_batch(
+            record["id"],
+            when_status=("validating",),
+            status="failed",
+            failed_at=now(),
+            errors={"object": "list", "data": [error]},
+        )
+        return self.store.get_batch(record["id"]) or record
 
     def _reconcile_cancelling(self, record: dict, run: Any) -> dict:
         if run is not None and not run.is_finished:
@@ -348,7 +371,7 @@ class BatchService:
 
     def reconcile_all(self) -> None:
         """One pass over every unfinished batch (the service runs this on a timer)."""
-        for record in self.store.batches_in(ACTIVE):
+        for record in self.store.batches_in(("validating", *ACTIVE)):
             self.reconcile(record)
 
 
