@@ -2,7 +2,7 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= worker-cpu,k8s,aws,postgres,ui,test
+EXTRAS ?= worker-cpu,k8s,aws,postgres,ui,api,test
 LOCK := requirements/lock-cpu.txt
 STAMP := $(VENV)/.installed
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
@@ -70,7 +70,11 @@ test-fast: install
 	PROMETHEUS_ENV=$$(bash deploy/local/test-prometheus.sh) && eval "$$PROMETHEUS_ENV" && \
 	$(PY) -m pytest tests -m "not engine"
 
+# The batch API (OpenAI /v1/files, /v1/batches) on 127.0.0.1:8001 beside `dagster dev`,
+# stopped with it; both find the same store and files (dagster_gpuinfer/batch_api/settings.py).
 dev: prepare
+	$(PY) -m dagster_gpuinfer.batch_api serve --routes assets.batch_pipelines:ROUTES & \
+	api=$$!; trap 'kill $$api 2>/dev/null' EXIT INT TERM; \
 	$(VENV)/bin/dagster dev -w workspace.yaml
 
 # The suite's Ray Data contestant comes from the optional `bench` extra, installed here only.

@@ -13,6 +13,7 @@ import os
 
 import dagster as dg
 
+from assets.batch_pipelines import batch_api
 from assets.daily import daily_embeddings_job, daily_embeddings_schedule, daily_note_embeddings
 from assets.downstream import embedding_stats_asset
 from assets.paths import embedding_model_dir, generation_model_dir, input_root, output_root
@@ -132,4 +133,6 @@ defs = dg.Definitions.merge(
     ),
     # ticket_embeddings: declared in YAML (assets/defs/ticket_embeddings/defs.yaml).
     load_yaml_pipelines(),
+    # The OpenAI Batch API's pipelines: one per route, one partition per batch.
+    batch_api.defs,
 )

@@ -41,6 +41,20 @@ class InvalidInferenceSpec(ValueError):
     """A spec that cannot run; the message names the field and what is wrong with it."""
 
 
+# A run tag naming the Kueue LocalQueue of this run's worker pods (the batch API tags a
+# tenant's runs with the tenant's queue); it overrides k8s.placement.kueue_queue.
+RUN_QUEUE_TAG = "gpuinfer/kueue_queue"
+
+
+def config_for_run_queue(config: K8sLauncherConfig, tags: Mapping[str, str]) -> K8sLauncherConfig:
+    """`config` with the run's Kueue queue (tag `gpuinfer/kueue_queue`) when the run has one."""
+    queue = tags.get(RUN_QUEUE_TAG)
+    if not queue:
+        return config
+    placement = config.placement.model_copy(update={"kueue_queue": queue})
+    return config.model_copy(update={"placement": placement})
+
+
 def validate_spec(raw: Mapping[str, Any], *, where: str) -> InferenceSpec:
     """Validate a spec in the control plane, before any worker starts.
 
@@ -256,7 +270,7 @@ class GpuInferenceResource(dg.ConfigurableResource):
             context=context,
             spec=spec,
             extras=extras,
-            config=self.k8s,
+            config=config_for_run_queue(self.k8s, context.run.tags),
             env=self.worker_env(),
             kubernetes_client=self.kubernetes_client,
             launch_attempt=launch_attempt,

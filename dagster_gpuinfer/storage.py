@@ -664,3 +664,85 @@ def read_errors(
     fs, path = filesystem_for(partition_dir(output, partition_key), storage)
     with fs.open_input_file(posixpath.join(path, ERRORS_NAME)) as handle:
         return pq.read_table(handle)
+
+
+# --------------------------------------------------------------------------- OpenAI batch files
+
+
+@dataclass(frozen=True)
+class OpenAIBatchFiles:
+    """What one `openai_batch` partition holds now: its output lines and its error lines.
+
+    `committed` is True when the manifest exists (the whole shard); otherwise the lines are
+    those of the chunks committed so far (partial output: a cancelled or expired batch), and
+    each committed chunk counts once: the chunk marker names the one part file of the attempt
+    that counts.
+    """
+
+    committed: bool
+    rows_out: int
+    rows_errored: int
+    output: bytes
+    errors: bytes
+
+
+def _chunk_markers_of_any_spec(fs: pafs.FileSystem, partition_path: str) -> list[ChunkMarker]:
+    markers: list[ChunkMarker] = []
+    for spec_hash in list_names(fs, posixpath.join(partition_path, CHUNKS_DIR)):
+        if not spec_hash.startswith(".tmp-"):
+            markers.extend(read_chunk_markers(fs, partition_path, spec_hash).values())
+    return sorted(markers, key=lambda marker: (marker.spec_hash, marker.index))
+
+
+def partition_progress(
+    output: OutputSpec, partition_key: str, storage: StorageOptions | None = None
+) -> tuple[bool, int, int]:
+    """`(committed, rows_out, rows_errored)` of a partition: from its manifest once committed,
+    else summed over the chunk markers written so far (rises while a worker runs)."""
+    fs, path = filesystem_for(partition_dir(output, partition_key), storage)
+    manifest = read_manifest(fs, path)
+    if manifest is not None:
+        return True, manifest.rows_out, manifest.rows_errored
+    markers = _chunk_markers_of_any_spec(fs, path)
+    return False, sum(m.rows_out for m in markers), sum(m.rows_errored for m in markers)
+
+
+def read_openai_batch_files(
+    output: OutputSpec, partition_key: str, storage: StorageOptions | None = None
+) -> OpenAIBatchFiles:
+    """The OpenAI Batch output and error lines of a partition written with
+    `output_format="openai_batch"`: the one place that knows where they are.
+
+    Committed: the part files and the error file named by the manifest. Not committed: the
+    part files named by the chunk markers, and each chunk's quarantined rows as error lines
+    (the same lines the commit would write to the error file).
+    """
+    fs, path = filesystem_for(partition_dir(output, partition_key), storage)
+    manifest = read_manifest(fs, path)
+    if manifest is not None:
+        output_bytes = b"".join(
+            read_bytes(fs, posixpath.join(path, p.name)) for p in manifest.parts
+        )
+        errors = b""
+        if manifest.openai_errors is not None:
+            errors = read_bytes(fs, posixpath.join(path, manifest.openai_errors.name))
+        return OpenAIBatchFiles(
+            True, manifest.rows_out, manifest.rows_errored, output_bytes, errors
+        )
+    from dagster_gpuinfer.worker.openai_batch import openai_error_lines
+
+    parts: list[bytes] = []
+    error_lines: list[bytes] = []
+    rows_out = rows_errored = 0
+    for marker in _chunk_markers_of_any_spec(fs, path):
+        if marker.part is not None:
+            parts.append(read_bytes(fs, posixpath.join(path, plain_file_name(marker.part.name))))
+        if marker.errors is not None:
+            errors_path = posixpath.join(
+                chunk_dir(path, marker.spec_hash), plain_file_name(marker.errors.name)
+            )
+            with fs.open_input_file(errors_path) as handle:
+                error_lines.append(openai_error_lines(marker.spec_hash, [pq.read_table(handle)]))
+        rows_out += marker.rows_out
+        rows_errored += marker.rows_errored
+    return OpenAIBatchFiles(False, rows_out, rows_errored, b"".join(parts), b"".join(error_lines))

@@ -1,0 +1,45 @@
+"""The OpenAI Batch API (`/v1/files`, `/v1/batches`) served over Dagster.
+
+```
+  openai SDK ──► batch API (FastAPI; this package, control plane: no torch/vllm)
+                   │ validate lines ─► store row (SQLite | PostgreSQL) + input shard (files root)
+                   ▼
+  Dagster daemon: batch_api_sensor ──► dynamic partition <batch id> of the routed pipeline
+                   ──► run (tags: batch id, tenant, Kueue queue) ──► worker writes chunks
+                   ▲                                                  │
+  GET /v1/batches/{id}: run status (Dagster instance) + chunk markers / manifest (storage)
+```
+
+Design decisions, and why:
+
+- **The API never runs inference and never imports torch or vllm.** It is control plane: it
+  validates, records and reports; a Dagster run does the work, so retries, lineage, the UI,
+  concurrency pools and the k8s launcher apply to API batches exactly as to any backfill.
+- **A batch is a partition.** The routing table (routing.py) maps the lines' `model` and the
+  batch's `endpoint` to one batch pipeline (an `inference_assets` pipeline over dynamic
+  partitions); the batch id is the partition key. The input is copied to that partition's
+  shard when the batch is created, so deleting the uploaded file cannot break a run.
+- **The daemon launches the run, not the API** (pipelines.py: a sensor reads the store for
+  `in_progress` batches and requests a run keyed by the batch id). Nothing the API process
+  holds in memory matters: the store, the Dagster run storage and the output storage hold all
+  state, so an API restart mid-batch loses nothing, and a run is requested once (run key).
+  The alternative, the webserver's GraphQL, would make the API depend on the webserver being
+  up and would put the tenant-to-run mapping in the API's memory between calls.
+- **Status is derived, not pushed** (service.py): from the store row, the latest run tagged
+  with the batch id, and the partition's chunk markers (rows done so far: counts rise while
+  the run goes) and manifest (completion). Terminal outcomes are written back once, with
+  compare-and-set updates.
+- **Cancel terminates the run** through the instance's run coordinator and publishes the
+  committed chunks as partial output; **expiry** after `completion_window` does the same.
+  Output and error files are read through `dagster_gpuinfer.storage.read_openai_batch_files`,
+  the one function that knows the worker's layout.
+- **Tenants**: API keys (bearer, salted SHA-256 of 256 random bits; keys.py) belong to a
+  tenant; another tenant's ids answer 404, a bad key 401. The tenant and its Kueue
+  LocalQueue travel as run tags; the k8s launcher puts the queue on the worker pod's
+  `kueue.x-k8s.io/queue-name` label, so quotas and fair sharing come from Kueue. Every
+  create, cancel and delete is an audit line (logger `dagster_gpuinfer.batch_api.audit`).
+"""
+
+from dagster_gpuinfer.batch_api.tags import BATCH_ID_TAG, QUEUE_TAG, TENANT_TAG
+
+__all__ = ["BATCH_ID_TAG", "QUEUE_TAG", "TENANT_TAG"]

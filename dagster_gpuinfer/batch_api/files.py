@@ -1,0 +1,69 @@
+"""Where the batch API keeps file bytes: under one root in the output storage (local disk or
+S3, through `dagster_gpuinfer.storage`), beside the batch pipelines' outputs::
+
+    <root>/files/<file id>            uploaded input files and finished output/error files
+    <root>/inputs/<batch id>.jsonl    the input shard of one batch (its partition)
+    <root>/outputs/<pipeline>/<batch id>/   what the worker writes (manifest, chunk markers)
+
+A batch's input is copied to its own shard when it is created, so deleting the uploaded
+file never pulls the rows from under a running batch.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from dagster_gpuinfer.spec import OutputSpec, StorageOptions
+from dagster_gpuinfer.storage import (
+    OpenAIBatchFiles,
+    delete_quietly,
+    filesystem_for,
+    read_bytes,
+    read_openai_batch_files,
+    write_bytes_atomic,
+)
+
+
+class FileBytes:
+    """File bytes under `root` (a local directory or `s3://bucket/prefix`)."""
+
+    def __init__(self, root: str, storage: StorageOptions | None = None) -> None:
+        self.root = root.rstrip("/")
+        self.storage = storage or StorageOptions()
+
+    def file_uri(self, file_id: str) -> str:
+        return f"{self.root}/files/{file_id}"
+
+    @property
+    def input_template(self) -> str:
+        """The batch pipelines' input uri: one shard per batch id."""
+        return f"{self.root}/inputs/{{partition_key}}.jsonl"
+
+    @property
+    def output_root(self) -> str:
+        return f"{self.root}/outputs"
+
+    def output_spec(self, pipeline: str) -> OutputSpec:
+        return OutputSpec(root=self.output_root, asset_name=pipeline, format="openai_batch")
+
+    def write(self, uri: str, data: bytes) -> None:
+        fs, path = filesystem_for(uri, self.storage)
+        if not uri.startswith("s3://"):
+            fs.create_dir(posixpath.dirname(path), recursive=True)
+        write_bytes_atomic(fs, path, data)
+
+    def read(self, uri: str) -> bytes:
+        fs, path = filesystem_for(uri, self.storage)
+        return read_bytes(fs, path)
+
+    def delete(self, uri: str) -> None:
+        fs, path = filesystem_for(uri, self.storage)
+        delete_quietly(fs, [path])
+
+    def write_batch_input(self, batch_id: str, data: bytes) -> str:
+        uri = self.input_template.replace("{partition_key}", batch_id)
+        self.write(uri, data)
+        return uri
+
+    def batch_results(self, pipeline: str, batch_id: str) -> OpenAIBatchFiles:
+        return read_openai_batch_files(self.output_spec(pipeline), batch_id, self.storage)

@@ -1,0 +1,155 @@
+"""The routing table: which batch pipeline serves a batch, by the lines' `model` and the
+batch's `endpoint`.
+
+The operator writes it once (a YAML file, or a Python object named `module:attribute`); the
+API service reads it to validate batches and the code location reads the same table to build
+one batch pipeline per route, so the two cannot disagree about what a model name means.
+
+Examples:
+    A YAML routing table::
+
+        routes:
+          - model: minilm
+            endpoint: /v1/embeddings
+            pipeline: batch_minilm_embeddings
+            model_path: /models/all-MiniLM-L6-v2
+            engine: {dtype: float32}
+            chunk_size: 64
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from dagster_gpuinfer.worker.openai_batch import ENDPOINTS
+
+ROUTES_ENV = "GPUINFER_BATCH_ROUTES"
+_PIPELINE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class Route(BaseModel):
+    """One model name on one endpoint, served by one batch pipeline."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, description="The `model` that request lines name.")
+    endpoint: str = Field(description="The batch endpoint, e.g. /v1/embeddings.")
+    pipeline: str = Field(description="Name of the batch pipeline (its output asset).")
+    model_path: str = Field(description="The model folder (or hub id) vLLM loads.")
+    engine: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments.")
+    sampling: dict[str, Any] = Field(
+        default_factory=dict, description="Default sampling parameters (generate, chat)."
+    )
+    chunk_size: int = Field(64, ge=1, description="Rows per chunk: the unit of progress.")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _known_endpoint(cls, endpoint: str) -> str:
+        if endpoint not in ENDPOINTS:
+            raise ValueError(
+                f"route endpoint {endpoint!r} is not served by the worker; use one of "
+                f"{sorted(ENDPOINTS)}"
+            )
+        return endpoint
+
+    @field_validator("pipeline")
+    @classmethod
+    def _asset_name(cls, pipeline: str) -> str:
+        if not _PIPELINE_NAME.match(pipeline):
+            raise ValueError(
+                f"route pipeline {pipeline!r} is not a valid Dagster asset name (letters, "
+                "digits and underscores, not starting with a digit)"
+            )
+        return pipeline
+
+    @property
+    def task(self) -> str:
+        return ENDPOINTS[self.endpoint][0]
+
+    @property
+    def partitions_name(self) -> str:
+        """The dynamic partitions definition of this pipeline: one partition per batch."""
+        return f"{self.pipeline}_batches"
+
+    @property
+    def job_name(self) -> str:
+        return f"{self.pipeline}_job"
+
+
+class RoutingTable(BaseModel):
+    """All routes; `(model, endpoint)` and pipeline names are unique."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    routes: list[Route] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> RoutingTable:
+        seen: set[tuple[str, str]] = set()
+        pipelines: set[str] = set()
+        for route in self.routes:
+            if (route.model, route.endpoint) in seen:
+                raise ValueError(
+                    f"the routing table lists model {route.model!r} on {route.endpoint} twice"
+                )
+            if route.pipeline in pipelines:
+                raise ValueError(f"the routing table names pipeline {route.pipeline!r} twice")
+            seen.add((route.model, route.endpoint))
+            pipelines.add(route.pipeline)
+        return self
+
+    def route_for(self, model: str, endpoint: str) -> Route | None:
+        for route in self.routes:
+            if route.model == model and route.endpoint == endpoint:
+                return route
+        return None
+
+    def models_on(self, endpoint: str) -> list[str]:
+        return sorted(route.model for route in self.routes if route.endpoint == endpoint)
+
+    def by_pipeline(self, pipeline: str) -> Route | None:
+        return next((route for route in self.routes if route.pipeline == pipeline), None)
+
+
+def routing_table(routes: RoutingTable | Sequence[Route | Mapping[str, Any]]) -> RoutingTable:
+    if isinstance(routes, RoutingTable):
+        return routes
+    return RoutingTable(routes=[Route.model_validate(route) for route in routes])
+
+
+def load_routing_table(source: str | None = None) -> RoutingTable:
+    """The routing table from a YAML/JSON file path or a `module:attribute` reference.
+
+    Args:
+        source: A path, or `package.module:NAME` naming a `RoutingTable` or a list of routes;
+            default: the `GPUINFER_BATCH_ROUTES` environment variable.
+
+    Raises:
+        ValueError: no source is given, or it does not hold a valid routing table.
+    """
+    source = source or os.environ.get(ROUTES_ENV)
+    if not source:
+        raise ValueError(
+            f"no batch routing table: set {ROUTES_ENV} to a YAML file or to "
+            "`module:attribute` (e.g. assets.batch_pipelines:ROUTES), or pass --routes"
+        )
+    if ":" in source and not Path(source).exists():
+        module_name, _, attribute = source.partition(":")
+        value = getattr(importlib.import_module(module_name), attribute)
+        return routing_table(value)
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(source).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read the batch routing table {source}: {exc}") from None
+    if isinstance(raw, list):
+        raw = {"routes": raw}
+    return RoutingTable.model_validate(raw)

@@ -1,0 +1,379 @@
+"""What the endpoints do, without HTTP: upload, create, reconcile, cancel, list.
+
+A batch's status is not kept up to date by anyone pushing; it is derived when asked (and by
+the service's reconcile loop) from three sources of truth that survive restarts of this
+process: the store row (what the tenant asked for, and terminal outcomes), the Dagster run
+tagged with the batch id (queued, running, failed, cancelled), and the partition's chunk
+markers and manifest in the output storage (rows done so far, and completion).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from dagster_gpuinfer.batch_api.files import FileBytes
+from dagster_gpuinfer.batch_api.routing import RoutingTable
+from dagster_gpuinfer.batch_api.store import BatchStore, Tenant, now
+from dagster_gpuinfer.batch_api.tags import BATCH_ID_TAG
+from dagster_gpuinfer.batch_api.validation import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_REQUESTS,
+    validate_batch_input,
+)
+from dagster_gpuinfer.storage import partition_progress
+
+ACTIVE = ("in_progress", "cancelling", "finalizing")
+TERMINAL = ("failed", "completed", "expired", "cancelled")
+AUDIT = logging.getLogger("dagster_gpuinfer.batch_api.audit")
+_WINDOW = re.compile(r"^(\d+)([smh])$")
+# A cancelled run that has not stopped after this long is finalized anyway.
+CANCEL_GRACE_SECONDS = 120
+# A batch validating this long was left by a service that died inside the create request.
+VALIDATION_TIMEOUT_SECONDS = 600
+
+
+class ApiError(Exception):
+    """An error the API answers with OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, *, code: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+def not_found(what: str, object_id: str) -> ApiError:
+    return ApiError(404, f"No {what} found with id {object_id!r}.", code="not_found")
+
+
+def audit(tenant: Tenant, action: str, object_id: str, **details: Any) -> None:
+    """One JSON audit line per create/cancel/delete, with the key's tenant."""
+    record = {"action": action, "tenant": tenant.name, "key_id": tenant.key_id, "id": object_id}
+    AUDIT.info(json.dumps({"ts": now(), **record, **details}, sort_keys=True))
+
+
+def window_seconds(window: str) -> int:
+    match = _WINDOW.match(window)
+    if match is None:
+        raise ApiError(
+            400,
+            f"completion_window {window!r} is not supported; use '24h' (or e.g. '30m', '90s')",
+            code="invalid_request",
+            param="completion_window",
+        )
+    number, unit = int(match[1]), match[2]
+    return number * {"s": 1, "m": 60, "h": 3600}[unit]
+
+
+@dataclass
+class BatchService:
+    """The batch API's behaviour over its store, file bytes, routes and Dagster instance.
+
+    Args:
+        store: Tenants, keys, files, batches.
+        files: File bytes in the output storage.
+        routes: The routing table (also read by the code location's batch pipelines).
+        instance: The Dagster instance whose runs do the work (`DagsterInstance.get()`).
+        max_requests, max_bytes: Limits of one batch input file.
+    """
+
+    store: BatchStore
+    files: FileBytes
+    routes: RoutingTable
+    instance: Any
+    max_requests: int = DEFAULT_MAX_REQUESTS
+    max_bytes: int = DEFAULT_MAX_BYTES
+
+    # ---------------------------------------------------------------- files
+
+    def upload(self, tenant: Tenant, *, filename: str, purpose: str, data: bytes) -> dict:
+        if purpose != "batch":
+            raise ApiError(
+                400,
+                f"purpose {purpose!r} is not supported here; upload batch input with "
+                "purpose='batch'",
+                code="invalid_request",
+                param="purpose",
+            )
+        if len(data) > self.max_bytes:
+            raise ApiError(
+                413,
+                f"{filename}: {len(data)} bytes is more than the limit of {self.max_bytes}",
+                code="file_too_large",
+                param="file",
+            )
+        file_id = f"file-{uuid.uuid4().hex}"
+        uri = self.files.file_uri(file_id)
+        self.files.write(uri, data)
+        record = {
+            "id": file_id,
+            "tenant": tenant.name,
+            "purpose": purpose,
+            "filename": filename,
+            "bytes": len(data),
+            "created_at": now(),
+            "status": "processed",
+            "path": uri,
+        }
+        self.store.add_file(record)
+        audit(tenant, "file.create", file_id, bytes=len(data), filename=filename)
+        return record
+
+    def file(self, tenant: Tenant, file_id: str) -> dict:
+        record = self.store.get_file(file_id, tenant.name)
+        if record is None:
+            raise not_found("file", file_id)
+        return record
+
+    def file_content(self, tenant: Tenant, file_id: str) -> bytes:
+        return self.files.read(self.file(tenant, file_id)["path"])
+
+    def delete_file(self, tenant: Tenant, file_id: str) -> None:
+        record = self.file(tenant, file_id)
+        if self.store.delete_file(file_id, tenant.name):
+            self.files.delete(record["path"])
+            audit(tenant, "file.delete", file_id)
+
+    # ---------------------------------------------------------------- batches
+
+    def create_batch(
+        self,
+        tenant: Tenant,
+        *,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict[str, str] | None,
+    ) -> dict:
+        """Validate the input file, then queue it (status in_progress) or fail it."""
+        window = window_seconds(completion_window)
+        if not self.routes.models_on(endpoint):
+            served = sorted({route.endpoint for route in self.routes.routes})
+            raise ApiError(
+                400,
+                f"endpoint {endpoint!r} is not served here; use one of {served}",
+                code="invalid_request",
+                param="endpoint",
+            )
+        source = self.store.get_file(input_file_id, tenant.name)
+        if source is None:
+            raise not_found("file", input_file_id)
+        batch_id = f"batch_{uuid.uuid4().hex}"
+        created = now()
+        record: dict[str, Any] = {
+            "id": batch_id,
+            "tenant": tenant.name,
+            "endpoint": endpoint,
+            "input_file_id": input_file_id,
+            "completion_window": completion_window,
+            "metadata": metadata,
+            "status": "validating",
+            "created_at": created,
+            "expires_at": created + window,
+        }
+        self.store.add_batch(record)
+        data = self.files.read(source["path"])
+        checked = validate_batch_input(
+            data,
+            endpoint=endpoint,
+            routes=self.routes,
+            max_requests=self.max_requests,
+            max_bytes=self.max_bytes,
+        )
+        if checked.errors or checked.route is None:
+            self.store.update_batch(
+                batch_id,
+                status="failed",
+                failed_at=now(),
+                total=checked.total,
+                errors={"object": "list", "data": checked.errors},
+            )
+        else:
+            # The shard first, the status second: the sensor queues only in_progress batches.
+            self.files.write_batch_input(batch_id, data)
+            self.store.update_batch(
+                batch_id,
+                status="in_progress",
+                in_progress_at=now(),
+                total=checked.total,
+                model=checked.model,
+                pipeline=checked.route.pipeline,
+            )
+        audit(tenant, "batch.create", batch_id, input_file_id=input_file_id, endpoint=endpoint)
+        return self.batch(tenant, batch_id)
+
+    def batch(self, tenant: Tenant, batch_id: str) -> dict:
+        record = self.store.get_batch(batch_id, tenant.name)
+        if record is None:
+            raise not_found("batch", batch_id)
+        return self.reconcile(record)
+
+    def list_batches(self, tenant: Tenant, *, after: str | None, limit: int) -> tuple[list, bool]:
+        if not 1 <= limit <= 100:
+            raise ApiError(400, "limit must be 1 to 100", code="invalid_request", param="limit")
+        records, has_more = self.store.list_batches(tenant.name, after=after, limit=limit)
+        return [self.reconcile(record) for record in records], has_more
+
+    def cancel(self, tenant: Tenant, batch_id: str) -> dict:
+        record = self.store.get_batch(batch_id, tenant.name)
+        if record is None:
+            raise not_found("batch", batch_id)
+        if record["status"] in ("validating", "in_progress"):
+            self.store.update_batch(
+                batch_id,
+                when_status=("validating", "in_progress"),
+                status="cancelling",
+                cancelling_at=now(),
+            )
+            audit(tenant, "batch.cancel", batch_id)
+        elif record["status"] != "cancelling":
+            raise ApiError(
+                409,
+                f"batch {batch_id} is {record['status']} and cannot be cancelled",
+                code="invalid_request",
+            )
+        return self.batch(tenant, batch_id)
+
+    # ---------------------------------------------------------------- reconcile
+
+    def latest_run(self, batch_id: str) -> Any:
+        from dagster import RunsFilter
+
+        runs = self.instance.get_runs(filters=RunsFilter(tags={BATCH_ID_TAG: batch_id}), limit=1)
+        return runs[0] if runs else None
+
+    def reconcile(self, record: dict) -> dict:
+        """Bring a batch's row up to date with its run and its partition; returns the row."""
+        if record["status"] == "validating":
+            return self._reconcile_validating(record)
+        if record["status"] not in ACTIVE:
+            return record
+        batch_id = record["id"]
+        if record["status"] == "finalizing":
+            return self._finalize(record, record["finalizing_to"] or "completed")
+        run = self.latest_run(batch_id)
+        output = self.files.output_spec(record["pipeline"])
+        committed, rows_out, rows_errored = partition_progress(output, batch_id, self.files.storage)
+        if committed:
+            return self._finalize(record, "completed")
+        if record["status"] == "cancelling":
+            return self._reconcile_cancelling(record, run)
+        if now() >= record["expires_at"]:
+            self._stop(run)
+            return self._finalize(record, "expired")
+        if run is not None and run.is_finished and not _will_retry(run):
+            return self._finalize_stopped_run(record, run)
+        values = {"completed": rows_out, "failed": rows_errored}
+        if run is not None and run.run_id != record["run_id"]:
+            values["run_id"] = run.run_id
+        if values["completed"] != record["completed"] or values["failed"] != record["failed"]:
+            self.store.update_batch(batch_id, when_status=("in_progress",), **values)
+        return {**record, **values}
+
+    def _reconcile_validating(self, record: dict) -> dict:
+        """Validation runs inside the create request; a batch still validating long after
+        was left by a service that died mid-request: fail it, so it does not hang."""
+        if now() - record["created_at"] < VALIDATION_TIMEOUT_SECONDS:
+            return record
+        message = (
+            "validation was interrupted (the service restarted while creating the batch); "
+            "create the batch again"
+        )
+        error = {"code": "validation_interrupted", "line": None, "message": message, "param": None}
+        self.store.update_batch(
+            record["id"],
+            when_status=("validating",),
+            status="failed",
+            failed_at=now(),
+            errors={"object": "list", "data": [error]},
+        )
+        return self.store.get_batch(record["id"]) or record
+
+    def _reconcile_cancelling(self, record: dict, run: Any) -> dict:
+        if run is not None and not run.is_finished:
+            if now() - (record["cancelling_at"] or 0) < CANCEL_GRACE_SECONDS:
+                self._stop(run)
+                return record
+        return self._finalize(record, "cancelled")
+
+    def _finalize_stopped_run(self, record: dict, run: Any) -> dict:
+        from dagster import DagsterRunStatus
+
+        if run.status == DagsterRunStatus.CANCELED:
+            return self._finalize(record, "cancelled")
+        errors = {
+            "object": "list",
+            "data": [
+                {
+                    "code": "run_failed",
+                    "line": None,
+                    "message": f"Dagster run {run.run_id} ended {run.status.value}; the "
+                    "committed requests are in the output file, see the run in the Dagster UI",
+                    "param": None,
+                }
+            ],
+        }
+        return self._finalize(record, "failed", errors=errors)
+
+    def _stop(self, run: Any) -> None:
+        from dagster import DagsterRunStatus
+
+        if run is not None and not run.is_finished and run.status != DagsterRunStatus.CANCELING:
+            self.instance.run_coordinator.cancel_run(run.run_id)
+
+    def _finalize(self, record: dict, target: str, *, errors: dict | None = None) -> dict:
+        """Publish what the partition holds as the batch's output and error files, then set
+        the terminal status. Safe to repeat: file ids are the batch's, rewritten in place."""
+        batch_id = record["id"]
+        self.store.update_batch(
+            batch_id,
+            when_status=("in_progress", "cancelling"),
+            status="finalizing",
+            finalizing_to=target,
+            finalizing_at=now(),
+        )
+        results = self.files.batch_results(record["pipeline"], batch_id)
+        values: dict[str, Any] = {
+            "status": target,
+            f"{target}_at": now(),
+            "completed": results.rows_out,
+            "failed": results.rows_errored,
+            "output_file_id": self._publish(record, "output", results.output),
+            "error_file_id": self._publish(record, "error", results.errors),
+        }
+        if errors is not None:
+            values["errors"] = errors
+        self.store.update_batch(batch_id, when_status=("finalizing",), **values)
+        return self.store.get_batch(batch_id) or record
+
+    def _publish(self, record: dict, kind: str, data: bytes) -> str | None:
+        if not data:
+            return None
+        file_id = f"file-{record['id'].removeprefix('batch_')}-{kind}"
+        uri = self.files.file_uri(file_id)
+        self.files.write(uri, data)
+        self.store.put_file(
+            {
+                "id": file_id,
+                "tenant": record["tenant"],
+                "purpose": "batch_output",
+                "filename": f"{record['id']}_{kind}.jsonl",
+                "bytes": len(data),
+                "created_at": now(),
+                "status": "processed",
+                "path": uri,
+            }
+        )
+        return file_id
+
+    def reconcile_all(self) -> None:
+        """One pass over every unfinished batch (the service runs this on a timer)."""
+        for record in self.store.batches_in(("validating", *ACTIVE)):
+            self.reconcile(record)
+
+
+def _will_retry(run: Any) -> bool:
+    return run.tags.get("dagster/will_retry") == "true"

@@ -1,0 +1,43 @@
+"""Where the batch API and the batch pipelines find their store, files and routes: one set
+of environment variables read by both processes (the API service and the code location).
+
+- `GPUINFER_BATCH_STORE_URL`: SQLAlchemy URL of the metadata store; default SQLite in
+  `$DAGSTER_HOME/gpuinfer_batch_api.sqlite` (or `.data/` without DAGSTER_HOME). In
+  deployment, the Dagster instance's PostgreSQL.
+- `GPUINFER_BATCH_FILES_ROOT`: file bytes and batch outputs, local or `s3://bucket/prefix`;
+  default `.data/batch_api` under the working directory.
+- `GPUINFER_BATCH_ROUTES`: the routing table (routing.py).
+- `GPUINFER_S3_ENDPOINT`, `GPUINFER_S3_REGION`: an S3-compatible endpoint, as the resources.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dagster_gpuinfer.spec import StorageOptions
+
+STORE_URL_ENV = "GPUINFER_BATCH_STORE_URL"
+FILES_ROOT_ENV = "GPUINFER_BATCH_FILES_ROOT"
+
+
+def store_url() -> str:
+    if os.environ.get(STORE_URL_ENV):
+        return os.environ[STORE_URL_ENV]
+    home = os.environ.get("DAGSTER_HOME")
+    folder = Path(home) if home else Path.cwd() / ".data"
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{folder / 'gpuinfer_batch_api.sqlite'}"
+
+
+def files_root() -> str:
+    return os.environ.get(FILES_ROOT_ENV) or str(Path.cwd() / ".data" / "batch_api")
+
+
+def storage_options() -> StorageOptions:
+    endpoint = os.environ.get("GPUINFER_S3_ENDPOINT") or None
+    return StorageOptions(
+        endpoint_url=endpoint,
+        region=os.environ.get("GPUINFER_S3_REGION") or None,
+        allow_http=bool(endpoint and endpoint.startswith("http://")),
+    )

@@ -1,0 +1,292 @@
+"""The batch API's metadata: tenants, API keys, files and batches, in SQL.
+
+SQLite by default (`sqlite:///<path>`), PostgreSQL in deployment (the Dagster instance's
+database, e.g. `postgresql://user:pass@host/dagster`: the tables are prefixed `gpuinfer_batch_`
+so they sit beside Dagster's own). SQLAlchemy 2.0 Core, no ORM: every write is one statement,
+and status changes are compare-and-set (`UPDATE ... WHERE status IN (...)`), so the API's
+request handlers and its reconcile loop (or two API replicas) never undo each other.
+File bytes are not here: they live in the output storage (dagster_gpuinfer.batch_api.files).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from dagster_gpuinfer.batch_api.keys import NewKey, new_key, secret_matches, split_token
+
+METADATA = sa.MetaData()
+PREFIX = "gpuinfer_batch_"
+
+TENANTS = sa.Table(
+    f"{PREFIX}tenants",
+    METADATA,
+    sa.Column("name", sa.String(128), primary_key=True),
+    sa.Column("kueue_queue", sa.String(253), nullable=True),
+    sa.Column("created_at", sa.Integer, nullable=False),
+)
+
+KEYS = sa.Table(
+    f"{PREFIX}api_keys",
+    METADATA,
+    sa.Column("key_id", sa.String(32), primary_key=True),
+    sa.Column("tenant", sa.String(128), nullable=False, index=True),
+    sa.Column("salt", sa.String(64), nullable=False),
+    sa.Column("digest", sa.String(64), nullable=False),
+    sa.Column("created_at", sa.Integer, nullable=False),
+    sa.Column("revoked_at", sa.Integer, nullable=True),
+)
+
+FILES = sa.Table(
+    f"{PREFIX}files",
+    METADATA,
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("id", sa.String(64), nullable=False, unique=True),
+    sa.Column("tenant", sa.String(128), nullable=False, index=True),
+    sa.Column("purpose", sa.String(32), nullable=False),
+    sa.Column("filename", sa.String(512), nullable=False),
+    sa.Column("bytes", sa.BigInteger, nullable=False),
+    sa.Column("created_at", sa.Integer, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("path", sa.Text, nullable=False),
+)
+
+BATCHES = sa.Table(
+    f"{PREFIX}batches",
+    METADATA,
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("id", sa.String(64), nullable=False, unique=True),
+    sa.Column("tenant", sa.String(128), nullable=False, index=True),
+    sa.Column("endpoint", sa.String(64), nullable=False),
+    sa.Column("model", sa.String(256), nullable=True),
+    sa.Column("pipeline", sa.String(128), nullable=True),
+    sa.Column("input_file_id", sa.String(64), nullable=False),
+    sa.Column("completion_window", sa.String(16), nullable=False),
+    sa.Column("metadata", sa.Text, nullable=True),
+    sa.Column("status", sa.String(16), nullable=False, index=True),
+    sa.Column("total", sa.Integer, nullable=False, default=0),
+    sa.Column("completed", sa.Integer, nullable=False, default=0),
+    sa.Column("failed", sa.Integer, nullable=False, default=0),
+    sa.Column("output_file_id", sa.String(64), nullable=True),
+    sa.Column("error_file_id", sa.String(64), nullable=True),
+    sa.Column("errors", sa.Text, nullable=True),
+    sa.Column("finalizing_to", sa.String(16), nullable=True),
+    sa.Column("run_id", sa.String(64), nullable=True),
+    *(
+        sa.Column(f"{name}_at", sa.Integer, nullable=True)
+        for name in (
+            "created",
+            "in_progress",
+            "expires",
+            "finalizing",
+            "completed",
+            "failed",
+            "expired",
+            "cancelling",
+            "cancelled",
+        )
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who a key belongs to, and the Kueue LocalQueue its work is admitted through."""
+
+    name: str
+    kueue_queue: str | None
+    key_id: str
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class BatchStore:
+    """Tenants, keys, files and batches in one SQL database.
+
+    Args:
+        url: A SQLAlchemy URL: `sqlite:///path.sqlite` or `postgresql://...`.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        kwargs: dict[str, Any] = {"future": True}
+        if url.startswith("sqlite"):
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        else:
+            kwargs["pool_pre_ping"] = True
+        self.engine = sa.create_engine(url, **kwargs)
+        METADATA.create_all(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---------------------------------------------------------------- tenants and keys
+
+    def create_key(self, tenant: str, *, kueue_queue: str | None = None) -> NewKey:
+        """A new key for `tenant` (created if new; its queue set when `kueue_queue` is)."""
+        key = new_key()
+        with self.engine.begin() as conn:
+            existing = conn.execute(sa.select(TENANTS).where(TENANTS.c.name == tenant)).first()
+            if existing is None:
+                conn.execute(
+                    TENANTS.insert().values(name=tenant, kueue_queue=kueue_queue, created_at=now())
+                )
+            elif kueue_queue is not None:
+                conn.execute(
+                    TENANTS.update().where(TENANTS.c.name == tenant).values(kueue_queue=kueue_queue)
+                )
+            conn.execute(
+                KEYS.insert().values(
+                    key_id=key.key_id,
+                    tenant=tenant,
+                    salt=key.salt,
+                    digest=key.digest,
+                    created_at=now(),
+                )
+            )
+        return key
+
+    def revoke_key(self, key_id: str) -> bool:
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                KEYS.update()
+                .where(KEYS.c.key_id == key_id, KEYS.c.revoked_at.is_(None))
+                .values(revoked_at=now())
+            )
+        return result.rowcount == 1
+
+    def list_keys(self) -> list[dict[str, Any]]:
+        query = sa.select(KEYS.c.key_id, KEYS.c.tenant, KEYS.c.created_at, KEYS.c.revoked_at)
+        with self.engine.connect() as conn:
+            return [dict(row._mapping) for row in conn.execute(query.order_by(KEYS.c.created_at))]
+
+    def authenticate(self, token: str) -> Tenant | None:
+        """The tenant of a valid, unrevoked key; None for anything else."""
+        parts = split_token(token)
+        if parts is None:
+            return None
+        key_id, secret = parts
+        query = (
+            sa.select(KEYS, TENANTS.c.kueue_queue)
+            .join(TENANTS, TENANTS.c.name == KEYS.c.tenant)
+            .where(KEYS.c.key_id == key_id)
+        )
+        with self.engine.connect() as conn:
+            row = conn.execute(query).first()
+        if row is None or row.revoked_at is not None:
+            return None
+        if not secret_matches(secret, row.salt, row.digest):
+            return None
+        return Tenant(name=row.tenant, kueue_queue=row.kueue_queue, key_id=key_id)
+
+    def tenant_queue(self, tenant: str) -> str | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(TENANTS).where(TENANTS.c.name == tenant)).first()
+        return None if row is None else row.kueue_queue
+
+    # ---------------------------------------------------------------- files
+
+    def add_file(self, record: dict[str, Any]) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(FILES.insert().values(**record))
+
+    def put_file(self, record: dict[str, Any]) -> None:
+        """Insert or replace a file row by id (output files are rewritten on a re-finalize)."""
+        with self.engine.begin() as conn:
+            conn.execute(FILES.delete().where(FILES.c.id == record["id"]))
+            conn.execute(FILES.insert().values(**record))
+
+    def get_file(self, file_id: str, tenant: str) -> dict[str, Any] | None:
+        query = sa.select(FILES).where(FILES.c.id == file_id, FILES.c.tenant == tenant)
+        with self.engine.connect() as conn:
+            row = conn.execute(query).first()
+        return None if row is None else dict(row._mapping)
+
+    def delete_file(self, file_id: str, tenant: str) -> bool:
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                FILES.delete().where(FILES.c.id == file_id, FILES.c.tenant == tenant)
+            )
+        return result.rowcount == 1
+
+    def list_files(self, tenant: str, *, purpose: str | None = None) -> list[dict[str, Any]]:
+        query = sa.select(FILES).where(FILES.c.tenant == tenant)
+        if purpose:
+            query = query.where(FILES.c.purpose == purpose)
+        with self.engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(query.order_by(FILES.c.seq.desc()))]
+
+    # ---------------------------------------------------------------- batches
+
+    def add_batch(self, record: dict[str, Any]) -> None:
+        record = dict(record)
+        for name in ("metadata", "errors"):
+            if record.get(name) is not None:
+                record[name] = json.dumps(record[name])
+        with self.engine.begin() as conn:
+            conn.execute(BATCHES.insert().values(**record))
+
+    def get_batch(self, batch_id: str, tenant: str | None = None) -> dict[str, Any] | None:
+        query = sa.select(BATCHES).where(BATCHES.c.id == batch_id)
+        if tenant is not None:
+            query = query.where(BATCHES.c.tenant == tenant)
+        with self.engine.connect() as conn:
+            row = conn.execute(query).first()
+        return None if row is None else _batch(row)
+
+    def list_batches(
+        self, tenant: str, *, after: str | None = None, limit: int = 20
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """A tenant's batches, newest first, starting after the batch `after`; and whether
+        more follow. An `after` that is not the tenant's batch starts from the newest."""
+        query = sa.select(BATCHES).where(BATCHES.c.tenant == tenant)
+        with self.engine.connect() as conn:
+            if after:
+                cursor = conn.execute(
+                    sa.select(BATCHES.c.seq).where(
+                        BATCHES.c.id == after, BATCHES.c.tenant == tenant
+                    )
+                ).scalar()
+                if cursor is not None:
+                    query = query.where(BATCHES.c.seq < cursor)
+            rows = conn.execute(query.order_by(BATCHES.c.seq.desc()).limit(limit + 1)).all()
+        return [_batch(row) for row in rows[:limit]], len(rows) > limit
+
+    def batches_in(self, statuses: Iterable[str], limit: int = 500) -> list[dict[str, Any]]:
+        query = (
+            sa.select(BATCHES)
+            .where(BATCHES.c.status.in_(list(statuses)))
+            .order_by(BATCHES.c.seq)
+            .limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [_batch(row) for row in conn.execute(query)]
+
+    def update_batch(
+        self, batch_id: str, *, when_status: Iterable[str] | None = None, **values: Any
+    ) -> bool:
+        """Set `values` on a batch; with `when_status`, only if its status is one of them.
+        Returns whether a row changed (False: another writer moved it first)."""
+        for name in ("metadata", "errors"):
+            if values.get(name) is not None:
+                values[name] = json.dumps(values[name])
+        statement = BATCHES.update().where(BATCHES.c.id == batch_id)
+        if when_status is not None:
+            statement = statement.where(BATCHES.c.status.in_(list(when_status)))
+        with self.engine.begin() as conn:
+            return conn.execute(statement.values(**values)).rowcount == 1
+
+
+def _batch(row: Any) -> dict[str, Any]:
+    record = dict(row._mapping)
+    for name in ("metadata", "errors"):
+        if record.get(name) is not None:
+            record[name] = json.loads(record[name])
+    return record

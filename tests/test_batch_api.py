@@ -1,0 +1,534 @@
+"""The OpenAI Batch API service without an engine: the official `openai` SDK against the
+live service on loopback, over a real Dagster instance, a real SQLite (and one PostgreSQL)
+store and chunk markers written by the storage layer's own calls."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+
+import dagster as dg
+import openai
+import pytest
+from batch_api_support import client, jsonl_ids, live_service, request_lines, write_chunk
+
+from dagster_gpuinfer import GpuInferenceResource
+from dagster_gpuinfer.batch_api.__main__ import main as cli_main
+from dagster_gpuinfer.batch_api.files import FileBytes
+from dagster_gpuinfer.batch_api.pipelines import batch_pipelines
+from dagster_gpuinfer.batch_api.routing import RoutingTable, load_routing_table
+from dagster_gpuinfer.batch_api.service import BatchService
+from dagster_gpuinfer.batch_api.store import BatchStore
+from dagster_gpuinfer.batch_api.tags import BATCH_ID_TAG, QUEUE_TAG, TENANT_TAG
+from dagster_gpuinfer.storage import Manifest, commit_partition
+
+ROUTES = RoutingTable(
+    routes=[
+        {
+            "model": "mini",
+            "endpoint": "/v1/embeddings",
+            "pipeline": "batch_embed",
+            "model_path": "/models/not-loaded-here",
+        },
+        {
+            "model": "tiny",
+            "endpoint": "/v1/chat/completions",
+            "pipeline": "batch_chat",
+            "model_path": "/models/not-loaded-here-either",
+        },
+    ]
+)
+
+
+def make_service(tmp_path, instance, store_url=None, **limits) -> BatchService:
+    return BatchService(
+        store=BatchStore(store_url or f"sqlite:///{tmp_path}/store.sqlite"),
+        files=FileBytes(str(tmp_path / "files")),
+        routes=ROUTES,
+        instance=instance,
+        **limits,
+    )
+
+
+@pytest.fixture
+def service(tmp_path, instance):
+    svc = make_service(tmp_path, instance)
+    yield svc
+    svc.store.close()
+
+
+@pytest.fixture
+def api(service):
+    with live_service(service) as base_url:
+        yield base_url
+
+
+def upload(sdk, data: bytes, name: str = "in.jsonl"):
+    return sdk.files.create(file=(name, data), purpose="batch")
+
+
+def test_sdk_uploads_creates_and_pages_batches_with_after(service, api):
+    key = service.store.create_key("acme").token
+    sdk = client(api, key)
+    uploaded = upload(sdk, request_lines(3, model="mini"))
+    assert uploaded.purpose == "batch" and uploaded.bytes == len(request_lines(3, model="mini"))
+    assert sdk.files.retrieve(uploaded.id).filename == "in.jsonl"
+    assert sdk.files.content(uploaded.id).read() == request_lines(3, model="mini")
+    created = [
+        sdk.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+            metadata={"n": str(i)},
+        )
+        for i in range(5)
+    ]
+    assert {b.status for b in created} == {"in_progress"}
+    assert created[0].request_counts.total == 3 and created[0].model == "mini"
+    first = sdk.batches.list(limit=2)
+    assert [b.id for b in first.data] == [created[4].id, created[3].id]
+    assert first.has_more
+    second = sdk.batches.list(limit=2, after=first.data[-1].id)
+    assert [b.id for b in second.data] == [created[2].id, created[1].id]
+    last = sdk.batches.list(limit=2, after=second.data[-1].id)
+    assert [b.id for b in last.data] == [created[0].id] and not last.has_more
+    # The SDK's auto-pagination follows `after` to the end: every batch once.
+    assert [b.id for b in sdk.batches.list(limit=2)] == [b.id for b in reversed(created)]
+    assert sdk.batches.retrieve(created[1].id).metadata == {"n": "1"}
+    # The batch's input was copied to its own shard: deleting the upload does not touch it.
+    assert sdk.files.delete(uploaded.id).deleted
+    shard = service.files.input_template.replace("{partition_key}", created[0].id)
+    assert service.files.read(shard) == request_lines(3, model="mini")
+
+
+def test_malformed_file_fails_validation_naming_each_line(service, api):
+    sdk = client(api, service.store.create_key("acme").token)
+    good = json.loads(request_lines(1, model="mini"))
+    lines = [
+        json.dumps(good),  # line 1: fine
+        "{not json",  # line 2
+        json.dumps({**good, "custom_id": None}),  # line 3
+        json.dumps(good),  # line 4: duplicate custom_id
+        json.dumps({**good, "custom_id": "u", "url": "/v1/chat/completions"}),  # line 5
+        json.dumps({**good, "custom_id": "m", "body": {"model": "gpt-6", "input": "x"}}),  # 6
+    ]
+    uploaded = upload(sdk, "\n".join(lines).encode())
+    batch = sdk.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    assert batch.status == "failed" and batch.failed_at is not None
+    found = [(e.line, e.code, e.param) for e in batch.errors.data]
+    assert found == [
+        (2, "invalid_json_line", None),
+        (3, "missing_required_parameter", "custom_id"),
+        (4, "duplicate_custom_id", "custom_id"),
+        (5, "mismatched_endpoint", "url"),
+        (6, "model_not_found", "body.model"),
+    ]
+    assert "line 6" in batch.errors.data[-1].message and "mini" in batch.errors.data[-1].message
+    # Nothing was queued: no input shard, and the sensor has nothing to run.
+    shard = service.files.input_template.replace("{partition_key}", batch.id)
+    assert not os.path.exists(shard)
+
+
+def test_limits_on_requests_and_bytes(tmp_path, instance):
+    limited = make_service(tmp_path, instance, max_requests=3, max_bytes=2000)
+    with live_service(limited) as base_url:
+        sdk = client(base_url, limited.store.create_key("acme").token)
+        many = upload(sdk, request_lines(4, model="mini"))
+        batch = sdk.batches.create(
+            input_file_id=many.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        assert batch.status == "failed"
+        assert [(e.code, e.line) for e in batch.errors.data] == [("too_many_requests", 4)]
+        with pytest.raises(openai.APIStatusError) as too_big:
+            upload(sdk, request_lines(40, model="mini"))
+        assert too_big.value.status_code == 413
+        with pytest.raises(openai.BadRequestError, match="input_file_id"):
+            sdk.post("/batches", body={"endpoint": "/v1/embeddings"}, cast_to=object)
+        with pytest.raises(openai.BadRequestError, match="endpoint"):
+            ok = upload(sdk, request_lines(1, model="mini"))
+            sdk.batches.create(
+                input_file_id=ok.id, endpoint="/v1/moderations", completion_window="24h"
+            )
+    limited.store.close()
+
+
+def test_every_endpoint_answers_401_for_bad_keys_and_404_across_tenants(service, api):
+    a = client(api, service.store.create_key("tenant-a").token)
+    b_key = service.store.create_key("tenant-b")
+    b = client(api, b_key.token)
+    uploaded = upload(a, request_lines(2, model="mini"))
+    batch = a.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    calls = {
+        "files.create": lambda c: upload(c, request_lines(1, model="mini")),
+        "files.list": lambda c: c.files.list().data,
+        "files.retrieve": lambda c: c.files.retrieve(uploaded.id),
+        "files.content": lambda c: c.files.content(uploaded.id).read(),
+        "files.delete": lambda c: c.files.delete(uploaded.id),
+        "batches.create": lambda c: c.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+        ),
+        "batches.retrieve": lambda c: c.batches.retrieve(batch.id),
+        "batches.cancel": lambda c: c.batches.cancel(batch.id),
+        "batches.list": lambda c: c.batches.list().data,
+    }
+    revoked = service.store.create_key("tenant-a")
+    assert service.store.revoke_key(revoked.key_id)
+    forged = b_key.token[:-4] + "AAAA"
+    for token in ("", "sk-nonsense", forged, revoked.token):
+        for name, call in calls.items():
+            with pytest.raises(openai.AuthenticationError):
+                call(client(api, token) if token else _no_key_client(api))
+                pytest.fail(f"{name} answered without a valid key ({token[:10]!r})")
+    owned_elsewhere = {
+        "files.retrieve",
+        "files.content",
+        "files.delete",
+        "batches.create",
+        "batches.retrieve",
+        "batches.cancel",
+    }
+    for name in owned_elsewhere:
+        with pytest.raises(openai.NotFoundError):
+            calls[name](b)
+            pytest.fail(f"{name} let tenant-b reach tenant-a's object")
+    assert calls["files.list"](b) == [] and calls["batches.list"](b) == []
+    # tenant-a still has everything tenant-b tried to touch.
+    assert a.batches.retrieve(batch.id).status == "in_progress"
+    assert a.files.retrieve(uploaded.id).id == uploaded.id
+
+
+def _no_key_client(base_url):
+    import httpx
+
+    class NoKey:
+        """The SDK always sends a key; a bare HTTP client sends none."""
+
+        def __getattr__(self, _):
+            raise openai.AuthenticationError("no key", response=_response(), body=None)
+
+    def _response():
+        return httpx.Response(401, request=httpx.Request("GET", base_url))
+
+    answer = httpx.get(f"{base_url}/batches")
+    assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+    return _Wrapped(NoKey())
+
+
+class _Wrapped:
+    def __init__(self, inner):
+        self.files = inner
+        self.batches = inner
+
+
+def test_request_counts_rise_with_chunk_markers_and_completion_serves_the_files(service, api):
+    sdk = client(api, service.store.create_key("acme").token)
+    uploaded = upload(sdk, request_lines(6, model="mini"))
+    batch = sdk.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    assert batch.request_counts.completed == 0
+    fs, path, first = write_chunk(service, "batch_embed", batch.id, 0, ["req-0", "req-1"])
+    assert sdk.batches.retrieve(batch.id).request_counts.completed == 2
+    _, _, second = write_chunk(
+        service, "batch_embed", batch.id, 1, ["req-2", "req-3", "req-4"], bad=["req-5"]
+    )
+    now = sdk.batches.retrieve(batch.id)
+    assert (now.status, now.request_counts.completed, now.request_counts.failed) == (
+        "in_progress",
+        5,
+        1,
+    )
+    manifest = Manifest(
+        partition_key=batch.id,
+        spec_hash=first.spec_hash,
+        model="m",
+        task="embed",
+        output_format="openai_batch",
+        rows_in=6,
+        rows_out=5,
+        rows_errored=1,
+        parts=[first.part, second.part],
+        errors=first.part,
+    )
+    import pyarrow.parquet as pq
+
+    errors = pq.read_table(f"{path}/_chunks/{first.spec_hash}/{second.errors.name}")
+    commit_partition(fs, path, manifest, [errors], openai_errors=b'{"custom_id": "req-5"}\n')
+    done = sdk.batches.retrieve(batch.id)
+    assert done.status == "completed" and done.completed_at is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (5, 1)
+    output = sdk.files.content(done.output_file_id).read()
+    assert jsonl_ids(output) == ["req-0", "req-1", "req-2", "req-3", "req-4"]
+    assert jsonl_ids(sdk.files.content(done.error_file_id).read()) == ["req-5"]
+    assert sdk.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+
+def test_cancel_keeps_committed_chunks_as_partial_output(service, api, caplog):
+    caplog.set_level(logging.INFO, logger="dagster_gpuinfer.batch_api.audit")
+    sdk = client(api, service.store.create_key("acme").token)
+    uploaded = upload(sdk, request_lines(6, model="mini"))
+    batch = sdk.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    write_chunk(service, "batch_embed", batch.id, 0, ["req-0", "req-1"], bad=["req-2"])
+    cancelled = sdk.batches.cancel(batch.id)
+    assert cancelled.status == "cancelled" and cancelled.cancelling_at is not None
+    assert (cancelled.request_counts.completed, cancelled.request_counts.failed) == (2, 1)
+    assert jsonl_ids(sdk.files.content(cancelled.output_file_id).read()) == ["req-0", "req-1"]
+    error_lines = sdk.files.content(cancelled.error_file_id).read().splitlines()
+    assert [json.loads(line)["error"]["code"] for line in error_lines] == ["too_long"]
+    with pytest.raises(openai.ConflictError):
+        sdk.batches.cancel(batch.id)
+    actions = [json.loads(r.getMessage()) for r in caplog.records]
+    assert [(a["action"], a["tenant"]) for a in actions] == [
+        ("file.create", "acme"),
+        ("batch.create", "acme"),
+        ("batch.cancel", "acme"),
+    ]
+    assert actions[2]["id"] == batch.id
+
+
+def test_batch_expires_after_its_window_with_partial_output(service, api):
+    sdk = client(api, service.store.create_key("acme").token)
+    uploaded = upload(sdk, request_lines(4, model="mini"))
+    batch = sdk.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="2s"
+    )
+    assert batch.expires_at == batch.created_at + 2
+    write_chunk(service, "batch_embed", batch.id, 0, ["req-0"])
+    assert sdk.batches.retrieve(batch.id).status == "in_progress"
+    time.sleep(2.2)
+    service.reconcile_all()  # the service's own loop, run once here
+    expired = sdk.batches.retrieve(batch.id)
+    assert expired.status == "expired" and expired.expired_at is not None
+    assert jsonl_ids(sdk.files.content(expired.output_file_id).read()) == ["req-0"]
+    assert expired.error_file_id is None
+
+
+def test_sensor_requests_one_run_per_batch_tagged_with_tenant_and_queue(service, tmp_path):
+    key = service.store.create_key("acme", kueue_queue="acme-gpu")
+    tenant = service.store.authenticate(key.token)
+    source = service.upload(
+        tenant,
+        filename="in.jsonl",
+        purpose="batch",
+        data=request_lines(2, model="tiny", url="/v1/chat/completions"),
+    )
+    batch = service.create_batch(
+        tenant,
+        input_file_id=source["id"],
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata=None,
+    )
+    failed = service.create_batch(
+        tenant,
+        input_file_id=source["id"],
+        endpoint="/v1/embeddings",
+        completion_window="24h",
+        metadata=None,
+    )
+    assert failed["status"] == "failed"
+    pipelines = batch_pipelines(
+        ROUTES, files_root=str(tmp_path / "files"), store_url=service.store.url
+    )
+    defs = dg.Definitions.merge(
+        pipelines.defs, dg.Definitions(resources={"gpu": GpuInferenceResource()})
+    )
+    instance = service.instance
+    context = dg.build_sensor_context(instance=instance, definitions=defs)
+    result = pipelines.sensor(context)  # the sensor's own result, as the daemon gets it
+    [request] = result.run_requests
+    assert request.run_key == batch["id"] and request.partition_key == batch["id"]
+    assert request.job_name == "batch_chat_job"
+    assert request.tags[BATCH_ID_TAG] == batch["id"]
+    assert (request.tags[TENANT_TAG], request.tags[QUEUE_TAG]) == ("acme", "acme-gpu")
+    [partitions] = result.dynamic_partitions_requests
+    assert (partitions.partitions_def_name, list(partitions.partition_keys)) == (
+        "batch_chat_batches",
+        [batch["id"]],
+    )
+    # Once the partition exists, the same batch is requested under the same run key: the
+    # daemon launches it once.
+    instance.add_dynamic_partitions("batch_chat_batches", [batch["id"]])
+    again = pipelines.sensor(context)
+    assert [r.run_key for r in again.run_requests] == [batch["id"]]
+    assert not again.dynamic_partitions_requests
+    job = defs.resolve_job_def("batch_chat_job")
+    spec = pipelines.pipelines["batch_chat"].spec
+    assert spec["input"]["format"] == "openai_batch" and spec["output"]["format"] == "openai_batch"
+    assert job.partitions_def.name == "batch_chat_batches"
+
+
+def test_run_queue_tag_sets_the_worker_pods_kueue_queue():
+    from dagster_gpuinfer.k8s.pod import K8sLauncherConfig, WorkerPlacement
+    from dagster_gpuinfer.resource import RUN_QUEUE_TAG, config_for_run_queue
+
+    assert RUN_QUEUE_TAG == QUEUE_TAG
+    config = K8sLauncherConfig(
+        image="worker:1", namespace="gpu", placement=WorkerPlacement(kueue_queue="shared")
+    )
+    assert config_for_run_queue(config, {}).placement.kueue_queue == "shared"
+    tenant = config_for_run_queue(config, {QUEUE_TAG: "acme-gpu"})
+    assert tenant.placement.kueue_queue == "acme-gpu" and tenant.image == "worker:1"
+
+
+def test_keys_cli_creates_lists_and_revokes(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path}/keys.sqlite"
+    assert (
+        cli_main(["--store-url", url, "keys", "create", "--tenant", "acme", "--queue", "q1"]) == 0
+    )
+    created = json.loads(capsys.readouterr().out)
+    store = BatchStore(url)
+    who = store.authenticate(created["api_key"])
+    assert (who.name, who.kueue_queue, who.key_id) == ("acme", "q1", created["key_id"])
+    assert cli_main(["--store-url", url, "keys", "list"]) == 0
+    [listed] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert listed["key_id"] == created["key_id"] and "digest" not in listed
+    assert created["api_key"].split(".")[1] not in open(
+        f"{tmp_path}/keys.sqlite", "rb"
+    ).read().decode("latin-1")
+    assert cli_main(["--store-url", url, "keys", "revoke", created["key_id"]]) == 0
+    assert store.authenticate(created["api_key"]) is None
+    assert cli_main(["--store-url", url, "keys", "revoke", created["key_id"]]) == 1
+    store.close()
+
+
+def test_routing_table_loads_from_yaml_and_refuses_duplicates(tmp_path):
+    path = tmp_path / "routes.yaml"
+    path.write_text(
+        "routes:\n"
+        "  - {model: a, endpoint: /v1/embeddings, pipeline: p_a, model_path: /m/a}\n"
+        "  - {model: b, endpoint: /v1/rerank, pipeline: p_b, model_path: /m/b}\n"
+    )
+    table = load_routing_table(str(path))
+    assert table.route_for("b", "/v1/rerank").task == "score"
+    assert load_routing_table("assets.batch_pipelines:ROUTES").route_for(
+        "tiny-llama", "/v1/chat/completions"
+    )
+    path.write_text(
+        "- {model: a, endpoint: /v1/embeddings, pipeline: p_a, model_path: /m/a}\n"
+        "- {model: a, endpoint: /v1/embeddings, pipeline: p_b, model_path: /m/b}\n"
+    )
+    with pytest.raises(ValueError, match="lists model 'a' on /v1/embeddings twice"):
+        load_routing_table(str(path))
+    with pytest.raises(ValueError, match="not served by the worker"):
+        RoutingTable(
+            routes=[{"model": "a", "endpoint": "/v1/x", "pipeline": "p", "model_path": "/m"}]
+        )
+
+
+def test_postgres_as_the_store(tmp_path, instance):
+    url = os.environ.get("GPUINFER_TEST_POSTGRES_URL")
+    if not url:
+        pytest.fail(
+            "GPUINFER_TEST_POSTGRES_URL is not set: run the suite with `make test`, or start a "
+            "server with `bash deploy/local/test-postgres.sh` and export the URL it prints"
+        )
+    import psycopg2
+
+    database = f"batch_{uuid.uuid4().hex[:10]}"
+    admin = psycopg2.connect(url)
+    admin.autocommit = True
+    admin.cursor().execute(f"CREATE DATABASE {database}")
+    try:
+        svc = make_service(tmp_path, instance, store_url=url.rsplit("/", 1)[0] + f"/{database}")
+        with live_service(svc) as base_url:
+            sdk = client(base_url, svc.store.create_key("acme").token)
+            uploaded = upload(sdk, request_lines(3, model="mini"))
+            ids = [
+                sdk.batches.create(
+                    input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+                ).id
+                for _ in range(3)
+            ]
+            page = sdk.batches.list(limit=2)
+            assert [b.id for b in page.data] == ids[::-1][:2] and page.has_more
+            write_chunk(svc, "batch_embed", ids[0], 0, ["req-0", "req-1"])
+            assert sdk.batches.retrieve(ids[0]).request_counts.completed == 2
+            assert sdk.batches.cancel(ids[0]).status == "cancelled"
+        svc.store.close()
+    finally:
+        admin.cursor().execute(f"DROP DATABASE {database} WITH (FORCE)")
+        admin.close()
+
+
+def test_health_answers_without_a_key(api):
+    import httpx
+
+    answer = httpx.get(api.removesuffix("/v1") + "/health", timeout=10)
+    assert answer.status_code == 200 and answer.json() == {"status": "ok"}
+
+
+def test_the_service_and_the_batch_pipelines_import_no_torch_or_vllm():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import dagster_gpuinfer.batch_api.app, dagster_gpuinfer.batch_api.__main__\n"
+        "import dagster_gpuinfer.batch_api.pipelines, assets.batch_pipelines\n"
+        "print('\\n'.join(sorted(sys.modules)))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout.split()
+    heavy = sorted(m for m in loaded if m.split(".")[0] in ("torch", "vllm", "transformers"))
+    assert not heavy, f"the batch API imported {heavy[:5]}"
+
+
+def test_a_failed_run_fails_the_batch_with_its_committed_rows_as_partial_output(service, api):
+    """A real run in the instance, tagged with the batch id, that fails (retries spent)."""
+    sdk = client(api, service.store.create_key("acme").token)
+    uploaded = upload(sdk, request_lines(4, model="mini"))
+    batch = sdk.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    write_chunk(service, "batch_embed", batch.id, 0, ["req-0", "req-1"])
+
+    @dg.op
+    def lose_the_worker():
+        raise RuntimeError("the worker pod was evicted")
+
+    @dg.job(tags={BATCH_ID_TAG: batch.id})
+    def batch_run():
+        lose_the_worker()
+
+    result = batch_run.execute_in_process(instance=service.instance, raise_on_error=False)
+    assert not result.success
+    failed = sdk.batches.retrieve(batch.id)
+    assert failed.status == "failed" and failed.failed_at is not None
+    [error] = failed.errors.data
+    assert error.code == "run_failed" and result.run_id in error.message
+    assert jsonl_ids(sdk.files.content(failed.output_file_id).read()) == ["req-0", "req-1"]
+    assert failed.request_counts.completed == 2
+
+
+def test_a_batch_left_validating_by_a_dead_service_fails_instead_of_hanging(service, api):
+    key = service.store.create_key("acme")
+    sdk = client(api, key.token)
+    uploaded = upload(sdk, request_lines(1, model="mini"))
+    long_ago = int(time.time()) - 3600
+    service.store.add_batch(
+        {
+            "id": "batch_interrupted",
+            "tenant": "acme",
+            "endpoint": "/v1/embeddings",
+            "input_file_id": uploaded.id,
+            "completion_window": "24h",
+            "status": "validating",
+            "created_at": long_ago,
+            "expires_at": long_ago + 86400,
+        }
+    )
+    service.reconcile_all()
+    batch = sdk.batches.retrieve("batch_interrupted")
+    assert batch.status == "failed"
+    assert [e.code for e in batch.errors.data] == ["validation_interrupted"]
