@@ -219,6 +219,7 @@ class RunningPod:
     oom_injected: bool = False
     log: list[tuple[str, bytes]] = field(default_factory=list)
     log_done: bool = False
+    seen: dict[str, Any] = field(default_factory=dict)  # the process, read at its first output
     events: list[tuple[str, str, str]] = field(default_factory=list)  # type, reason, message
 
     @property
@@ -352,7 +353,13 @@ class PodExecutor:
 
     def client(self) -> DagsterKubernetesClient:
         """The client the launcher uses (real clock: the pods run in real time)."""
-        return DagsterKubernetesClient(batch_api=None, core_api=self, logger=lambda *a, **k: None)
+        return DagsterKubernetesClient(
+            batch_api=None,
+            core_api=self,
+            logger=lambda *a, **k: None,
+            sleeper=time.sleep,
+            timer=time.time,
+        )
 
     def image_for(self, name: str) -> Image | None:
         if name in self.images:
@@ -849,6 +856,8 @@ class PodExecutor:
         ]
         threading.Thread(target=self._reap, args=(pod,), daemon=True).start()
         for line in iter(pod.process.stdout.readline, b""):
+            if not pod.seen:
+                pod.seen = _process_facts(pod.process.pid)
             with self._changed:
                 pod.log.append((_stamp(_now()), line if line.endswith(b"\n") else line + b"\n"))
                 self._changed.notify_all()
@@ -1089,6 +1098,20 @@ def _gpu_requests(container: dict[str, Any]) -> str | None:
         if key.endswith("/gpu") and str(value) not in ("0", ""):
             return key
     return None
+
+
+def _process_facts(pid: int) -> dict[str, Any]:
+    """Who the pod's main process runs as and where: uid/gid/groups, namespaces, root."""
+    facts: dict[str, Any] = {}
+    with contextlib.suppress(OSError):
+        status = Path(f"/proc/{pid}/status").read_text()
+        for key in ("Uid", "Gid", "Groups", "NoNewPrivs", "CapEff"):
+            match = re.search(rf"^{key}:\s*(.*)$", status, re.MULTILINE)
+            facts[key.lower()] = match.group(1).split() if match else []
+        facts["netns"] = os.readlink(f"/proc/{pid}/ns/net")
+        facts["mntns"] = os.readlink(f"/proc/{pid}/ns/mnt")
+        facts["argv"] = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    return facts
 
 
 def _which(command: str, path: str) -> str | None:
