@@ -60,6 +60,7 @@ API (what the tests use):
     executor.pod_ip(name), executor.resolve(host), executor.logs(name)
     executor.wait_for_log(name_or_None, regex, timeout) -> (pod name, line)
     executor.close()          -> kills every process, removes namespaces, links, temp dirs
+                                 (GPUINFER_KEEP_POD_DIRS=1 keeps the dirs: volumes, logs)
     the `pod_executor` fixture (tests/conftest.py) closes it after each test, always.
 
 Needs root (namespaces, mounts, links), as CI has. Linux only.
@@ -457,7 +458,8 @@ class PodExecutor:
                     pod.process.wait(timeout=30)
             PodNetwork.remove_pod(pod.netns, pod.veth)
         self.network.close()
-        shutil.rmtree(self.root, ignore_errors=True)
+        if os.environ.get("GPUINFER_KEEP_POD_DIRS") != "1":  # keep them to look inside
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> PodExecutor:
         return self
