@@ -62,7 +62,9 @@ class Cluster:
     def read(self, key: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
 
-    def resource(self, image: str = IMAGE, model_cache: str | None = None) -> Any:
+    def resource(
+        self, image: str = IMAGE, model_cache: str | None = None, command: list[str] | None = None
+    ) -> Any:
         """The production k8s resource (resources/k8s.py), minus the GPU request."""
         config = k8s_launcher_config(
             {
@@ -77,6 +79,8 @@ class Cluster:
         )
         placement = config.placement.model_copy(update={"gpu_resource_name": None})
         config = config.model_copy(update={"placement": placement, "poll_interval": 1.0})
+        if command is not None:
+            config = config.model_copy(update={"command": command})
         return executor_resource(
             self.executor,
             k8s=config,
@@ -338,6 +342,21 @@ def test_an_image_that_cannot_be_pulled_fails_the_step_without_retry(cluster):
     message = failure.step_failure_data.error.message
     assert "cannot pull image" in message and broken in message
     assert pods[0].name in cluster.executor.deleted
+
+
+def test_an_image_without_the_workers_python_fails_at_start_without_retry(cluster):
+    """The image runs, but has no `python3.99`: containerd's StartError (exit 128), which
+    no retry can fix."""
+    started = len(cluster.executor.created)
+    command = ["python3.99", "-m", "dagster_gpuinfer.worker"]
+    result = run(cluster, ["docs-000"], resource=cluster.resource(command=command))
+    assert not result.success
+    pods = cluster.executor.created[started:]
+    assert len(pods) == 1 and pods[0].terminated_reason == "StartError"
+    [failure] = step_failures(result)
+    message = failure.step_failure_data.error.message
+    assert "could not start its container (StartError, exit code 128" in message
+    assert '"python3.99": executable file not found' in message and "k8s.command" in message
 
 
 HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
