@@ -68,8 +68,10 @@ Needs root (namespaces, mounts, links), as CI has. Linux only.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -253,6 +255,40 @@ class PodConfigError(Exception):
 
 # --------------------------------------------------------------------------- the network
 
+_TOKENS = itertools.count()
+
+
+def _next_token() -> str:
+    """This process's pid (6 hex digits) and a counter: names a stale sweep can trace."""
+    return f"{os.getpid():06x}{next(_TOKENS) % 256:02x}"
+
+
+def _owner_alive(token: str) -> bool:
+    try:
+        os.kill(int(token[:6], 16), 0)
+    except ProcessLookupError:
+        return False
+    except (ValueError, PermissionError):
+        return True
+    return True
+
+
+def sweep_stale_pod_networks() -> None:
+    """Remove namespaces and links left by executors whose process died without closing
+    (a killed test session): their processes, netns `gpn<token>-N`, links `gpv`/`gpb`."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for match in re.finditer(r"^(gpn([0-9a-f]{8})-\d+)", names, re.MULTILINE):
+        netns, token = match.group(1), match.group(2)
+        if not _owner_alive(token):
+            for pid in PodNetwork.pids(netns):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    for match in re.finditer(r"^\d+: (gp[bv]([0-9a-f]{8})[0-9a-f]*)[@:]", links, re.MULTILINE):
+        if not _owner_alive(match.group(2)):
+            subprocess.run(["ip", "link", "del", match.group(1)], capture_output=True)
+
 
 def _run(*argv: str) -> None:
     subprocess.run(argv, check=True, capture_output=True, text=True)
@@ -338,7 +374,9 @@ class PodExecutor:
         self.images = dict(images or {})
         self.broken_images = set(broken_images)
         self.plans = list(plans or [])
-        self.token = _random.token_hex(3)
+        self.token = _next_token()
+        sweep_stale_pod_networks()
+        atexit.register(self.close)  # an interrupted session still removes its namespaces
         self.root = Path(tempfile.mkdtemp(prefix=f"gpuinfer-pods-{self.token}-"))
         self.network = PodNetwork(self.token)
         self.gateway = self.network.gateway
