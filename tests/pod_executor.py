@@ -56,9 +56,13 @@ API (what the tests use):
     executor = PodExecutor(secrets={...}, config_maps={...}, claims={...}, plans=[...])
     executor.client()        -> DagsterKubernetesClient (real clock) for the launcher
     executor_resource(executor, **fields) -> GpuInferenceResource using it
-    executor.pods            -> {name: RunningPod} (live pods); executor.created (all)
-    executor.pod_ip(name), executor.resolve(host), executor.logs(name)
+    executor.pods            -> {name: RunningPod} (live pods); executor.created (all, in
+                                 order; RunningPod.seen: uid/gid/groups/namespaces/argv of
+                                 the process, read at its first output line)
+    executor.pod_ip(name), executor.resolve(host, namespace), executor.logs(name)
     executor.wait_for_log(name_or_None, regex, timeout) -> (pod name, line)
+    executor.wait_until_gone(name, timeout); executor.admit / oom_kill / delete / preempt
+    create_namespaced_service / read_ / delete_namespaced_service (selector -> /etc/hosts)
     executor.close()          -> kills every process, removes namespaces, links, temp dirs
                                  (GPUINFER_KEEP_POD_DIRS=1 keeps the dirs: volumes, logs)
     the `pod_executor` fixture (tests/conftest.py) closes it after each test, always.

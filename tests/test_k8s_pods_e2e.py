@@ -52,6 +52,7 @@ class Cluster:
     bucket: str
     pipelines: Any  # the reference code location, pointed at the cluster
     model_cache: str
+    failing_pipelines: Any  # the same, writing where no passing case committed
 
     def keys(self, prefix: str) -> list[str]:
         pages = self.client.get_paginator("list_objects_v2").paginate(
@@ -136,21 +137,27 @@ def cluster(minilm_dir) -> Iterator[Cluster]:
             for shard in sorted(docs.glob("docs-*.parquet")):
                 client.upload_file(str(shard), bucket, f"inputs/docs/{shard.name}")
             cache = str(Path(minilm_dir).parent)
-            pipelines = load_reference_pipelines(
-                {
-                    "GPUINFER_EMBED_MODEL": f"/models/{Path(minilm_dir).name}",
-                    "GPUINFER_INPUT_ROOT": f"s3://{bucket}/inputs",
-                    "GPUINFER_OUTPUT_ROOT": f"s3://{bucket}/outputs",
-                }
+            env = {
+                "GPUINFER_EMBED_MODEL": f"/models/{Path(minilm_dir).name}",
+                "GPUINFER_INPUT_ROOT": f"s3://{bucket}/inputs",
+                "GPUINFER_OUTPUT_ROOT": f"s3://{bucket}/outputs",
+            }
+            pipelines = load_reference_pipelines(env)
+            # Failures that must reach a pod: outputs no other case commits to.
+            failing = load_reference_pipelines(
+                {**env, "GPUINFER_OUTPUT_ROOT": f"s3://{bucket}/failing-outputs"}
             )
-            yield Cluster(executor, endpoint, client, bucket, pipelines, cache)
+            yield Cluster(executor, endpoint, client, bucket, pipelines, cache, failing)
         finally:
             server.stop()
             executor.close()
 
 
-def run(cluster: Cluster, keys: list[str], **kwargs: Any) -> dg.ExecuteInProcessResult:
-    pipeline = cluster.pipelines.doc_embeddings
+def run(
+    cluster: Cluster, keys: list[str], *, failing: bool = False, **kwargs: Any
+) -> dg.ExecuteInProcessResult:
+    pipelines = cluster.failing_pipelines if failing else cluster.pipelines
+    pipeline = pipelines.doc_embeddings
     return dg.materialize(
         pipeline.assets,
         selection=[pipeline.output_asset.key],
@@ -334,7 +341,7 @@ def test_an_image_that_cannot_be_pulled_fails_the_step_without_retry(cluster):
     broken = "registry.example.com/gpuinfer-worker:does-not-exist"
     cluster.executor.broken_images.add(broken)
     started = len(cluster.executor.created)
-    result = run(cluster, ["docs-000"], resource=cluster.resource(image=broken))
+    result = run(cluster, ["docs-000"], resource=cluster.resource(image=broken), failing=True)
     assert not result.success
     pods = cluster.executor.created[started:]
     assert len(pods) == 1 and pods[0].process is None  # never started, never retried
@@ -349,7 +356,7 @@ def test_an_image_without_the_workers_python_fails_at_start_without_retry(cluste
     no retry can fix."""
     started = len(cluster.executor.created)
     command = ["python3.99", "-m", "dagster_gpuinfer.worker"]
-    result = run(cluster, ["docs-000"], resource=cluster.resource(command=command))
+    result = run(cluster, ["docs-000"], resource=cluster.resource(command=command), failing=True)
     assert not result.success
     pods = cluster.executor.created[started:]
     assert len(pods) == 1 and pods[0].terminated_reason == "StartError"
