@@ -31,6 +31,11 @@ SHUTDOWN_GRACE_ENV = "GPUINFER_ENGINE_SHUTDOWN_GRACE_SECONDS"
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 1.0
 
 
+class RequestRejected(Exception):
+    """The engine refused one request at `submit` (a value its transport cannot carry): that
+    row is quarantined and the others go on. Not raised when the engine itself has died."""
+
+
 @dataclass
 class ChunkResult:
     """Engine output for the rows of one chunk, in input order."""
@@ -193,7 +198,10 @@ class InferenceEngine:
             # Only the finished output of each request comes back (as in `LLM.generate`).
             self.default_params.output_kind = RequestOutputKind.FINAL_ONLY
         self._final_only = RequestOutputKind.FINAL_ONLY
-        self._in_flight: set[str] = set()
+        # Sequences in flight by request: a row asking for `n` completions is n sequences to
+        # the engine's batch, so the window counts them, not rows.
+        self._in_flight: dict[str, int] = {}
+        self._sequences = 0
         load_log = os.environ.get(LOAD_LOG_ENV)
         if load_log:
             with open(load_log, "a") as handle:
@@ -208,8 +216,8 @@ class InferenceEngine:
 
     @property
     def in_flight(self) -> int:
-        """Requests submitted and not yet finished."""
-        return len(self._in_flight)
+        """Sequences submitted and not yet finished (a request with `n` > 1 counts n)."""
+        return self._sequences
 
     def submit(self, request_id: str, token_ids: list[int], params: Any = None) -> None:
         """Add one pre-tokenized request to the engine.
@@ -224,8 +232,17 @@ class InferenceEngine:
             params = self.default_params
         elif self.spec.task != "embed":
             params.output_kind = self._final_only
-        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
-        self._in_flight.add(request_id)
+        try:
+            self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
+        except Exception as exc:
+            if type(exc).__name__ == "EngineDeadError":
+                raise
+            raise RequestRejected(
+                f"the engine refused the request ({type(exc).__name__}: {str(exc)[:300]})"
+            ) from exc
+        sequences = max(int(getattr(params, "n", 1) or 1), 1)
+        self._in_flight[request_id] = sequences
+        self._sequences += sequences
 
     def step(self) -> list[tuple[str, Any]]:
         """One engine step; returns `(request_id, output)` for each request that finished
@@ -233,7 +250,7 @@ class InferenceEngine:
         finished = []
         for output in self.llm.llm_engine.step():
             if output.finished:
-                self._in_flight.discard(output.request_id)
+                self._sequences -= self._in_flight.pop(output.request_id, 0)
                 finished.append((output.request_id, output))
         return finished
 
@@ -307,7 +324,7 @@ def request_builder(spec: InferenceSpec, llm: Any) -> Any:
         )
 
     defaults = spec.sampling.to_vllm_kwargs() if spec.task not in POOLING_TASKS else {}
-    return RequestBuilder(task=spec.task, defaults=defaults, verify=verify)
+    return RequestBuilder(task=spec.task, defaults=defaults, verify=verify, limits=spec.limits)
 
 
 def _is_memory_error(message: str) -> bool:

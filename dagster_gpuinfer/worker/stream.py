@@ -37,7 +37,7 @@ from typing import Any
 
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import ChunkMarker
-from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine
+from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine, RequestRejected
 from dagster_gpuinfer.worker.metrics import current_metrics
 from dagster_gpuinfer.worker.pooling_tasks import run_pooling_chunk
 from dagster_gpuinfer.worker.readers import RawChunk
@@ -78,6 +78,7 @@ class _ChunkInFlight:
     remaining: int = 0
     first_submitted: float | None = None
     result: Any = None  # score/classify: the chunk's `PoolingResult`, computed whole
+    rejected: dict[int, str] = field(default_factory=dict)  # prompt position -> why
 
     def __post_init__(self) -> None:
         self.outputs = [None] * len(self.valid.token_ids)
@@ -133,6 +134,7 @@ def serve_chunks(
         max_model_len=engine.max_model_len,
         check_ids=False,
         requests=engine.requests,
+        limits=spec.limits,
     )
     stopping = threading.Event()
 
@@ -142,13 +144,9 @@ def serve_chunks(
             if work is None:
                 break
             item = _ChunkInFlight(work, validator.validate(work.chunk))
-            while not stopping.is_set():
-                try:
-                    prepared.put(item, timeout=POLL_SECONDS)
-                    break
-                except queue.Full:
-                    continue
-        prepared.put(None)
+            if not _put_until(prepared, item, stopping):
+                return
+        _put_until(prepared, None, stopping)  # after a stop nobody reads it: never block
 
     locations: dict[str, ShardLocation] = {}
 
@@ -159,15 +157,18 @@ def serve_chunks(
                 return
             key = item.work.partition_key
             where = locations.get(key) or locations.setdefault(key, ShardLocation.of(spec, key))
-            result = item.result
+            result, valid = item.result, item.valid
             if result is None:
+                outputs = item.outputs
+                if item.rejected:
+                    valid, outputs = valid.without_prompts(
+                        item.rejected, outputs, item.work.chunk.source
+                    )
                 seconds = time.perf_counter() - (item.first_submitted or time.perf_counter())
                 result = ChunkResult.from_outputs(
-                    spec.task, item.outputs, seconds, requests=item.valid.requests
+                    spec.task, outputs, seconds, requests=valid.requests
                 )
-            marker = write_chunk(
-                spec, where, item.work.chunk, item.valid, result, item.work.attempt
-            )
+            marker = write_chunk(spec, where, item.work.chunk, valid, result, item.work.attempt)
             committed(ChunkCommitted(partition_key=key, marker=marker, replica=replica))
 
     preparer, writer = _Worker("gpuinfer-prepare", prepare), _Worker("gpuinfer-write", write)
@@ -231,11 +232,18 @@ def serve_chunks(
                 item, position = current.popleft()
                 request_id = str(sequence)
                 sequence += 1
-                requests[request_id] = (item, position)
-                engine.submit(request_id, item.valid.token_ids[position], item.params(position))
-                metrics.requests_started(1)
                 if item.first_submitted is None:
                     item.first_submitted = time.perf_counter()
+                try:
+                    engine.submit(request_id, item.valid.token_ids[position], item.params(position))
+                except RequestRejected as exc:  # that row is quarantined, the rest go on
+                    item.rejected[position] = str(exc)
+                    item.remaining -= 1
+                    if item.remaining == 0:
+                        finished.put(item)
+                    continue
+                requests[request_id] = (item, position)
+                metrics.requests_started(1)
             if engine.in_flight == 0:
                 if prepared_all and not incoming and not current:
                     break
@@ -260,6 +268,17 @@ def serve_chunks(
         stopping.set()
         if writer.is_alive():
             finished.put(None)
+
+
+def _put_until(target: queue.Queue[Any], item: Any, stopping: threading.Event) -> bool:
+    """Put `item` on the bounded queue unless `stopping` is set first; whether it went."""
+    while not stopping.is_set():
+        try:
+            target.put(item, timeout=POLL_SECONDS)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def _serve_whole_chunks(
