@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dagster_gpuinfer.spec import RowLimits, StructuredOutputs
 from dagster_gpuinfer.worker.errors import cap_message
+from dagster_gpuinfer.worker.structured import pattern_problem
 
 # Keys accepted on every request and without effect on the result: OpenAI lines name the
 # model (the pipeline's model serves every line) and may carry an end-user id.
@@ -334,6 +335,18 @@ class RequestBuilder:
                 )
             constraint = _constraint_of(typed.response_format, default=constraint)
         if constraint is not None:
+            refused = pattern_problem(constraint)
+            if refused is not None:
+                key = next(
+                    (k for k in ("response_format", "structured_outputs") if k in given),
+                    "structured_outputs",
+                )
+                raise ParameterError(
+                    "invalid_parameter",
+                    key,
+                    f"parameter {key!r} holds the pattern {cap_message(refused[0], 200)!r}, "
+                    f"which the output check cannot compile: {refused[1]}",
+                )
             try:
                 kwargs["structured_outputs"] = StructuredOutputsParams(
                     **constraint.to_vllm_kwargs()
