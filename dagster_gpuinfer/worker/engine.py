@@ -19,6 +19,7 @@ from dagster_gpuinfer.out_of_memory import memory_problem
 from dagster_gpuinfer.spec import POOLING_TASKS, InferenceSpec
 from dagster_gpuinfer.worker.completions import choices_of
 from dagster_gpuinfer.worker.errors import SpecError
+from dagster_gpuinfer.worker.lifecycle import EngineWatch, engine_processes_started_by
 from dagster_gpuinfer.worker.metrics import current_metrics
 
 log = logging.getLogger("dagster_gpuinfer.worker")
@@ -159,8 +160,9 @@ class InferenceEngine:
 
         self.spec = spec
         kwargs = engine_kwargs(spec)
+        model = os.path.expanduser(spec.model.removeprefix("file://"))
         try:
-            self.llm = LLM(model=os.path.expanduser(spec.model.removeprefix("file://")), **kwargs)
+            self.llm, processes = engine_processes_started_by(lambda: LLM(model=model, **kwargs))
         except (OSError, ValueError) as exc:
             current_metrics().model_load_failed(exc)
             message = str(exc)
@@ -171,6 +173,8 @@ class InferenceEngine:
                 f"{message.splitlines()[0] if message else type(exc).__name__}"
             ) from exc
         self.load_seconds = time.perf_counter() - started
+        # A dead engine process fails the worker within seconds (never a wait for ever).
+        self.watch = EngineWatch(processes, name=f"model {spec.model!r}").start()
         current_metrics().model_loaded(
             self.load_seconds,
             max_num_seqs=self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
@@ -299,6 +303,7 @@ class InferenceEngine:
         shutdown took the full 5 s, then killed it). Every output is committed by now, so the
         worker gives it `SHUTDOWN_GRACE_ENV` seconds (default 1), then vLLM kills the tree.
         """
+        self.watch.stop()  # the engine's processes now exit on purpose
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             grace = float(os.environ.get(SHUTDOWN_GRACE_ENV, DEFAULT_SHUTDOWN_GRACE_SECONDS))

@@ -47,6 +47,11 @@ class SpecError(WorkerError):
     error_type = "bad_spec"
 
 
+class Drained(Exception):
+    """SIGTERM stopped the run after its chunks in flight were committed (not the user's to
+    fix, and not a crash of the work: a rerun resumes from the committed chunks)."""
+
+
 @dataclass(frozen=True)
 class RowError:
     """One quarantined input row: which row, why, and what to do."""
