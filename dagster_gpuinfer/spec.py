@@ -68,7 +68,10 @@ def _refuse_secrets(options: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # A refused value is never echoed by pydantic's message (`input_value=...`): it may be
+    # a credential, and these messages reach Pipes, Dagster's event log and stderr.
+    # `secrets.validation_problems` says what is wrong, with the value where it is safe.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
 class EngineArgs(_Strict):
@@ -177,7 +180,9 @@ class StructuredOutputs(_Strict):
     choice: list[str] | None = Field(None, description="The output must be one of these strings.")
     json_object: bool | None = Field(None, description="The output must be a JSON object.")
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, populate_by_name=True, hide_input_in_errors=True
+    )
 
     @field_validator("json_schema", mode="before")
     @classmethod

@@ -41,6 +41,7 @@ from dagster_gpuinfer.messages import (
     RunFinished,
     to_payload,
 )
+from dagster_gpuinfer.secrets import validation_problems
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest
 from dagster_gpuinfer.worker import lifecycle
@@ -84,7 +85,9 @@ def parse_spec(raw: Any) -> InferenceSpec:
     try:
         return InferenceSpec.model_validate(raw)
     except ValidationError as exc:
-        raise SpecError(f"the job spec does not validate: {exc}") from exc
+        # Never `str(exc)`: it would echo a refused value, which may be a credential.
+        problems = "; ".join(validation_problems(exc))
+        raise SpecError(f"the job spec does not validate: {problems}") from None
 
 
 def run(
