@@ -10,6 +10,7 @@ mapper and the validator are pure, and the streaming loop runs against a fake en
 from __future__ import annotations
 
 import json
+import os
 import queue
 
 import pyarrow.parquet as pq
@@ -334,3 +335,59 @@ def test_a_request_the_engine_refuses_at_submit_quarantines_only_its_row(tmp_pat
     assert (marker.rows_in, marker.rows_out, marker.rows_errored) == (5, 3, 2)
     (part,) = (tmp_path / "out").rglob(marker.part.name)
     assert pq.read_table(part).column("id").to_pylist() == ["r0", "r2", "r3"]
+
+
+# ------------------------------------------------------------------ commit race
+
+
+def test_a_losing_racer_touches_no_file_the_winner_owns(tmp_path):
+    import pyarrow as pa
+
+    from dagster_gpuinfer.storage import (
+        CommitConflict,
+        FileEntry,
+        Manifest,
+        commit_partition,
+        filesystem_for,
+        partition_error_files,
+        table_to_parquet_bytes,
+        verify_manifest,
+        write_file_entry,
+    )
+    from dagster_gpuinfer.worker.shard import ShardLocation
+    from dagster_gpuinfer.worker.writers import errors_table
+
+    spec = openai_spec(tmp_path)
+    where = ShardLocation.of(spec, "p")
+    fs, path = where.fs, where.path
+    fs.create_dir(path)
+
+    def commit(attempt: str, reason: str):
+        table = pa.table({"id": ["a"], "text": ["t"]})
+        part = write_file_entry(
+            fs, path, f"part-{where.spec_hash}-00000-{attempt}.parquet",
+            table_to_parquet_bytes(table), 1,
+        )  # fmt: skip
+        manifest = Manifest(
+            partition_key="p", spec_hash=where.spec_hash, model="m", task="chat",
+            output_format="openai_batch", rows_in=2, rows_out=1, rows_errored=1, parts=[part],
+            errors=FileEntry(name="errors.parquet", rows=0, bytes=0, sha256=""),
+        )  # fmt: skip
+        errors = errors_table([RowError("b", "s", 1, reason, reason)])
+        return commit_partition(
+            fs, path, manifest, [errors], openai_errors=b"{}\n", attempt=attempt
+        )
+
+    winner = commit("w1", "empty_input")
+    owned = {name: (tmp_path / "out" / "a" / "p" / name) for name in os.listdir(path)}
+    before = {name: file.read_bytes() for name, file in owned.items()}
+    with pytest.raises(CommitConflict):
+        commit("l2", "another_reason")  # differs: a shared name would show
+    where.yield_to(winner, "l2")
+    assert {name: file.read_bytes() for name, file in owned.items()} == before
+    assert set(os.listdir(path)) == set(owned)
+    assert verify_manifest(fs, path, winner) == []
+    files = partition_error_files(spec.output, "p")
+    assert files["parquet"].endswith(f"errors-{where.spec_hash}-w1.parquet")
+    assert files["openai_jsonl"].endswith(f"errors-{where.spec_hash}-w1.jsonl")
+    assert filesystem_for(files["parquet"])[0] is not None
