@@ -166,9 +166,10 @@ class StructuredOutputs(_Strict):
     choice of strings (exactly one of them).
 
     `json` takes a JSON schema (a dict or its JSON text) or a pydantic model class, whose
-    `model_json_schema()` is used; `json_object=True` asks for any JSON object. Whitespace
-    inside JSON is an engine setting in vLLM, not a request one: set
-    `EngineArgs(extra={"structured_outputs_config": {"disable_any_whitespace": True}})`.
+    `model_json_schema()` is used; `json_object=True` asks for any JSON object. JSON is
+    compact by default (the worker sets vLLM's `disable_any_whitespace`, an engine setting);
+    to allow whitespace set
+    `EngineArgs(extra={"structured_outputs_config": {"disable_any_whitespace": False}})`.
     """
 
     json_schema: dict[str, Any] | None = Field(

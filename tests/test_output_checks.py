@@ -101,3 +101,31 @@ def test_a_property_named_pattern_is_not_taken_for_a_regex():
     schema = {"type": "object", "properties": {"pattern": {"type": "string"}}}
     assert pattern_problem(StructuredOutputs(json=schema)) is None
     assert check_output(StructuredOutputs(json=schema), '{"pattern": "x"}') is None
+
+
+def test_json_is_compact_by_default_with_an_opt_out():
+    from dagster_gpuinfer import InferenceSpec
+    from dagster_gpuinfer.worker.engine import engine_kwargs, with_compact_json
+
+    def spec(extra=None, task="chat"):
+        return InferenceSpec.model_validate(
+            {
+                "model": "/m",
+                "task": task,
+                "engine": {"extra": extra or {}},
+                "input": {"uri": "/in/{partition_key}.jsonl"},
+                "output": {"root": "/out", "asset_name": "a"},
+            }
+        )
+
+    def config(s):
+        return with_compact_json(s, engine_kwargs(s)).get("structured_outputs_config")
+
+    assert config(spec()) == {"disable_any_whitespace": True}
+    assert config(spec({"structured_outputs_config": {"backend": "xgrammar"}})) == {
+        "disable_any_whitespace": True,
+        "backend": "xgrammar",
+    }
+    opted_out = spec({"structured_outputs_config": {"disable_any_whitespace": False}})
+    assert config(opted_out) == {"disable_any_whitespace": False}
+    assert config(spec(task="embed")) is None

@@ -126,6 +126,21 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     return kwargs
 
 
+def with_compact_json(spec: InferenceSpec, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with structured JSON outputs compact by default (vLLM's
+    `disable_any_whitespace`, an engine setting): with vLLM's default grammar a weak model
+    pads an object with whitespace until `max_tokens`. Opt out with engine.extra
+    `structured_outputs_config={"disable_any_whitespace": False}`."""
+    if spec.task in POOLING_TASKS:
+        return kwargs
+    config = kwargs.get("structured_outputs_config")
+    if config is None:
+        return {**kwargs, "structured_outputs_config": {"disable_any_whitespace": True}}
+    if isinstance(config, dict):
+        return {**kwargs, "structured_outputs_config": {"disable_any_whitespace": True, **config}}
+    return kwargs
+
+
 def prefix_order(token_ids: list[list[int]]) -> list[int]:
     """Row positions sorted by their token ids, so rows sharing a prompt prefix are adjacent.
 
@@ -159,7 +174,7 @@ class InferenceEngine:
         from vllm.sampling_params import RequestOutputKind
 
         self.spec = spec
-        kwargs = engine_kwargs(spec)
+        kwargs = with_compact_json(spec, engine_kwargs(spec))
         model = os.path.expanduser(spec.model.removeprefix("file://"))
         try:
             self.llm, processes = engine_processes_started_by(lambda: LLM(model=model, **kwargs))
