@@ -143,3 +143,24 @@ def wait_gone(pid: int, seconds: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_the_pods_grace_period_leaves_room_for_the_drain():
+    from dagster_gpuinfer import InferenceSpec
+    from dagster_gpuinfer.k8s.pod import K8sLauncherConfig, RunIdentity, build_worker_pod
+    from dagster_gpuinfer.worker.lifecycle import DEFAULT_DRAIN_GRACE_SECONDS
+
+    spec = InferenceSpec.model_validate(
+        {
+            "model": "/models/m",
+            "task": "embed",
+            "input": {"uri": "s3://b/in/{partition_key}.jsonl"},
+            "output": {"root": "s3://b/out", "asset_name": "a"},
+            "partition_keys": ["p"],
+        }
+    )
+    pod = build_worker_pod(
+        spec, K8sLauncherConfig(image="w:1"), RunIdentity(run_id="r", asset_key="a")
+    )
+    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= DEFAULT_DRAIN_GRACE_SECONDS + 20
