@@ -320,30 +320,8 @@ def run_replicas(
     validate, tokenize, infer and write chunks. A shard that cannot be processed goes to
     `on_failed`; the others go on.
     """
-    device = detect_device()
-    envs = plan_replica_env(
-        replicas=replicas,
-        tensor_parallel_size=spec.tensor_parallel_size,
-        device=device,
-        gpu_ids=visible_gpu_ids() if device == "cuda" else [],
-        cpu_ids=sorted(os.sched_getaffinity(0)),
-    )
-    ctx = mp.get_context("spawn")
-    tasks: Any = ctx.Queue()
-    results: Any = ctx.Queue()
-    spec_json = spec.model_dump_json()
-    processes = [
-        ctx.Process(
-            target=replica_main,
-            args=(spec_json, index, envs[index], tasks, results),
-            name=f"gpuinfer-replica-{index}",
-            daemon=False,  # each replica starts vLLM's own engine process
-        )
-        for index in range(replicas)
-    ]
+    processes, tasks, results = start_replica_processes(spec, replicas)
     coordinator: RunCoordinator | None = None
-    for process in processes:
-        process.start()
     timing = RunTiming()
     finished_replicas = 0
     forwarded = False
@@ -353,18 +331,9 @@ def run_replicas(
                 coordinator.check()
             if draining() and not forwarded:  # each replica drains its own engine
                 forwarded = True
-                for process in processes:
-                    if process.is_alive() and process.pid is not None:
-                        os.kill(process.pid, signal.SIGTERM)
-            try:
-                message = results.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                dead = [p for p in processes if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(
-                        f"replica process {dead[0].name} died with exit code {dead[0].exitcode} "
-                        f"before finishing; partitions not committed: {partition_keys}"
-                    ) from None
+                forward_sigterm(processes)
+            message = next_replica_message(results, processes, partition_keys)
+            if message is None:
                 continue
             kind = message[0]
             if kind == "loaded":
@@ -417,6 +386,60 @@ def run_replicas(
             raise drained_error(partition_keys)
         raise RuntimeError("replicas finished before every partition of the run was settled")
     return timing
+
+
+def start_replica_processes(spec: InferenceSpec, replicas: int) -> tuple[list[Any], Any, Any]:
+    """Start `replicas` spawned replica processes, each pinned to its devices; returns them,
+    the queue of chunks they take from and the queue of their messages."""
+    device = detect_device()
+    envs = plan_replica_env(
+        replicas=replicas,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        device=device,
+        gpu_ids=visible_gpu_ids() if device == "cuda" else [],
+        cpu_ids=sorted(os.sched_getaffinity(0)),
+    )
+    ctx = mp.get_context("spawn")
+    tasks: Any = ctx.Queue()
+    results: Any = ctx.Queue()
+    spec_json = spec.model_dump_json()
+    processes = [
+        ctx.Process(
+            target=replica_main,
+            args=(spec_json, index, envs[index], tasks, results),
+            name=f"gpuinfer-replica-{index}",
+            daemon=False,  # each replica starts vLLM's own engine process
+        )
+        for index in range(replicas)
+    ]
+    for process in processes:
+        process.start()
+    return processes, tasks, results
+
+
+def forward_sigterm(processes: list[Any]) -> None:
+    """Pass this worker's SIGTERM on: each replica drains its own engine."""
+    for process in processes:
+        if process.is_alive() and process.pid is not None:
+            os.kill(process.pid, signal.SIGTERM)
+
+
+def next_replica_message(results: Any, processes: list[Any], partition_keys: list[str]) -> Any:
+    """The next message of a replica, or None after a poll without one.
+
+    Raises:
+        RuntimeError: a replica process died without saying why.
+    """
+    try:
+        return results.get(timeout=POLL_SECONDS)
+    except queue.Empty:
+        dead = [p for p in processes if p.exitcode not in (None, 0)]
+        if dead:
+            raise RuntimeError(
+                f"replica process {dead[0].name} died with exit code {dead[0].exitcode} "
+                f"before finishing; partitions not committed: {partition_keys}"
+            ) from None
+        return None
 
 
 def replica_main(spec_json: str, index: int, env: dict[str, str], tasks: Any, results: Any) -> None:

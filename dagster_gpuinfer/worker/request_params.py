@@ -293,35 +293,7 @@ class RequestBuilder:
         kwargs = dict(self.defaults)
         kwargs.pop("structured_outputs", None)
         constraint = self.default_constraint
-        overrides = typed.model_dump(
-            exclude_none=True, exclude={"response_format", "structured_outputs"}
-        )
-        overrides.pop("stream", None)
-        if "max_completion_tokens" in overrides:
-            overrides["max_tokens"] = overrides.pop("max_completion_tokens")
-        if "logit_bias" in overrides:
-            try:
-                overrides["logit_bias"] = {int(k): v for k, v in overrides["logit_bias"].items()}
-            except ValueError:
-                raise ParameterError(
-                    "invalid_parameter",
-                    "logit_bias",
-                    "parameter 'logit_bias' must map token ids (integers as strings) to biases",
-                ) from None
-        top_logprobs = overrides.pop("top_logprobs", None)
-        if "logprobs" in overrides:
-            logprobs = overrides.pop("logprobs")
-            if isinstance(logprobs, bool):  # chat: logprobs true + top_logprobs k
-                if logprobs:
-                    overrides["logprobs"] = top_logprobs or 0
-            else:  # completions: logprobs k
-                overrides["logprobs"] = logprobs
-        elif top_logprobs is not None:
-            raise ParameterError(
-                "invalid_parameter",
-                "top_logprobs",
-                "parameter 'top_logprobs' needs 'logprobs': true",
-            )
+        overrides = _vllm_overrides(typed)
         kwargs.update(overrides)
         self._check_fan_out(int(kwargs.get("n") or 1), kwargs.get("logprobs"), given)
         if typed.structured_outputs is not None:
@@ -335,18 +307,7 @@ class RequestBuilder:
                 )
             constraint = _constraint_of(typed.response_format, default=constraint)
         if constraint is not None:
-            refused = pattern_problem(constraint)
-            if refused is not None:
-                key = next(
-                    (k for k in ("response_format", "structured_outputs") if k in given),
-                    "structured_outputs",
-                )
-                raise ParameterError(
-                    "invalid_parameter",
-                    key,
-                    f"parameter {key!r} holds the pattern {cap_message(refused[0], 200)!r}, "
-                    f"which the output check cannot compile: {refused[1]}",
-                )
+            _check_patterns(constraint, given)
             try:
                 kwargs["structured_outputs"] = StructuredOutputsParams(
                     **constraint.to_vllm_kwargs()
@@ -388,6 +349,57 @@ class RequestBuilder:
                 f"n x {key} is {n} x {logprobs} = {fan_out}, more than the "
                 f"{limits.max_n_logprobs} allowed here (limits.max_n_logprobs)",
             )
+
+
+def _vllm_overrides(typed: GenerationParams) -> dict[str, Any]:
+    """A row's generation keys under vLLM's names (structured outputs apart)."""
+    overrides = typed.model_dump(
+        exclude_none=True, exclude={"response_format", "structured_outputs"}
+    )
+    overrides.pop("stream", None)
+    if "max_completion_tokens" in overrides:
+        overrides["max_tokens"] = overrides.pop("max_completion_tokens")
+    if "logit_bias" in overrides:
+        try:
+            overrides["logit_bias"] = {int(k): v for k, v in overrides["logit_bias"].items()}
+        except ValueError:
+            raise ParameterError(
+                "invalid_parameter",
+                "logit_bias",
+                "parameter 'logit_bias' must map token ids (integers as strings) to biases",
+            ) from None
+    top_logprobs = overrides.pop("top_logprobs", None)
+    if "logprobs" in overrides:
+        logprobs = overrides.pop("logprobs")
+        if isinstance(logprobs, bool):  # chat: logprobs true + top_logprobs k
+            if logprobs:
+                overrides["logprobs"] = top_logprobs or 0
+        else:  # completions: logprobs k
+            overrides["logprobs"] = logprobs
+    elif top_logprobs is not None:
+        raise ParameterError(
+            "invalid_parameter",
+            "top_logprobs",
+            "parameter 'top_logprobs' needs 'logprobs': true",
+        )
+    return overrides
+
+
+def _check_patterns(constraint: StructuredOutputs, given: set[str]) -> None:
+    """Refuse a constraint holding a pattern the output check cannot compile."""
+    refused = pattern_problem(constraint)
+    if refused is None:
+        return
+    key = next(
+        (k for k in ("response_format", "structured_outputs") if k in given),
+        "structured_outputs",
+    )
+    raise ParameterError(
+        "invalid_parameter",
+        key,
+        f"parameter {key!r} holds the pattern {cap_message(refused[0], 200)!r}, "
+        f"which the output check cannot compile: {refused[1]}",
+    )
 
 
 def _check_numbers(key: str, value: Any) -> None:
