@@ -250,6 +250,14 @@ def _response_body(
             ],
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
         }
+    return _generation_body(task, model, rid, created, row)
+
+
+def _generation_body(
+    task: str, model: str, rid: str, created: int, row: dict[str, Any]
+) -> dict[str, Any]:
+    """A chat completion or a text completion, with every choice of the row."""
+    prompt_tokens = row["prompt_tokens"]
     generated = row.get("generated_tokens", 0)
     usage = oa.Usage(
         prompt_tokens=prompt_tokens,
