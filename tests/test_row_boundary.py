@@ -391,3 +391,60 @@ def test_a_losing_racer_touches_no_file_the_winner_owns(tmp_path):
     assert files["parquet"].endswith(f"errors-{where.spec_hash}-w1.parquet")
     assert files["openai_jsonl"].endswith(f"errors-{where.spec_hash}-w1.jsonl")
     assert filesystem_for(files["parquet"])[0] is not None
+
+
+# ------------------------------------------------------------------ memory
+
+MEMORY_PROBE = """
+import json, resource, sys
+from transformers import AutoTokenizer
+from dagster_gpuinfer import InferenceSpec
+from dagster_gpuinfer.worker.readers import ShardReader
+from dagster_gpuinfer.worker.request_params import RequestBuilder
+from dagster_gpuinfer.worker.validate import RowValidator
+
+root, model = sys.argv[1], sys.argv[2]
+spec = InferenceSpec.model_validate({
+    "model": "/m", "task": "chat",
+    "input": {"uri": root + "/{partition_key}.jsonl", "format": "openai_batch"},
+    "output": {"root": root + "/out", "asset_name": "a"},
+})
+validator = RowValidator(
+    task="chat", tokenizer=AutoTokenizer.from_pretrained(model), max_model_len=256,
+    requests=RequestBuilder(task="chat", defaults={}, limits=spec.limits),
+)
+errors = {}
+for chunk in ShardReader(spec, "s").chunks(4):
+    for error in validator.validate(chunk).errors:
+        errors[error.id] = error.error_type
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"errors": errors, "peak": peak}))
+"""
+
+
+def test_size_and_fan_out_lines_keep_the_worker_under_3_gib(tmp_path, tiny_llama_dir):
+    import subprocess
+    import sys
+
+    def line(custom_id, content, **body):
+        messages = [{"role": "user", "content": content}]
+        return json.dumps(chat_line(custom_id, messages=messages, **body)).encode()
+
+    with open(tmp_path / "s.jsonl", "wb") as shard:
+        shard.write(line("huge-line", "a b " * 12_500_000) + b"\n")  # 50 MB
+        shard.write(line("long-prompt", "word " * 1_500_000) + b"\n")  # 7.5 MB, one prompt
+        shard.write(line("fan-out", "hi", n=300, logprobs=True, top_logprobs=20) + b"\n")
+    done = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, str(tmp_path), tiny_llama_dir],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["errors"] == {
+        "huge-line": "line_too_long",
+        "long-prompt": "prompt_too_long",
+        "fan-out": "invalid_parameter",
+    }
+    assert report["peak"] < 3 * 2**30, f"peak RSS {report['peak'] / 2**30:.2f} GiB"

@@ -284,12 +284,6 @@ class RequestBuilder:
         return request
 
     def _generation_request(self, typed: GenerationParams, given: set[str]) -> RowRequest:
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.exceptions import VLLMError
-        from vllm.sampling_params import StructuredOutputsParams
-
-        rejected = (ValueError, TypeError, VLLMError)
-
         kwargs = dict(self.defaults)
         kwargs.pop("structured_outputs", None)
         constraint = self.default_constraint
@@ -308,6 +302,13 @@ class RequestBuilder:
             constraint = _constraint_of(typed.response_format, default=constraint)
         if constraint is not None:
             _check_patterns(constraint, given)
+        # vLLM judges the rest (imported only now: the bounds above need no vLLM).
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.exceptions import VLLMError
+        from vllm.sampling_params import StructuredOutputsParams
+
+        rejected = (ValueError, TypeError, VLLMError)
+        if constraint is not None:
             try:
                 kwargs["structured_outputs"] = StructuredOutputsParams(
                     **constraint.to_vllm_kwargs()
