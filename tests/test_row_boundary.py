@@ -431,7 +431,7 @@ def test_size_and_fan_out_lines_keep_the_worker_under_3_gib(tmp_path, tiny_llama
         return json.dumps(chat_line(custom_id, messages=messages, **body)).encode()
 
     with open(tmp_path / "s.jsonl", "wb") as shard:
-        shard.write(line("huge-line", "a b " * 12_500_000) + b"\n")  # 50 MB
+        shard.write(line("huge-line", "a b " * 5_000_000) + b"\n")  # 20 MB
         shard.write(line("long-prompt", "word " * 1_500_000) + b"\n")  # 7.5 MB, one prompt
         shard.write(line("fan-out", "hi", n=300, logprobs=True, top_logprobs=20) + b"\n")
     done = subprocess.run(
