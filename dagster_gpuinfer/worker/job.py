@@ -39,7 +39,11 @@ from dagster_gpuinfer.storage import Manifest, committed_manifest
 from dagster_gpuinfer.worker.coordinator import RunCoordinator
 from dagster_gpuinfer.worker.engine import InferenceEngine, check_model_dir
 from dagster_gpuinfer.worker.errors import Drained, ShardError, SpecError, WorkerError
-from dagster_gpuinfer.worker.lifecycle import draining, install_signal_handlers
+from dagster_gpuinfer.worker.lifecycle import (
+    children_die_with_this_process,
+    draining,
+    install_signal_handlers,
+)
 from dagster_gpuinfer.worker.metrics import start_worker_metrics
 from dagster_gpuinfer.worker.readers import ShardReader
 from dagster_gpuinfer.worker.stream import WorkChunk, serve_chunks
@@ -446,6 +450,7 @@ def replica_main(spec_json: str, index: int, env: dict[str, str], tasks: Any, re
     """Body of one replica process: pin devices, build one engine, serve chunks until done."""
     os.environ.update(env)
     install_signal_handlers()  # the parent forwards its SIGTERM: drain this engine
+    children_die_with_this_process()  # this replica's engine dies with it
     logging.basicConfig(level=logging.INFO, format=f"[replica {index}] %(message)s")
     spec = InferenceSpec.model_validate_json(spec_json)
     metrics = start_worker_metrics(asset=spec.output.asset_name, process=f"replica-{index}")

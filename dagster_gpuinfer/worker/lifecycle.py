@@ -65,12 +65,22 @@ os.execv({python!r}, [{python!r}, *args])
 """
 
 
+_forking_parent = [0]
+
+
+def _remember_parent() -> None:
+    _forking_parent[0] = os.getpid()
+
+
 def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux; else nothing)."""
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux; else nothing).
+    A forked child whose parent died before the signal was armed exits at once."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
-        pass
+        return
+    if _forking_parent[0] and os.getppid() != _forking_parent[0]:
+        os._exit(1)
 
 
 def children_die_with_this_process() -> None:
@@ -84,7 +94,7 @@ def children_die_with_this_process() -> None:
         handle.write(f"#!{sys.executable}\n" + LAUNCHER.format(python=sys.executable))
     os.chmod(launcher, 0o755)
     multiprocessing.spawn.set_executable(launcher)
-    os.register_at_fork(after_in_child=die_with_parent)
+    os.register_at_fork(before=_remember_parent, after_in_child=die_with_parent)
 
 
 # --------------------------------------------------------------------------- engine death
@@ -155,17 +165,30 @@ def _exit_code(process: Any) -> str:
 
 
 def engine_processes_started_by(build: Callable[[], Any]) -> tuple[Any, list[Any]]:
-    """Run `build` (an engine constructor); return its result and the processes it started."""
+    """Run `build` (an engine constructor); return its result and the engine processes it
+    started: this process's new direct children that are vLLM's (`VLLM::EngineCore`, by
+    their title) or, where no title was set, spawned interpreters. Grandchildren (tensor
+    parallel workers, compile workers that come and go) are the engine process's to watch:
+    vLLM's engine process exits when one of its workers dies."""
     import psutil
 
     me = psutil.Process()
-    before = {p.pid for p in me.children(recursive=True)}
+    before = {p.pid for p in me.children()}
     built = build()
     from multiprocessing import resource_tracker
 
     tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    started = [p for p in me.children(recursive=True) if p.pid not in before and p.pid != tracker]
-    return built, started
+    started = [p for p in me.children() if p.pid not in before and p.pid != tracker]
+    titled = [p for p in started if "VLLM" in _title(p) or "EngineCore" in _title(p)]
+    spawned = [p for p in started if "spawn_main" in " ".join(_cmdline(p))]
+    return built, titled or spawned
+
+
+def _cmdline(process: Any) -> list[str]:
+    try:
+        return process.cmdline()
+    except Exception:
+        return []
 
 
 def engine_died(message: str) -> None:
