@@ -448,3 +448,25 @@ def test_size_and_fan_out_lines_keep_the_worker_under_3_gib(tmp_path, tiny_llama
         "fan-out": "invalid_parameter",
     }
     assert report["peak"] < 3 * 2**30, f"peak RSS {report['peak'] / 2**30:.2f} GiB"
+
+
+def test_a_pipeline_sets_its_own_limits(tmp_path):
+    import dagster as dg
+
+    from dagster_gpuinfer import InputSpec, RowLimits, inference_assets
+
+    pipeline = inference_assets(
+        name="wide",
+        model="/m",
+        task="chat",
+        input=InputSpec(uri=str(tmp_path / "{partition_key}.jsonl"), format="openai_batch"),
+        output_root=str(tmp_path / "out"),
+        partitions_def=dg.StaticPartitionsDefinition(["p"]),
+        limits=RowLimits(max_n=64, max_line_bytes=1 << 30),
+    )
+    spec = InferenceSpec.model_validate(pipeline.spec)
+    assert (spec.limits.max_n, spec.limits.max_line_bytes) == (64, 1 << 30)
+    assert (
+        spec.spec_hash()
+        != InferenceSpec.model_validate({**pipeline.spec, "limits": {}}).spec_hash()
+    )
