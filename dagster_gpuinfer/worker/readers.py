@@ -323,19 +323,32 @@ class ShardReader:
                     yield line
 
     def _all_lines(self) -> Iterator[bytes]:
+        """The file's non-blank lines. A line longer than `limits.max_line_bytes` is cut to
+        its first `max_line_bytes + 1` bytes while it is read (the rest is skipped, never
+        held), so however long a line is, memory holds at most the limit of it."""
+        keep = self.spec.limits.max_line_bytes + 1
         with self.fs.open_input_stream(self.path) as stream:
-            rest = b""
+            rest: list[bytes] = []  # the pieces of the line read so far
+            held = 0
             while True:
                 block = stream.read(1 << 20)
                 if not block:
                     break
-                lines = (rest + block).split(b"\n")
-                rest = lines.pop()
+                lines = block.split(b"\n")
+                last = lines.pop()
                 for line in lines:
+                    if rest:
+                        line = b"".join(rest) + line[: keep - held]
+                        rest, held = [], 0
+                    line = line[:keep]
                     if line.strip():
                         yield line
-            if rest.strip():
-                yield rest
+                if held < keep and last:
+                    rest.append(last[: keep - held])
+                    held += len(rest[-1])
+            line = b"".join(rest)
+            if line.strip():
+                yield line
 
     def _jsonl_chunks(self, chunk_size: int) -> Iterator[RawChunk]:
         chunk = RawChunk(index=0, source=self.source)
@@ -377,8 +390,8 @@ class ShardReader:
                 self.source,
                 row,
                 "line_too_long",
-                f"{self.source} line {row + 1}: {len(line)} bytes, more than "
-                f"limits.max_line_bytes={limits.max_line_bytes}; shorten the line or raise "
+                f"{self.source} line {row + 1}: more than "
+                f"limits.max_line_bytes={limits.max_line_bytes} bytes; shorten the line or raise "
                 "the pipeline's limits.max_line_bytes; the row was quarantined",
             )
         try:
