@@ -121,11 +121,14 @@ def test_json_is_compact_by_default_with_an_opt_out():
     def config(s):
         return with_compact_json(s, engine_kwargs(s)).get("structured_outputs_config")
 
-    assert config(spec()) == {"disable_any_whitespace": True}
-    assert config(spec({"structured_outputs_config": {"backend": "xgrammar"}})) == {
+    # vLLM takes disable_any_whitespace only with the xgrammar or guidance backend.
+    assert config(spec()) == {"backend": "xgrammar", "disable_any_whitespace": True}
+    assert config(spec({"structured_outputs_config": {"backend": "guidance"}})) == {
+        "backend": "guidance",
         "disable_any_whitespace": True,
-        "backend": "xgrammar",
     }
     opted_out = spec({"structured_outputs_config": {"disable_any_whitespace": False}})
     assert config(opted_out) == {"disable_any_whitespace": False}
+    other = spec({"structured_outputs_config": {"backend": "outlines"}})
+    assert config(other) == {"backend": "outlines"}
     assert config(spec(task="embed")) is None

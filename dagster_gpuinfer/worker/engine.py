@@ -129,16 +129,22 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
 def with_compact_json(spec: InferenceSpec, kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` with structured JSON outputs compact by default (vLLM's
     `disable_any_whitespace`, an engine setting): with vLLM's default grammar a weak model
-    pads an object with whitespace until `max_tokens`. Opt out with engine.extra
-    `structured_outputs_config={"disable_any_whitespace": False}`."""
+    pads an object with whitespace until `max_tokens`. vLLM takes the setting only with the
+    xgrammar or guidance backend, so the default is xgrammar (a row asking for what xgrammar
+    cannot do is refused for that row at parameter time). Opt out with engine.extra
+    `structured_outputs_config={"disable_any_whitespace": False}` (or another backend)."""
     if spec.task in POOLING_TASKS:
         return kwargs
     config = kwargs.get("structured_outputs_config")
     if config is None:
-        return {**kwargs, "structured_outputs_config": {"disable_any_whitespace": True}}
-    if isinstance(config, dict):
-        return {**kwargs, "structured_outputs_config": {"disable_any_whitespace": True, **config}}
-    return kwargs
+        config = {}
+    if not isinstance(config, dict) or "disable_any_whitespace" in config:
+        return kwargs
+    backend = config.get("backend", "xgrammar")
+    if backend not in ("xgrammar", "guidance"):
+        return kwargs
+    compact = {**config, "backend": backend, "disable_any_whitespace": True}
+    return {**kwargs, "structured_outputs_config": compact}
 
 
 def prefix_order(token_ids: list[list[int]]) -> list[int]:
