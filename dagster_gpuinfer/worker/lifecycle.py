@@ -17,7 +17,7 @@
   commit, and the worker exits with `EXIT_DRAINED` and a message saying what was committed;
   if the drain takes longer than `DRAIN_GRACE_ENV` seconds (default 60; the pod's
   `terminationGracePeriodSeconds` leaves room for it), the worker kills its engines and
-  exits at once. A second SIGTERM (or SIGINT) exits at once too. The handler is installed
+  exits at once. A second SIGTERM exits at once too. The handler is installed
   explicitly, so it also works when the worker is PID 1 in its container (where a signal
   without a handler is ignored).
 """
@@ -230,7 +230,8 @@ def drain_grace_seconds() -> float:
 
 
 def install_signal_handlers() -> None:
-    """SIGTERM: drain (a second one: exit now). SIGINT: exit now. Main thread only."""
+    """SIGTERM: drain (a second one: exit now). Main thread only; SIGINT keeps Python's
+    KeyboardInterrupt."""
     signal.signal(signal.SIGTERM, _on_sigterm)
 
 
