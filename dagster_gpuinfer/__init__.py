@@ -42,6 +42,8 @@ _EXPORTS = {
     "Manifest": "dagster_gpuinfer.storage",
     "read_partition": "dagster_gpuinfer.storage",
     "read_errors": "dagster_gpuinfer.storage",
+    "partition_error_files": "dagster_gpuinfer.storage",
+    "RowLimits": "dagster_gpuinfer.spec",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -73,9 +75,11 @@ if TYPE_CHECKING:
     from dagster_gpuinfer.spec import InferenceSpec as InferenceSpec
     from dagster_gpuinfer.spec import InputSpec as InputSpec
     from dagster_gpuinfer.spec import OutputSpec as OutputSpec
+    from dagster_gpuinfer.spec import RowLimits as RowLimits
     from dagster_gpuinfer.spec import SamplingParams as SamplingParams
     from dagster_gpuinfer.spec import StorageOptions as StorageOptions
     from dagster_gpuinfer.storage import Manifest as Manifest
+    from dagster_gpuinfer.storage import partition_error_files as partition_error_files
     from dagster_gpuinfer.storage import read_errors as read_errors
     from dagster_gpuinfer.storage import read_partition as read_partition
 

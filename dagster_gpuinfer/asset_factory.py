@@ -140,6 +140,7 @@ def inference_assets(
     chunk_size: int = 512,
     max_requests_in_flight: int | None = None,
     group_prefixes: bool = True,
+    limits: Mapping[str, Any] | Any | None = None,
     max_error_rate: float = 0.10,
     max_invalid_output_rate: float = 0.0,
     backfill_policy: dg.BackfillPolicy | None = None,
@@ -170,6 +171,8 @@ def inference_assets(
         max_requests_in_flight: Requests each engine keeps in flight across chunks and
             shards; default 2 x the engine's `max_num_seqs` (for experts).
         group_prefixes: Submit generation rows grouped by shared prompt prefix.
+        limits: Bounds on one row (`RowLimits`: line bytes, prompt characters, JSON depth,
+            `n`, `n` x `top_logprobs`); a row past one is quarantined. Default: RowLimits().
         max_error_rate: Quarantined share of rows above which the error-rate check fails.
         max_invalid_output_rate: generate/chat: share of outputs failing their structured-output
             constraint above which the `valid_structured_output` check fails.
@@ -211,6 +214,8 @@ def inference_assets(
         raw_spec["max_requests_in_flight"] = max_requests_in_flight
     if not group_prefixes:
         raw_spec["group_prefixes"] = False
+    if limits is not None:
+        raw_spec["limits"] = as_dict(limits)
     validate_spec(raw_spec, where=f"asset {name!r}")
 
     prefix = [key_prefix] if isinstance(key_prefix, str) else list(key_prefix or [])

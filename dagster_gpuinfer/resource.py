@@ -25,7 +25,7 @@ from dagster_gpuinfer.messages import (
     parse_message,
 )
 from dagster_gpuinfer.run_metrics import metrics_env, push_run_metrics
-from dagster_gpuinfer.secrets import ENV_REFERENCES_VARIABLE
+from dagster_gpuinfer.secrets import ENV_REFERENCES_VARIABLE, validation_problems
 from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
 from dagster_gpuinfer.storage import Manifest, committed_manifest
 
@@ -65,13 +65,7 @@ def validate_spec(raw: Mapping[str, Any], *, where: str) -> InferenceSpec:
     try:
         return InferenceSpec.model_validate(raw)
     except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            location = ".".join(str(part) for part in error["loc"]) or "spec"
-            problem = f"{location}: {error['msg']}"
-            if error.get("type") not in ("missing",) and "input" in error:
-                problem += f" (got {error['input']!r})"
-            problems.append(problem)
+        problems = validation_problems(exc)  # a refused credential is never echoed
         raise InvalidInferenceSpec(
             f"invalid inference spec for {where}: " + "; ".join(problems)
         ) from None

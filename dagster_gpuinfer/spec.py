@@ -68,7 +68,10 @@ def _refuse_secrets(options: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # A refused value is never echoed by pydantic's message (`input_value=...`): it may be
+    # a credential, and these messages reach Pipes, Dagster's event log and stderr.
+    # `secrets.validation_problems` says what is wrong, with the value where it is safe.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
 class EngineArgs(_Strict):
@@ -163,9 +166,10 @@ class StructuredOutputs(_Strict):
     choice of strings (exactly one of them).
 
     `json` takes a JSON schema (a dict or its JSON text) or a pydantic model class, whose
-    `model_json_schema()` is used; `json_object=True` asks for any JSON object. Whitespace
-    inside JSON is an engine setting in vLLM, not a request one: set
-    `EngineArgs(extra={"structured_outputs_config": {"disable_any_whitespace": True}})`.
+    `model_json_schema()` is used; `json_object=True` asks for any JSON object. JSON is
+    compact by default (the worker sets vLLM's `disable_any_whitespace`, an engine setting);
+    to allow whitespace set
+    `EngineArgs(extra={"structured_outputs_config": {"disable_any_whitespace": False}})`.
     """
 
     json_schema: dict[str, Any] | None = Field(
@@ -177,7 +181,9 @@ class StructuredOutputs(_Strict):
     choice: list[str] | None = Field(None, description="The output must be one of these strings.")
     json_object: bool | None = Field(None, description="The output must be a JSON object.")
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, populate_by_name=True, hide_input_in_errors=True
+    )
 
     @field_validator("json_schema", mode="before")
     @classmethod
@@ -384,6 +390,43 @@ class OutputSpec(_Strict):
     )
 
 
+class RowLimits(_Strict):
+    """Bounds on one row, checked before the row costs anything (parsing it whole,
+    tokenizing it, generating for it): a row past one is quarantined with the limit named.
+
+    The defaults hold a worker's memory to about a chunk of ordinary rows whatever a line
+    asks for; a pipeline that needs more sets its own (`InferenceSpec.limits`).
+    """
+
+    max_line_bytes: int = Field(
+        8 << 20,
+        ge=1,
+        description="Bytes of one JSONL / OpenAI batch line, read before it is parsed "
+        "(quarantined as `line_too_long`).",
+    )
+    max_prompt_chars: int = Field(
+        1_000_000,
+        ge=1,
+        description="Characters of one prompt (a chat's message contents together), counted "
+        "before tokenizing (quarantined as `prompt_too_long`).",
+    )
+    max_json_depth: int = Field(
+        64,
+        ge=2,
+        description="Nesting depth of a line's JSON and of a row's parameters (quarantined as "
+        "`too_deep`).",
+    )
+    max_n: int = Field(
+        16, ge=1, description="Most completions one row may ask for (`n`, vLLM takes 16,384)."
+    )
+    max_n_logprobs: int = Field(
+        320,
+        ge=0,
+        description="Most `n` x `top_logprobs` (alternatives listed per generated position, "
+        "over all of a row's completions).",
+    )
+
+
 class InferenceSpec(_Strict):
     """Everything one worker needs to turn input shards into committed outputs.
 
@@ -424,6 +467,11 @@ class InferenceSpec(_Strict):
         True,
         description="Submit generation requests grouped by shared prompt prefix across the "
         "read-ahead (feeds vLLM's prefix cache); outputs stay keyed by row.",
+    )
+    limits: RowLimits = Field(
+        default_factory=RowLimits,
+        description="Bounds on one row (line bytes, prompt characters, JSON depth, `n`, "
+        "`n` x `top_logprobs`); a row past one is quarantined.",
     )
 
     # Fields that change how the work is scheduled but not its results: left out of the
@@ -467,6 +515,18 @@ class InferenceSpec(_Strict):
                 )
         if self.task in POOLING_TASKS and self.sampling != SamplingParams():
             raise ValueError(f"sampling parameters are set but task {self.task!r} does not sample")
+        if self.sampling.n > self.limits.max_n:
+            raise ValueError(
+                f"sampling.n={self.sampling.n} is more than limits.max_n={self.limits.max_n}; "
+                "lower n or raise limits.max_n"
+            )
+        fan_out = self.sampling.n * (self.sampling.logprobs or 0)
+        if fan_out > self.limits.max_n_logprobs:
+            raise ValueError(
+                f"sampling.n x sampling.logprobs = {fan_out} is more than "
+                f"limits.max_n_logprobs={self.limits.max_n_logprobs}; lower them or raise "
+                "limits.max_n_logprobs"
+            )
         return self
 
     def spec_hash(self) -> str:
@@ -476,6 +536,8 @@ class InferenceSpec(_Strict):
         retry with fewer sequences or another replica count resumes committed work.
         """
         payload = self.model_dump(mode="json", exclude=set(self.SCHEDULING_ONLY))
+        if self.limits == RowLimits():  # the defaults: hashes of earlier specs stay valid
+            payload.pop("limits")
         for name in EngineArgs.PERFORMANCE_ONLY:
             payload["engine"].pop(name, None)
         payload["model"] = os.path.normpath(self.model) if _looks_local(self.model) else self.model

@@ -7,12 +7,18 @@ Layout of one output partition::
 
     <root>/<asset>/<partition dir>/
         part-<spec hash>-<chunk>-<attempt>.parquet   one file per committed chunk
-        errors.parquet                               quarantined rows, with a reason
+        errors-<spec hash>-<attempt>.parquet         quarantined rows, with a reason
+        errors-<spec hash>-<attempt>.jsonl           the same as OpenAI error lines
+                                                     (openai_batch output only)
         _SUCCESS                                     the manifest, written last
         _chunks/<spec hash>/<chunk>.json             chunk markers (deleted at commit)
         _chunks/<spec hash>/errors-<chunk>-<attempt>.parquet
 
-A partition is done only when `_SUCCESS` exists and names the current spec hash. Every file
+A partition is done only when `_SUCCESS` exists and names the current spec hash. The
+manifest names its error files (`partition_error_files` finds them): they carry the
+committing attempt in their name, so a worker that loses a commit race never overwrites a
+file the winner's manifest names. (Partitions committed before that used the fixed names
+`errors.parquet` / `errors.jsonl`; their manifests name those.) Every file
 is written under a temporary name and renamed (local disk) or written in one PUT (S3), so a
 reader never sees half a file, and the manifest is the one source of which files count.
 """
@@ -39,9 +45,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from dagster_gpuinfer.spec import InferenceSpec, OutputSpec, StorageOptions
 
 MANIFEST_NAME = "_SUCCESS"
+# The error files' names before they carried the attempt (still read through old manifests);
+# ERRORS_NAME is also the placeholder name of a manifest's errors entry before its commit.
 ERRORS_NAME = "errors.parquet"
 # With output_format="openai_batch": the quarantined rows again, as OpenAI error lines.
 OPENAI_ERRORS_NAME = "errors.jsonl"
+
+
+def error_file_names(spec_hash: str, attempt: str) -> tuple[str, str]:
+    """The names of a commit's error files: (Parquet, OpenAI JSONL), unique to the attempt."""
+    return f"errors-{spec_hash}-{attempt}.parquet", f"errors-{spec_hash}-{attempt}.jsonl"
+
+
 CHUNKS_DIR = "_chunks"
 MANIFEST_VERSION = 1
 
@@ -522,10 +537,12 @@ def commit_partition(
     error_tables: list[pa.Table],
     storage: StorageOptions | None = None,
     openai_errors: bytes | None = None,
+    attempt: str | None = None,
 ) -> Manifest:
-    """Write `errors.parquet` (and `errors.jsonl` when `openai_errors` is given: the same
-    rows as OpenAI Batch error lines), then the manifest (the commit point), then clear
-    leftovers.
+    """Write the error files (`errors-<spec hash>-<attempt>.parquet`, and the `.jsonl` of
+    OpenAI Batch error lines when `openai_errors` is given), then the manifest naming them
+    (the commit point), then clear leftovers. `attempt` names this commit's files (default:
+    a fresh one); a losing racer's files never replace the winner's.
 
     The manifest is created exclusively: of two workers racing on one partition exactly one
     commits, and the other gets `CommitConflict` with the winner's manifest. A manifest of an
@@ -538,13 +555,14 @@ def commit_partition(
         CommitConflict: another worker committed the partition for the same spec first.
     """
     errors = pa.concat_tables(error_tables) if error_tables else ERRORS_SCHEMA.empty_table()
+    parquet_name, jsonl_name = error_file_names(manifest.spec_hash, attempt or uuid.uuid4().hex[:8])
     errors_entry = write_file_entry(
-        fs, partition_path, ERRORS_NAME, table_to_parquet_bytes(errors), errors.num_rows
+        fs, partition_path, parquet_name, table_to_parquet_bytes(errors), errors.num_rows
     )
     update: dict[str, Any] = {"errors": errors_entry}
     if openai_errors is not None:
         update["openai_errors"] = write_file_entry(
-            fs, partition_path, OPENAI_ERRORS_NAME, openai_errors, errors.num_rows
+            fs, partition_path, jsonl_name, openai_errors, errors.num_rows
         )
     manifest = manifest.model_copy(update=update)
     data = manifest.model_dump_json(indent=2).encode()
@@ -562,7 +580,7 @@ def commit_partition(
         if existing is not None and existing.spec_hash == manifest.spec_hash:
             raise CommitConflict(existing)
         raise OSError(f"could not create {display_uri(fs, target)}: it keeps reappearing")
-    keep = {MANIFEST_NAME, ERRORS_NAME, *(part.name for part in manifest.parts)}
+    keep = {MANIFEST_NAME, manifest.errors.name, *(part.name for part in manifest.parts)}
     if manifest.openai_errors is not None:
         keep.add(manifest.openai_errors.name)
     stale = [
@@ -592,14 +610,14 @@ def verify_manifest(fs: pafs.FileSystem, partition_path: str, manifest: Manifest
     errors_path = posixpath.join(partition_path, manifest.errors.name)
     counted_errors = count_rows(fs, errors_path) if exists(fs, errors_path) else -1
     if counted_errors < 0:
-        problems.append("errors.parquet named by the manifest is missing")
+        problems.append(f"{manifest.errors.name} named by the manifest is missing")
     if counted_out != manifest.rows_out:
         problems.append(
             f"output files hold {counted_out} rows, manifest rows_out={manifest.rows_out}"
         )
     if counted_errors >= 0 and counted_errors != manifest.rows_errored:
         problems.append(
-            f"errors.parquet holds {counted_errors} rows, manifest rows_errored="
+            f"{manifest.errors.name} holds {counted_errors} rows, manifest rows_errored="
             f"{manifest.rows_errored}"
         )
     if manifest.openai_errors is not None:
@@ -658,12 +676,37 @@ def read_partition(
     return pa.concat_tables(tables, promote_options="default")
 
 
+def partition_error_files(
+    output: OutputSpec, partition_key: str, storage: StorageOptions | None = None
+) -> dict[str, str]:
+    """The error files of a committed partition, as its manifest names them: `parquet`
+    (every quarantined row, with its reason) and, for openai_batch output, `openai_jsonl`
+    (the same rows as OpenAI Batch error lines: what a batch API serves as the error file).
+    Values are full paths on the output's filesystem.
+
+    Raises:
+        FileNotFoundError: the partition has no manifest (not committed yet).
+    """
+    fs, path = filesystem_for(partition_dir(output, partition_key), storage)
+    manifest = read_manifest(fs, path)
+    if manifest is None:
+        raise FileNotFoundError(
+            f"partition {partition_key!r} of {output.asset_name!r} is not committed: no "
+            f"{MANIFEST_NAME} in {display_uri(fs, path)}; materialize it first"
+        )
+    files = {"parquet": posixpath.join(path, manifest.errors.name)}
+    if manifest.openai_errors is not None:
+        files["openai_jsonl"] = posixpath.join(path, manifest.openai_errors.name)
+    return files
+
+
 def read_errors(
     output: OutputSpec, partition_key: str, storage: StorageOptions | None = None
 ) -> pa.Table:
-    fs, path = filesystem_for(partition_dir(output, partition_key), storage)
-    with fs.open_input_file(posixpath.join(path, ERRORS_NAME)) as handle:
-        return pq.read_table(handle)
+    """The quarantined rows of a committed partition (through its manifest)."""
+    fs, _ = filesystem_for(partition_dir(output, partition_key), storage)
+    with fs.open_input_file(partition_error_files(output, partition_key, storage)["parquet"]) as h:
+        return pq.read_table(h)
 
 
 # --------------------------------------------------------------------------- OpenAI batch files

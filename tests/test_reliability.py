@@ -164,7 +164,7 @@ def test_crash_in_commit_window_leaves_partition_all_or_nothing(tmp_path, crash_
     errors = storage.read_errors(spec.output, "p").column("id").to_pylist()
     assert sorted(errors) == ["bad0", "bad1", "bad2"]
     leftovers = {n for n in os.listdir(where.path) if not n.startswith(".tmp-")}
-    assert leftovers == {"_SUCCESS", "errors.parquet", *(p.name for p in manifest.parts)}
+    assert leftovers == {"_SUCCESS", manifest.errors.name, *(p.name for p in manifest.parts)}
 
 
 # --------------------------------------------------------------------------- SIGKILL
@@ -276,7 +276,7 @@ def test_two_concurrent_runs_of_one_partition_commit_it_exactly_once(tmp_path, t
     assert sorted(chunk_indexes) == [f"{i:05d}" for i in range(20)]
     # Nothing but the committed files remains (once both workers are gone).
     names = {n for n in os.listdir(path) if not n.startswith(".tmp-")}
-    assert names == {"_SUCCESS", "errors.parquet", *(p.name for p in manifest.parts)}
+    assert names == {"_SUCCESS", manifest.errors.name, *(p.name for p in manifest.parts)}
 
 
 # --------------------------------------------------------------------------- instance config

@@ -161,9 +161,14 @@ def test_every_custom_id_is_answered_exactly_once_by_output_or_errors_jsonl(chat
     expected = [line["custom_id"] for line in CHAT_LINES if isinstance(line, dict)]
     assert sorted(a for a in answered if a is not None) == sorted(expected)
     assert len(answered) == len(CHAT_LINES)  # the unparseable line answered with custom_id null
-    for raw in [*chat_run["lines"].values(), *chat_run["errors"]]:
+    for raw in chat_run["errors"]:
         line = BatchOutputLine.model_validate(raw)
-        assert (line.response is None) != (line.error is None)
+        assert line.response is None and line.error is not None
+    for raw in chat_run["lines"].values():
+        line = BatchOutputLine.model_validate(raw)
+        # An output line answers; its error is set only when the output fails its check.
+        assert line.response is not None
+        assert (line.error is None) or line.error.code == "invalid_output"
     for line in chat_run["lines"].values():
         ChatCompletion.model_validate(line["response"]["body"])
     manifest = chat_run["manifest"]
@@ -208,6 +213,10 @@ def test_structured_outputs_per_request_validate_or_are_flagged(chat_run):
     assert set(value) == {"topic", "score"} and 0 <= value["score"] <= 10
     # json_object cut at 3 tokens cannot be a whole object: flagged, counted, checked.
     assert chat_run["manifest"].rows_invalid_output == 1
+    # ... and visible on its own output line, beside the response.
+    flagged = [cid for cid, line in chat_run["lines"].items() if line["error"] is not None]
+    assert len(flagged) == 1
+    assert chat_run["lines"][flagged[0]]["error"]["code"] == "invalid_output"
     check = check_results(chat_run["result"])["valid_structured_output"]
     assert not check.passed
     assert check.metadata["rows_invalid_output"].value == 1

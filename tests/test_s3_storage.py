@@ -111,14 +111,17 @@ def test_committed_partition_on_s3_reads_back_with_boto3_and_through_its_manifes
     keys = s3_server.keys(bucket, "out/")
     prefix = "out/vectors/day%2F1/"  # "/" in a key never adds a folder level
     files = sorted(k[len(prefix) :] for k in keys if not k.endswith("/"))
-    assert files == ["_SUCCESS", "errors.parquet", f"part-{spec.spec_hash()}-00000.parquet"]
+    manifest = Manifest.model_validate_json(s3_server.read(bucket, prefix + "_SUCCESS"))
+    assert files == sorted(
+        ["_SUCCESS", manifest.errors.name, f"part-{spec.spec_hash()}-00000.parquet"]
+    )
     assert not [k for k in keys if "_chunks/" in k or ".tmp-" in k]
 
     manifest = Manifest.model_validate_json(s3_server.read(bucket, prefix + "_SUCCESS"))
     assert (manifest.rows_in, manifest.rows_out, manifest.rows_errored) == (4, 3, 1)
     part = pq.read_table(io.BytesIO(s3_server.read(bucket, prefix + manifest.parts[0].name)))
     assert part.column("id").to_pylist() == ["a", "b", "c"]
-    errors = pq.read_table(io.BytesIO(s3_server.read(bucket, prefix + "errors.parquet")))
+    errors = pq.read_table(io.BytesIO(s3_server.read(bucket, prefix + manifest.errors.name)))
     assert errors.column("error_type").to_pylist() == ["empty"]
 
     assert read_partition(spec.output, "day/1", storage).column("id").to_pylist() == ["a", "b", "c"]

@@ -237,7 +237,9 @@ def test_outputs_and_manifests_read_back_from_s3_with_boto3(flow, s3_server):
             embedding = table.schema.field("embedding").type
             assert pa.types.is_fixed_size_list(embedding) and embedding.list_size == 384
             assert embedding.value_type == pa.float32()
-        errors = pq.read_table(io.BytesIO(s3_server.read(flow.bucket, prefix + "errors.parquet")))
+        errors = pq.read_table(
+            io.BytesIO(s3_server.read(flow.bucket, prefix + manifest.errors.name))
+        )
         assert errors.num_rows == 0
 
 

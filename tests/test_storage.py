@@ -91,7 +91,10 @@ def test_commit_writes_errors_then_manifest_and_removes_unlisted_files(tmp_path)
     Path(path, "part-oldspec-00000.parquet").write_bytes(b"stale")
     Path(path, ".tmp-dead-part.parquet").write_bytes(b"half")
     _, path, manifest = _committed_partition(tmp_path)
-    assert sorted(os.listdir(path)) == sorted([MANIFEST_NAME, ERRORS_NAME, "part-h-00000.parquet"])
+    assert manifest.errors.name.startswith("errors-h-") and manifest.errors.name != ERRORS_NAME
+    assert sorted(os.listdir(path)) == sorted(
+        [MANIFEST_NAME, manifest.errors.name, "part-h-00000.parquet"]
+    )
     assert read_manifest(fs, path) == manifest
     assert verify_manifest(fs, path, manifest) == []
     assert read_partition(output, "p").column("id").to_pylist() == ["0", "1", "2"]

@@ -729,7 +729,9 @@ def _pod_spec(
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "activeDeadlineSeconds": config.active_deadline_seconds,
-        "terminationGracePeriodSeconds": 60,
+        # SIGTERM drains the worker for up to 60 s (GPUINFER_DRAIN_GRACE_SECONDS,
+        # worker/lifecycle.py); 30 s more for the engine's shutdown and the last Pipes messages.
+        "terminationGracePeriodSeconds": 90,
         "automountServiceAccountToken": security.automount_service_account_token,
         "enableServiceLinks": False,
         "securityContext": {

@@ -16,6 +16,11 @@ extras (`spec`), and progress goes back as Pipes messages (the models in
 
 Without Pipes, `python -m dagster_gpuinfer.worker --spec spec.json` runs the same job and
 prints the same messages as JSON lines (for debugging a spec by hand).
+
+Exit codes besides 0: `lifecycle.EXIT_DRAINED` (143) after a SIGTERM drain (the chunks in
+flight were committed; the Pipes log says so), `lifecycle.EXIT_ENGINE_DIED` (75) when an
+engine process died (the Pipes log names it); both are retryable, and a retry resumes from
+the committed chunks. Engine processes never outlive the worker (`worker/lifecycle.py`).
 """
 
 from __future__ import annotations
@@ -36,10 +41,12 @@ from dagster_gpuinfer.messages import (
     RunFinished,
     to_payload,
 )
+from dagster_gpuinfer.secrets import validation_problems
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest
+from dagster_gpuinfer.worker import lifecycle
 from dagster_gpuinfer.worker.env_references import apply_env_references
-from dagster_gpuinfer.worker.errors import SpecError, WorkerError
+from dagster_gpuinfer.worker.errors import Drained, SpecError, WorkerError, cap_message
 from dagster_gpuinfer.worker.job import run_job
 from dagster_gpuinfer.worker.metrics import MeteredReporter, start_worker_metrics
 
@@ -65,7 +72,11 @@ class MessageReporter:
 
 
 def _error_fields(exc: WorkerError) -> dict[str, Any]:
-    return {"error_type": exc.error_type, "message": str(exc), "partition_key": exc.partition_key}
+    return {
+        "error_type": exc.error_type,
+        "message": cap_message(str(exc)),
+        "partition_key": exc.partition_key,
+    }
 
 
 def parse_spec(raw: Any) -> InferenceSpec:
@@ -74,12 +85,15 @@ def parse_spec(raw: Any) -> InferenceSpec:
     try:
         return InferenceSpec.model_validate(raw)
     except ValidationError as exc:
-        raise SpecError(f"the job spec does not validate: {exc}") from exc
+        # Never `str(exc)`: it would echo a refused value, which may be a credential.
+        problems = "; ".join(validation_problems(exc))
+        raise SpecError(f"the job spec does not validate: {problems}") from None
 
 
 def run(
     raw_spec: Any, reporter: MessageReporter, *, run_id: str = "", retry_number: int = 0
-) -> None:
+) -> int:
+    """Run the job; returns the exit code (0, or `lifecycle.EXIT_DRAINED` after SIGTERM)."""
     metrics = None
     try:
         spec = parse_spec(raw_spec)
@@ -90,9 +104,14 @@ def run(
     except WorkerError as exc:
         logging.getLogger("dagster_gpuinfer.worker").error("%s", exc)
         reporter.fatal(exc)
+    except Drained as exc:
+        logging.getLogger("dagster_gpuinfer.worker").warning("%s", exc)
+        lifecycle.tell(str(exc))
+        return lifecycle.EXIT_DRAINED
     finally:
         if metrics is not None:
             metrics.close()  # the last push: a finished worker cannot be scraped
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,22 +119,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", help="a job spec JSON file, to run without Dagster Pipes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    lifecycle.install_signal_handlers()
+    lifecycle.children_die_with_this_process()
     apply_env_references()
     if args.spec:
         with open(args.spec) as handle:
             raw = json.load(handle)
-        run(raw, MessageReporter(lambda message: print(json.dumps(message), flush=True)))
-        return 0
+        return run(raw, MessageReporter(lambda message: print(json.dumps(message), flush=True)))
     from dagster_pipes import open_dagster_pipes
 
     with open_dagster_pipes() as pipes:
-        run(
+        lifecycle.on_notice(pipes.log.warning)
+        return run(
             pipes.extras.get("spec"),
             MessageReporter(pipes.report_custom_message),
             run_id=pipes.run_id,
             retry_number=pipes.retry_number,
         )
-    return 0
 
 
 def exit_now(code: int, *, grace_seconds: float = 5.0) -> None:

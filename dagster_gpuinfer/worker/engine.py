@@ -19,6 +19,7 @@ from dagster_gpuinfer.out_of_memory import memory_problem
 from dagster_gpuinfer.spec import POOLING_TASKS, InferenceSpec
 from dagster_gpuinfer.worker.completions import choices_of
 from dagster_gpuinfer.worker.errors import SpecError
+from dagster_gpuinfer.worker.lifecycle import EngineWatch, engine_processes_started_by
 from dagster_gpuinfer.worker.metrics import current_metrics
 
 log = logging.getLogger("dagster_gpuinfer.worker")
@@ -29,6 +30,11 @@ LOAD_LOG_ENV = "GPUINFER_MODEL_LOAD_LOG"
 # Seconds the engine process gets to exit at shutdown before it is killed.
 SHUTDOWN_GRACE_ENV = "GPUINFER_ENGINE_SHUTDOWN_GRACE_SECONDS"
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 1.0
+
+
+class RequestRejected(Exception):
+    """The engine refused one request at `submit` (a value its transport cannot carry): that
+    row is quarantined and the others go on. Not raised when the engine itself has died."""
 
 
 @dataclass
@@ -120,6 +126,27 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     return kwargs
 
 
+def with_compact_json(spec: InferenceSpec, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with structured JSON outputs compact by default (vLLM's
+    `disable_any_whitespace`, an engine setting): with vLLM's default grammar a weak model
+    pads an object with whitespace until `max_tokens`. vLLM takes the setting only with the
+    xgrammar or guidance backend, so the default is xgrammar (a row asking for what xgrammar
+    cannot do is refused for that row at parameter time). Opt out with engine.extra
+    `structured_outputs_config={"disable_any_whitespace": False}` (or another backend)."""
+    if spec.task in POOLING_TASKS:
+        return kwargs
+    config = kwargs.get("structured_outputs_config")
+    if config is None:
+        config = {}
+    if not isinstance(config, dict) or "disable_any_whitespace" in config:
+        return kwargs
+    backend = config.get("backend", "xgrammar")
+    if backend not in ("xgrammar", "guidance"):
+        return kwargs
+    compact = {**config, "backend": backend, "disable_any_whitespace": True}
+    return {**kwargs, "structured_outputs_config": compact}
+
+
 def prefix_order(token_ids: list[list[int]]) -> list[int]:
     """Row positions sorted by their token ids, so rows sharing a prompt prefix are adjacent.
 
@@ -153,9 +180,10 @@ class InferenceEngine:
         from vllm.sampling_params import RequestOutputKind
 
         self.spec = spec
-        kwargs = engine_kwargs(spec)
+        kwargs = with_compact_json(spec, engine_kwargs(spec))
+        model = os.path.expanduser(spec.model.removeprefix("file://"))
         try:
-            self.llm = LLM(model=os.path.expanduser(spec.model.removeprefix("file://")), **kwargs)
+            self.llm, processes = engine_processes_started_by(lambda: LLM(model=model, **kwargs))
         except (OSError, ValueError) as exc:
             current_metrics().model_load_failed(exc)
             message = str(exc)
@@ -166,6 +194,8 @@ class InferenceEngine:
                 f"{message.splitlines()[0] if message else type(exc).__name__}"
             ) from exc
         self.load_seconds = time.perf_counter() - started
+        # A dead engine process fails the worker within seconds (never a wait for ever).
+        self.watch = EngineWatch(processes, name=f"model {spec.model!r}").start()
         current_metrics().model_loaded(
             self.load_seconds,
             max_num_seqs=self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
@@ -193,7 +223,10 @@ class InferenceEngine:
             # Only the finished output of each request comes back (as in `LLM.generate`).
             self.default_params.output_kind = RequestOutputKind.FINAL_ONLY
         self._final_only = RequestOutputKind.FINAL_ONLY
-        self._in_flight: set[str] = set()
+        # Sequences in flight by request: a row asking for `n` completions is n sequences to
+        # the engine's batch, so the window counts them, not rows.
+        self._in_flight: dict[str, int] = {}
+        self._sequences = 0
         load_log = os.environ.get(LOAD_LOG_ENV)
         if load_log:
             with open(load_log, "a") as handle:
@@ -208,8 +241,8 @@ class InferenceEngine:
 
     @property
     def in_flight(self) -> int:
-        """Requests submitted and not yet finished."""
-        return len(self._in_flight)
+        """Sequences submitted and not yet finished (a request with `n` > 1 counts n)."""
+        return self._sequences
 
     def submit(self, request_id: str, token_ids: list[int], params: Any = None) -> None:
         """Add one pre-tokenized request to the engine.
@@ -224,8 +257,17 @@ class InferenceEngine:
             params = self.default_params
         elif self.spec.task != "embed":
             params.output_kind = self._final_only
-        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
-        self._in_flight.add(request_id)
+        try:
+            self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
+        except Exception as exc:
+            if type(exc).__name__ == "EngineDeadError":
+                raise
+            raise RequestRejected(
+                f"the engine refused the request ({type(exc).__name__}: {str(exc)[:300]})"
+            ) from exc
+        sequences = max(int(getattr(params, "n", 1) or 1), 1)
+        self._in_flight[request_id] = sequences
+        self._sequences += sequences
 
     def step(self) -> list[tuple[str, Any]]:
         """One engine step; returns `(request_id, output)` for each request that finished
@@ -233,7 +275,7 @@ class InferenceEngine:
         finished = []
         for output in self.llm.llm_engine.step():
             if output.finished:
-                self._in_flight.discard(output.request_id)
+                self._sequences -= self._in_flight.pop(output.request_id, 0)
                 finished.append((output.request_id, output))
         return finished
 
@@ -282,6 +324,7 @@ class InferenceEngine:
         shutdown took the full 5 s, then killed it). Every output is committed by now, so the
         worker gives it `SHUTDOWN_GRACE_ENV` seconds (default 1), then vLLM kills the tree.
         """
+        self.watch.stop()  # the engine's processes now exit on purpose
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             grace = float(os.environ.get(SHUTDOWN_GRACE_ENV, DEFAULT_SHUTDOWN_GRACE_SECONDS))
@@ -307,7 +350,7 @@ def request_builder(spec: InferenceSpec, llm: Any) -> Any:
         )
 
     defaults = spec.sampling.to_vllm_kwargs() if spec.task not in POOLING_TASKS else {}
-    return RequestBuilder(task=spec.task, defaults=defaults, verify=verify)
+    return RequestBuilder(task=spec.task, defaults=defaults, verify=verify, limits=spec.limits)
 
 
 def _is_memory_error(message: str) -> bool:

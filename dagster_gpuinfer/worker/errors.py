@@ -11,6 +11,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The most characters of a message kept in an error file, a Pipes message or a log line: a
+# row's own text (a 100k-entry `logit_bias`, a megabyte of `max_tokens`) never makes a
+# megabyte message.
+MESSAGE_LIMIT = 2000
+
+
+def cap_message(message: str, limit: int = MESSAGE_LIMIT) -> str:
+    """`message`, cut at `limit` characters with "... N more bytes" saying what was cut."""
+    if len(message) <= limit:
+        return message
+    rest = len(message[limit:].encode("utf-8", "replace"))
+    return f"{message[:limit]}... {rest} more bytes"
+
 
 class WorkerError(Exception):
     """An error the user must fix; not retried."""
@@ -18,7 +31,7 @@ class WorkerError(Exception):
     error_type = "worker_error"
 
     def __init__(self, message: str, *, partition_key: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(cap_message(message))
         self.partition_key = partition_key
 
 
@@ -34,6 +47,11 @@ class SpecError(WorkerError):
     error_type = "bad_spec"
 
 
+class Drained(Exception):
+    """SIGTERM stopped the run after its chunks in flight were committed (not the user's to
+    fix, and not a crash of the work: a rerun resumes from the committed chunks)."""
+
+
 @dataclass(frozen=True)
 class RowError:
     """One quarantined input row: which row, why, and what to do."""
@@ -44,6 +62,9 @@ class RowError:
     error_type: str
     message: str
     prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "message", cap_message(self.message))
 
     def as_record(self) -> dict[str, object]:
         return {

@@ -11,6 +11,9 @@ processes, each pinned to its own devices (`CUDA_VISIBLE_DEVICES` slice of
 `tensor_parallel_size` GPUs, or its own CPU cores), and each pulls chunks (not shards) from
 one queue: one large shard keeps every engine busy.
 
+SIGTERM (`worker/lifecycle.py`) drains: no chunk is handed to an engine after it, the
+chunks in flight finish and commit, and the run ends with `Drained`, naming what was left.
+
 The run summary splits the worker's time: `start_seconds` (process start to job start:
 interpreter, imports, Pipes), `load_seconds` (engine build), `inference_seconds` (first
 engine ready to last partition committed) and `shutdown_seconds` (engine shutdown).
@@ -23,6 +26,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -34,7 +38,12 @@ from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest, committed_manifest
 from dagster_gpuinfer.worker.coordinator import RunCoordinator
 from dagster_gpuinfer.worker.engine import InferenceEngine, check_model_dir
-from dagster_gpuinfer.worker.errors import ShardError, SpecError, WorkerError
+from dagster_gpuinfer.worker.errors import Drained, ShardError, SpecError, WorkerError
+from dagster_gpuinfer.worker.lifecycle import (
+    children_die_with_this_process,
+    draining,
+    install_signal_handlers,
+)
 from dagster_gpuinfer.worker.metrics import start_worker_metrics
 from dagster_gpuinfer.worker.readers import ShardReader
 from dagster_gpuinfer.worker.stream import WorkChunk, serve_chunks
@@ -176,13 +185,15 @@ def run_single_engine(
             partition_keys,
             on_committed=on_committed,
             on_failed=on_failed,
-            put=chunks.put,
+            put=admit_unless_draining(chunks.put),
             engines=1,
             max_outstanding=max_outstanding_chunks(spec, 1, engine.window),
         )
         coordinator.start(engine.load_seconds)
         try:
-            serve_chunks(engine, spec, chunks.get, coordinator.chunk_committed)
+            serve_chunks(
+                engine, spec, take_unless_draining(chunks.get), coordinator.chunk_committed
+            )
         finally:
             coordinator.stop()
         coordinator.check()
@@ -192,8 +203,45 @@ def run_single_engine(
         engine.shutdown()
         timing.shutdown_seconds.append(time.perf_counter() - shutdown_started)
     if not coordinator.done():
+        if draining():
+            raise drained_error(partition_keys)
         raise RuntimeError("the engine stopped before every partition of the run was settled")
     return timing
+
+
+def admit_unless_draining(put: Callable[[Any], None]) -> Callable[[Any], None]:
+    """`put` for the coordinator: after a SIGTERM, chunks are no longer handed out (the end
+    markers, None, still are)."""
+
+    def admit(item: Any) -> None:
+        if item is not None and draining():
+            return
+        put(item)
+
+    return admit
+
+
+def take_unless_draining(get: Callable[..., Any]) -> Callable[[], Any]:
+    """`take` for an engine: None (no more work) once a SIGTERM came, else the next chunk."""
+
+    def take() -> Any:
+        while not draining():
+            try:
+                return get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                continue
+        return None
+
+    return take
+
+
+def drained_error(partition_keys: list[str]) -> Drained:
+    return Drained(
+        "the worker stopped after SIGTERM: it admitted no more rows, and the chunks in flight "
+        "finished and were committed; partitions of this run not reported as committed "
+        f"(of {', '.join(partition_keys[:20])}) resume from their committed chunks when the "
+        "run is retried or rerun"
+    )
 
 
 # --------------------------------------------------------------------------- placement
@@ -276,45 +324,20 @@ def run_replicas(
     validate, tokenize, infer and write chunks. A shard that cannot be processed goes to
     `on_failed`; the others go on.
     """
-    device = detect_device()
-    envs = plan_replica_env(
-        replicas=replicas,
-        tensor_parallel_size=spec.tensor_parallel_size,
-        device=device,
-        gpu_ids=visible_gpu_ids() if device == "cuda" else [],
-        cpu_ids=sorted(os.sched_getaffinity(0)),
-    )
-    ctx = mp.get_context("spawn")
-    tasks: Any = ctx.Queue()
-    results: Any = ctx.Queue()
-    spec_json = spec.model_dump_json()
-    processes = [
-        ctx.Process(
-            target=replica_main,
-            args=(spec_json, index, envs[index], tasks, results),
-            name=f"gpuinfer-replica-{index}",
-            daemon=False,  # each replica starts vLLM's own engine process
-        )
-        for index in range(replicas)
-    ]
+    processes, tasks, results = start_replica_processes(spec, replicas)
     coordinator: RunCoordinator | None = None
-    for process in processes:
-        process.start()
     timing = RunTiming()
     finished_replicas = 0
+    forwarded = False
     try:
         while finished_replicas < replicas:
             if coordinator is not None:
                 coordinator.check()
-            try:
-                message = results.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                dead = [p for p in processes if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(
-                        f"replica process {dead[0].name} died with exit code {dead[0].exitcode} "
-                        f"before finishing; partitions not committed: {partition_keys}"
-                    ) from None
+            if draining() and not forwarded:  # each replica drains its own engine
+                forwarded = True
+                forward_sigterm(processes)
+            message = next_replica_message(results, processes, partition_keys)
+            if message is None:
                 continue
             kind = message[0]
             if kind == "loaded":
@@ -328,7 +351,7 @@ def run_replicas(
                         partition_keys,
                         on_committed=on_committed,
                         on_failed=on_failed,
-                        put=tasks.put,
+                        put=admit_unless_draining(tasks.put),
                         engines=replicas,
                         max_outstanding=max_outstanding_chunks(spec, replicas, message[3]),
                     )
@@ -360,14 +383,74 @@ def run_replicas(
             if process.is_alive():
                 process.terminate()
                 process.join(timeout=10)
+    if draining():
+        coordinator.stop()  # its reader may wait for a slot no dropped chunk will free
     if not coordinator.done():
+        if draining():
+            raise drained_error(partition_keys)
         raise RuntimeError("replicas finished before every partition of the run was settled")
     return timing
+
+
+def start_replica_processes(spec: InferenceSpec, replicas: int) -> tuple[list[Any], Any, Any]:
+    """Start `replicas` spawned replica processes, each pinned to its devices; returns them,
+    the queue of chunks they take from and the queue of their messages."""
+    device = detect_device()
+    envs = plan_replica_env(
+        replicas=replicas,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        device=device,
+        gpu_ids=visible_gpu_ids() if device == "cuda" else [],
+        cpu_ids=sorted(os.sched_getaffinity(0)),
+    )
+    ctx = mp.get_context("spawn")
+    tasks: Any = ctx.Queue()
+    results: Any = ctx.Queue()
+    spec_json = spec.model_dump_json()
+    processes = [
+        ctx.Process(
+            target=replica_main,
+            args=(spec_json, index, envs[index], tasks, results),
+            name=f"gpuinfer-replica-{index}",
+            daemon=False,  # each replica starts vLLM's own engine process
+        )
+        for index in range(replicas)
+    ]
+    for process in processes:
+        process.start()
+    return processes, tasks, results
+
+
+def forward_sigterm(processes: list[Any]) -> None:
+    """Pass this worker's SIGTERM on: each replica drains its own engine."""
+    for process in processes:
+        if process.is_alive() and process.pid is not None:
+            os.kill(process.pid, signal.SIGTERM)
+
+
+def next_replica_message(results: Any, processes: list[Any], partition_keys: list[str]) -> Any:
+    """The next message of a replica, or None after a poll without one.
+
+    Raises:
+        RuntimeError: a replica process died without saying why.
+    """
+    try:
+        return results.get(timeout=POLL_SECONDS)
+    except queue.Empty:
+        dead = [p for p in processes if p.exitcode not in (None, 0)]
+        if dead:
+            raise RuntimeError(
+                f"replica process {dead[0].name} died with exit code {dead[0].exitcode} "
+                f"before finishing; partitions not committed: {partition_keys}"
+            ) from None
+        return None
 
 
 def replica_main(spec_json: str, index: int, env: dict[str, str], tasks: Any, results: Any) -> None:
     """Body of one replica process: pin devices, build one engine, serve chunks until done."""
     os.environ.update(env)
+    install_signal_handlers()  # the parent forwards its SIGTERM: drain this engine
+    children_die_with_this_process()  # this replica's engine dies with it
     logging.basicConfig(level=logging.INFO, format=f"[replica {index}] %(message)s")
     spec = InferenceSpec.model_validate_json(spec_json)
     metrics = start_worker_metrics(asset=spec.output.asset_name, process=f"replica-{index}")
@@ -378,7 +461,7 @@ def replica_main(spec_json: str, index: int, env: dict[str, str], tasks: Any, re
         serve_chunks(
             engine,
             spec,
-            tasks.get,
+            take_unless_draining(tasks.get),
             lambda message: results.put(("chunk", index, message)),
             replica=index,
         )

@@ -9,16 +9,19 @@ A partition whose key ends in a range (`big@rows=0-100000`, `big@bytes=0-6710886
 row groups that overlap the range, JSONL lines by number, or JSONL lines whose first byte lies
 in the byte range (so consecutive byte ranges cover every line exactly once).
 
-Rows that cannot even be parsed (a JSONL line that is not JSON, not UTF-8, or an OpenAI
-batch line for an endpoint the task does not serve) are returned as errors of their chunk,
-never raised: one bad row does not fail the shard. A shard that cannot be read at all, or
-lacks a required column, raises `ShardError`, which fails the partition fast.
+Rows that cannot even be parsed (a JSONL line that is not JSON, not UTF-8, longer than
+`limits.max_line_bytes`, nested deeper than `limits.max_json_depth`, or an OpenAI batch line
+for an endpoint the task does not serve) are returned as errors of their chunk, never
+raised: one bad row does not fail the shard, whatever the parser meets in it. A shard that
+cannot be read at all, or lacks a required column, raises `ShardError`, which fails the
+partition fast.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +33,7 @@ from pydantic import ValidationError
 
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import display_uri, filesystem_for
-from dagster_gpuinfer.worker.errors import RowError, ShardError
+from dagster_gpuinfer.worker.errors import RowError, ShardError, cap_message
 from dagster_gpuinfer.worker.openai_batch import ENDPOINTS as OPENAI_ENDPOINTS
 from dagster_gpuinfer.worker.openai_batch import BatchRequestLine
 
@@ -38,6 +41,28 @@ from dagster_gpuinfer.worker.openai_batch import BatchRequestLine
 SCORE_BODY_FIELDS = frozenset(
     {"text_1", "text_2", "queries", "documents", "data_1", "data_2", "query"}
 )
+
+# The custom_id of a line too long to parse, found in its first bytes (as OpenAI's files
+# write it: near the start), so its error line still answers it.
+CUSTOM_ID_NEAR_START = re.compile(rb'"custom_id"\s*:\s*"((?:[^"\\]|\\.){1,512})"')
+
+
+def json_depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether `value` (parsed JSON) nests lists/objects deeper than `limit`; iterative, so
+    any depth is safe to ask about."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 @dataclass
@@ -298,19 +323,32 @@ class ShardReader:
                     yield line
 
     def _all_lines(self) -> Iterator[bytes]:
+        """The file's non-blank lines. A line longer than `limits.max_line_bytes` is cut to
+        its first `max_line_bytes + 1` bytes while it is read (the rest is skipped, never
+        held), so however long a line is, memory holds at most the limit of it."""
+        keep = self.spec.limits.max_line_bytes + 1
         with self.fs.open_input_stream(self.path) as stream:
-            rest = b""
+            rest: list[bytes] = []  # the pieces of the line read so far
+            held = 0
             while True:
                 block = stream.read(1 << 20)
                 if not block:
                     break
-                lines = (rest + block).split(b"\n")
-                rest = lines.pop()
+                lines = block.split(b"\n")
+                last = lines.pop()
                 for line in lines:
+                    if rest:
+                        line = b"".join(rest) + line[: keep - held]
+                        rest, held = [], 0
+                    line = line[:keep]
                     if line.strip():
                         yield line
-            if rest.strip():
-                yield rest
+                if held < keep and last:
+                    rest.append(last[: keep - held])
+                    held += len(rest[-1])
+            line = b"".join(rest)
+            if line.strip():
+                yield line
 
     def _jsonl_chunks(self, chunk_size: int) -> Iterator[RawChunk]:
         chunk = RawChunk(index=0, source=self.source)
@@ -322,7 +360,18 @@ class ShardReader:
                 yield chunk
                 chunk = RawChunk(index=chunk.index + 1, source=self.source)
             chunk.rows_in += 1
-            parsed = self._parse_line(row, line)
+            try:
+                parsed = self._parse_line(row, line)
+            except Exception as exc:  # the row boundary: nothing in one line fails the shard
+                parsed = RowError(
+                    None,
+                    self.source,
+                    row,
+                    "invalid_request",
+                    f"{self.source} line {row + 1}: could not be read "
+                    f"({type(exc).__name__}: {cap_message(str(exc), 200)}); the row was "
+                    "quarantined",
+                )
             if isinstance(parsed, RowError):
                 chunk.errors.append(parsed)
             else:
@@ -334,6 +383,17 @@ class ShardReader:
             yield chunk
 
     def _parse_line(self, row: int, line: bytes) -> tuple[Any, ...] | RowError:
+        limits = self.spec.limits
+        if len(line) > limits.max_line_bytes:
+            return RowError(
+                self._custom_id_near_start(line),
+                self.source,
+                row,
+                "line_too_long",
+                f"{self.source} line {row + 1}: more than "
+                f"limits.max_line_bytes={limits.max_line_bytes} bytes; shorten the line or raise "
+                "the pipeline's limits.max_line_bytes; the row was quarantined",
+            )
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -347,6 +407,9 @@ class ShardReader:
             )
         try:
             record = json.loads(text)
+        except RecursionError:
+            record = None
+            too_deep = True
         except ValueError as exc:
             return RowError(
                 None,
@@ -354,6 +417,18 @@ class ShardReader:
                 row,
                 "invalid_json",
                 f"{self.source} line {row + 1}: not valid JSON ({exc}); the row was quarantined",
+            )
+        else:
+            too_deep = json_depth_exceeds(record, limits.max_json_depth)
+        if too_deep:
+            return RowError(
+                self._custom_id_near_start(line),
+                self.source,
+                row,
+                "too_deep",
+                f"{self.source} line {row + 1}: JSON nested deeper than "
+                f"limits.max_json_depth={limits.max_json_depth} levels; flatten it or raise "
+                "the pipeline's limits.max_json_depth; the row was quarantined",
             )
         if not isinstance(record, dict):
             return RowError(
@@ -375,25 +450,46 @@ class ShardReader:
         params = record.get(params_column) if params_column else None
         return (row, None if row_id is None else str(row_id), payload, params)
 
+    def _custom_id_near_start(self, line: bytes) -> str | None:
+        """An OpenAI line's custom_id, found without parsing the line (too long, too deep)."""
+        if self.format != "openai_batch":
+            return None
+        found = CUSTOM_ID_NEAR_START.search(line, 0, 65536)
+        if found is None:
+            return None
+        try:
+            custom_id = json.loads(b'"' + found.group(1) + b'"')
+        except ValueError:
+            return None
+        return custom_id or None
+
     def _parse_openai_request(self, row: int, record: dict[str, Any]) -> Any:
         custom_id = record.get("custom_id")
-        row_id = None if custom_id is None else str(custom_id)
+        row_id = None if custom_id is None or custom_id == "" else cap_message(str(custom_id), 512)
         url = record.get("url")
         body = record.get("body")
+        if row_id is None:
+            return RowError(
+                None,
+                self.source,
+                row,
+                "missing_id",
+                f"{self.source} line {row + 1}: no custom_id; every OpenAI batch line needs a "
+                "non-empty custom_id; the row was quarantined",
+            )
         try:
             BatchRequestLine.model_validate(record)
         except ValidationError as exc:
-            error = exc.errors()[0]
+            error = exc.errors(include_input=False)[0]
             where = ".".join(str(p) for p in error["loc"]) or "line"
-            if where != "custom_id" or custom_id is not None:
-                return RowError(
-                    row_id,
-                    self.source,
-                    row,
-                    "invalid_request",
-                    f"{self.source} line {row + 1}: not an OpenAI batch request line: {where}: "
-                    f"{error['msg']}; the row was quarantined",
-                )
+            return RowError(
+                row_id,
+                self.source,
+                row,
+                "invalid_request",
+                f"{self.source} line {row + 1}: not an OpenAI batch request line: {where}: "
+                f"{error['msg']}; the row was quarantined",
+            )
         endpoint = OPENAI_ENDPOINTS.get(url) if isinstance(url, str) else None
         if endpoint is None:
             return RowError(

@@ -14,6 +14,12 @@ Parquet/JSONL row go through the same rules:
   against the running engine's configuration decide, so what passes here is what the engine
   accepts.
 
+Before vLLM sees a row's values they are bounded: integers within 64 bits and floats finite
+(what msgspec carries to the engine process; past that `add_request` raised `OverflowError`),
+`n` and `n` x `top_logprobs` within the pipeline's `limits`, and a structured-output
+pattern compilable by the output check's linear-time engine (`structured.pattern_problem`).
+Anything else that goes wrong while mapping one row is that row's `invalid_parameter`.
+
 OpenAI names map to vLLM's: `max_completion_tokens` -> `max_tokens`; chat `logprobs: true` +
 `top_logprobs: k` -> `logprobs=k`; `response_format` `json_schema` / `json_object` ->
 `structured_outputs` json / json_object; `logit_bias` keys (token ids as strings) -> ints.
@@ -22,12 +28,15 @@ OpenAI names map to vLLM's: `max_completion_tokens` -> `max_tokens`; chat `logpr
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dagster_gpuinfer.spec import StructuredOutputs
+from dagster_gpuinfer.spec import RowLimits, StructuredOutputs
+from dagster_gpuinfer.worker.errors import cap_message
+from dagster_gpuinfer.worker.structured import pattern_problem
 
 # Keys accepted on every request and without effect on the result: OpenAI lines name the
 # model (the pipeline's model serves every line) and may carry an end-user id.
@@ -63,6 +72,8 @@ GENERATION_KEYS = frozenset(
 )
 EMBEDDING_KEYS = frozenset({"encoding_format"})
 SCORE_KEYS = frozenset({"top_n", "return_documents"})
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 REQUEST_KEYS: dict[str, frozenset[str]] = {
     "generate": GENERATION_KEYS,
@@ -195,10 +206,18 @@ class RequestBuilder:
             running engine (`SamplingParams.verify`); raises ValueError on a rejected value.
     """
 
-    def __init__(self, *, task: str, defaults: dict[str, Any], verify: Any = None) -> None:
+    def __init__(
+        self,
+        *,
+        task: str,
+        defaults: dict[str, Any],
+        verify: Any = None,
+        limits: RowLimits | None = None,
+    ) -> None:
         self.task = task
         self.defaults = dict(defaults)
         self.verify = verify
+        self.limits = limits or RowLimits()
         default_structured = self.defaults.get("structured_outputs")
         self.default_constraint = (
             StructuredOutputs.model_validate(default_structured) if default_structured else None
@@ -209,8 +228,23 @@ class RequestBuilder:
         """The row's request.
 
         Raises:
-            ParameterError: naming the first unsupported key or rejected value.
+            ParameterError: naming the first unsupported key or rejected value; whatever
+                else goes wrong mapping the row is its `invalid_parameter` too.
         """
+        try:
+            return self._build(params)
+        except ParameterError:
+            raise
+        except Exception as exc:  # the row boundary: one row's values never fail the run
+            keys = ", ".join(sorted(str(k) for k in (params or {}))[:10]) or "params"
+            raise ParameterError(
+                "invalid_parameter",
+                keys,
+                f"the parameters ({keys}) could not be mapped: {type(exc).__name__}: "
+                f"{cap_message(str(exc), 300)}",
+            ) from None
+
+    def _build(self, params: dict[str, Any] | None) -> RowRequest:
         # A null value is the default (as in OpenAI's API; and a Parquet struct column gives
         # every row every field, null where the row sets none).
         params = {
@@ -242,51 +276,20 @@ class RequestBuilder:
             return RowRequest()
         if not params and self._default_request is not None:
             return self._default_request
+        for key, value in params.items():
+            _check_numbers(key, value)
         request = self._generation_request(_typed(GenerationParams, params), set(params))
         if not params:
             self._default_request = request
         return request
 
     def _generation_request(self, typed: GenerationParams, given: set[str]) -> RowRequest:
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.exceptions import VLLMError
-        from vllm.sampling_params import StructuredOutputsParams
-
-        rejected = (ValueError, TypeError, VLLMError)
-
         kwargs = dict(self.defaults)
         kwargs.pop("structured_outputs", None)
         constraint = self.default_constraint
-        overrides = typed.model_dump(
-            exclude_none=True, exclude={"response_format", "structured_outputs"}
-        )
-        overrides.pop("stream", None)
-        if "max_completion_tokens" in overrides:
-            overrides["max_tokens"] = overrides.pop("max_completion_tokens")
-        if "logit_bias" in overrides:
-            try:
-                overrides["logit_bias"] = {int(k): v for k, v in overrides["logit_bias"].items()}
-            except ValueError:
-                raise ParameterError(
-                    "invalid_parameter",
-                    "logit_bias",
-                    "parameter 'logit_bias' must map token ids (integers as strings) to biases",
-                ) from None
-        top_logprobs = overrides.pop("top_logprobs", None)
-        if "logprobs" in overrides:
-            logprobs = overrides.pop("logprobs")
-            if isinstance(logprobs, bool):  # chat: logprobs true + top_logprobs k
-                if logprobs:
-                    overrides["logprobs"] = top_logprobs or 0
-            else:  # completions: logprobs k
-                overrides["logprobs"] = logprobs
-        elif top_logprobs is not None:
-            raise ParameterError(
-                "invalid_parameter",
-                "top_logprobs",
-                "parameter 'top_logprobs' needs 'logprobs': true",
-            )
+        overrides = _vllm_overrides(typed)
         kwargs.update(overrides)
+        self._check_fan_out(int(kwargs.get("n") or 1), kwargs.get("logprobs"), given)
         if typed.structured_outputs is not None:
             constraint = typed.structured_outputs
         if typed.response_format is not None:
@@ -297,6 +300,14 @@ class RequestBuilder:
                     "set either 'response_format' or 'structured_outputs', not both",
                 )
             constraint = _constraint_of(typed.response_format, default=constraint)
+        if constraint is not None:
+            _check_patterns(constraint, given)
+        # vLLM judges the rest (imported only now: the bounds above need no vLLM).
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.exceptions import VLLMError
+        from vllm.sampling_params import StructuredOutputsParams
+
+        rejected = (ValueError, TypeError, VLLMError)
         if constraint is not None:
             try:
                 kwargs["structured_outputs"] = StructuredOutputsParams(
@@ -319,6 +330,107 @@ class RequestBuilder:
             top_logprobs=logprobs_k if logprobs_k is not None else None,
             constraint=constraint,
         )
+
+    def _check_fan_out(self, n: int, logprobs: int | None, given: set[str]) -> None:
+        """`n` and `n` x `top_logprobs` within the pipeline's limits."""
+        limits = self.limits
+        if n > limits.max_n:
+            raise ParameterError(
+                "invalid_parameter",
+                "n",
+                f"parameter 'n' is {n}, more than the {limits.max_n} completions a row may "
+                "ask for here (limits.max_n)",
+            )
+        fan_out = n * (logprobs or 0)
+        if fan_out > limits.max_n_logprobs:
+            key = "top_logprobs" if "top_logprobs" in given else "logprobs"
+            raise ParameterError(
+                "invalid_parameter",
+                key,
+                f"n x {key} is {n} x {logprobs} = {fan_out}, more than the "
+                f"{limits.max_n_logprobs} allowed here (limits.max_n_logprobs)",
+            )
+
+
+def _vllm_overrides(typed: GenerationParams) -> dict[str, Any]:
+    """A row's generation keys under vLLM's names (structured outputs apart)."""
+    overrides = typed.model_dump(
+        exclude_none=True, exclude={"response_format", "structured_outputs"}
+    )
+    overrides.pop("stream", None)
+    if "max_completion_tokens" in overrides:
+        overrides["max_tokens"] = overrides.pop("max_completion_tokens")
+    if "logit_bias" in overrides:
+        try:
+            overrides["logit_bias"] = {int(k): v for k, v in overrides["logit_bias"].items()}
+        except ValueError:
+            raise ParameterError(
+                "invalid_parameter",
+                "logit_bias",
+                "parameter 'logit_bias' must map token ids (integers as strings) to biases",
+            ) from None
+    top_logprobs = overrides.pop("top_logprobs", None)
+    if "logprobs" in overrides:
+        logprobs = overrides.pop("logprobs")
+        if isinstance(logprobs, bool):  # chat: logprobs true + top_logprobs k
+            if logprobs:
+                overrides["logprobs"] = top_logprobs or 0
+        else:  # completions: logprobs k
+            overrides["logprobs"] = logprobs
+    elif top_logprobs is not None:
+        raise ParameterError(
+            "invalid_parameter",
+            "top_logprobs",
+            "parameter 'top_logprobs' needs 'logprobs': true",
+        )
+    return overrides
+
+
+def _check_patterns(constraint: StructuredOutputs, given: set[str]) -> None:
+    """Refuse a constraint holding a pattern the output check cannot compile."""
+    refused = pattern_problem(constraint)
+    if refused is None:
+        return
+    key = next(
+        (k for k in ("response_format", "structured_outputs") if k in given),
+        "structured_outputs",
+    )
+    raise ParameterError(
+        "invalid_parameter",
+        key,
+        f"parameter {key!r} holds the pattern {cap_message(refused[0], 200)!r}, "
+        f"which the output check cannot compile: {refused[1]}",
+    )
+
+
+def _check_numbers(key: str, value: Any) -> None:
+    """Integers within 64 bits, floats finite, anywhere in a parameter's value (iterative:
+    a deeply nested value is bounded by the reader's depth limit, not by recursion)."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, bool) or node is None or isinstance(node, str):
+            continue
+        if isinstance(node, int):
+            if not INT64_MIN <= node <= INT64_MAX:
+                raise ParameterError(
+                    "invalid_parameter",
+                    key,
+                    f"parameter {key!r} holds an integer of {node.bit_length()} bits; values "
+                    "must fit in a signed 64-bit integer",
+                )
+        elif isinstance(node, float):
+            if not math.isfinite(node):
+                raise ParameterError(
+                    "invalid_parameter",
+                    key,
+                    f"parameter {key!r} holds {node}; numbers must be finite",
+                )
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
 
 
 def _constraint_of(
@@ -344,10 +456,11 @@ def _typed(model: type[BaseModel], params: dict[str, Any]) -> Any:
     except ValidationError as exc:
         error = exc.errors()[0]
         key = str(error["loc"][0]) if error["loc"] else "params"
+        shown = cap_message(repr(error.get("input")), 100)
         raise ParameterError(
             "invalid_parameter",
             key,
-            f"parameter {key!r} has an invalid value {error.get('input')!r}: {error['msg']}",
+            f"parameter {key!r} has an invalid value {shown}: {cap_message(error['msg'], 300)}",
         ) from None
 
 
@@ -355,6 +468,7 @@ def _rejected(exc: Exception, given: set[str]) -> ParameterError:
     """vLLM's rejection as an `invalid_parameter` naming the key (vLLM's `parameter` when it
     says, else the row's key its message names, else the row's keys)."""
     message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    message = cap_message(message, 500)
     key = getattr(exc, "parameter", None)
     if not key:
         named = [k for k in sorted(given, key=len, reverse=True) if k in message]

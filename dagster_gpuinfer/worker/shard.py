@@ -6,7 +6,8 @@ marker, which names those files: a chunk counts as committed only once its marke
 A worker that restarts (after SIGKILL, eviction, a retry) reads the markers of the current
 spec hash, skips those chunks, and rebuilds the set of ids already taken from their files,
 so no row is computed twice and no id lands twice. When every chunk is committed, the
-partition is committed: `errors.parquet`, then the `_SUCCESS` manifest.
+partition is committed: its error files (named for the attempt), then the `_SUCCESS`
+manifest naming them.
 
 The chunks of one partition may be written by several engines of a run (replicas pull
 chunks, not shards): they all write under the run's attempt name for the partition, each
@@ -209,8 +210,15 @@ def commit_chunks(
     openai_errors = None
     if spec.output.format == "openai_batch":
         openai_errors = openai_error_lines(where.spec_hash, error_tables)
+    attempt = worker.get("attempt")
     return commit_partition(
-        where.fs, where.path, manifest, error_tables, where.storage, openai_errors=openai_errors
+        where.fs,
+        where.path,
+        manifest,
+        error_tables,
+        where.storage,
+        openai_errors=openai_errors,
+        attempt=attempt if isinstance(attempt, str) else None,
     )
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import ChunkMarker
-from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine
+from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine, RequestRejected
 from dagster_gpuinfer.worker.metrics import current_metrics
 from dagster_gpuinfer.worker.pooling_tasks import run_pooling_chunk
 from dagster_gpuinfer.worker.readers import RawChunk
@@ -78,6 +78,7 @@ class _ChunkInFlight:
     remaining: int = 0
     first_submitted: float | None = None
     result: Any = None  # score/classify: the chunk's `PoolingResult`, computed whole
+    rejected: dict[int, str] = field(default_factory=dict)  # prompt position -> why
 
     def __post_init__(self) -> None:
         self.outputs = [None] * len(self.valid.token_ids)
@@ -120,8 +121,6 @@ def serve_chunks(
         Exception: whatever a thread died of (reading, the engine, storage): the run fails and
             a retry resumes from the committed chunks.
     """
-    window = engine.window
-    metrics = current_metrics()
     # One chunk prepared ahead of the rows waiting: each engine holds at most its window in
     # flight, a window (or a chunk) waiting, and two chunks in preparation, so engines that
     # share a queue share its chunks, and memory is bounded by the window.
@@ -133,6 +132,7 @@ def serve_chunks(
         max_model_len=engine.max_model_len,
         check_ids=False,
         requests=engine.requests,
+        limits=spec.limits,
     )
     stopping = threading.Event()
 
@@ -142,124 +142,181 @@ def serve_chunks(
             if work is None:
                 break
             item = _ChunkInFlight(work, validator.validate(work.chunk))
-            while not stopping.is_set():
-                try:
-                    prepared.put(item, timeout=POLL_SECONDS)
-                    break
-                except queue.Full:
-                    continue
-        prepared.put(None)
-
-    locations: dict[str, ShardLocation] = {}
+            if not _put_until(prepared, item, stopping):
+                return
+        _put_until(prepared, None, stopping)  # after a stop nobody reads it: never block
 
     def write() -> None:
-        while True:
-            item = finished.get()
-            if item is None:
-                return
-            key = item.work.partition_key
-            where = locations.get(key) or locations.setdefault(key, ShardLocation.of(spec, key))
-            result = item.result
-            if result is None:
-                seconds = time.perf_counter() - (item.first_submitted or time.perf_counter())
-                result = ChunkResult.from_outputs(
-                    spec.task, item.outputs, seconds, requests=item.valid.requests
-                )
-            marker = write_chunk(
-                spec, where, item.work.chunk, item.valid, result, item.work.attempt
-            )
-            committed(ChunkCommitted(partition_key=key, marker=marker, replica=replica))
+        _write_finished(spec, finished, committed, replica)
 
-    preparer, writer = _Worker("gpuinfer-prepare", prepare), _Worker("gpuinfer-write", write)
-    preparer.start()
-    writer.start()
-    if spec.task in ("score", "classify"):
-        try:
-            return _serve_whole_chunks(engine, spec, prepared, finished, (preparer, writer))
-        finally:
-            stopping.set()
-            if writer.is_alive():
-                finished.put(None)
-    group = spec.group_prefixes and spec.task != "embed"
-    requests: dict[str, tuple[_ChunkInFlight, int]] = {}
-    incoming: deque[tuple[_ChunkInFlight, int]] = deque()  # read ahead, not yet ordered
-    current: deque[tuple[_ChunkInFlight, int]] = deque()  # ordered, being submitted
-    prepared_all = False
-    sequence = 0
-    rows = 0
+    threads = (_Worker("gpuinfer-prepare", prepare), _Worker("gpuinfer-write", write))
+    for thread in threads:
+        thread.start()
     try:
-        while True:
-            for thread in (preparer, writer):
+        if spec.task in ("score", "classify"):
+            return _serve_whole_chunks(engine, spec, prepared, finished, threads)
+        loop = _RequestWindow(engine, spec, finished)
+        while not loop.done:
+            for thread in threads:
                 if thread.error is not None:
                     raise thread.error
-            # Read ahead: up to a window's worth of rows waits beside the window in flight.
-            while not prepared_all and len(incoming) + len(current) < window:
-                idle = engine.in_flight == 0 and not current
-                try:
-                    item = prepared.get(timeout=POLL_SECONDS) if idle else prepared.get_nowait()
-                except queue.Empty:
-                    if idle and preparer.error is None and writer.error is None:
-                        continue
-                    break
-                if item is None:
-                    prepared_all = True
-                    break
-                if item.remaining == 0:  # every row quarantined: nothing for the engine
-                    finished.put(item)
-                    continue
-                incoming.extend((item, position) for position in range(item.remaining))
-            # Fill the window. Rows read ahead are ordered a batch at a time, so no row waits
-            # behind later arrivals. A batch is all that waits once a window of rows waits, or
-            # the input is all read, or the engine's batch (`max_num_seqs`) is not full: the
-            # first batch (nothing submitted yet) waits for a full window, so prompts that
-            # share a prefix reach the engine together from the start, for the price of
-            # preparing one window of rows.
-            while engine.in_flight < window:
-                if not current:
-                    batch_ready = (
-                        len(incoming) >= window
-                        or prepared_all
-                        or (sequence > 0 and engine.in_flight < engine.max_num_seqs)
-                    )
-                    if not incoming or not batch_ready:
-                        break
-                    batch = list(incoming)
-                    incoming.clear()
-                    if group:
-                        batch.sort(key=lambda entry: entry[0].valid.token_ids[entry[1]])
-                    current.extend(batch)
-                item, position = current.popleft()
-                request_id = str(sequence)
-                sequence += 1
-                requests[request_id] = (item, position)
-                engine.submit(request_id, item.valid.token_ids[position], item.params(position))
-                metrics.requests_started(1)
-                if item.first_submitted is None:
-                    item.first_submitted = time.perf_counter()
-            if engine.in_flight == 0:
-                if prepared_all and not incoming and not current:
-                    break
-                continue
-            done = engine.step()
-            if done:
-                metrics.requests_finished(len(done))
-            for request_id, output in done:
-                item, position = requests.pop(request_id)
-                item.outputs[position] = output
-                item.remaining -= 1
-                rows += 1
-                if item.remaining == 0:
-                    finished.put(item)
-        finished.put(None)
-        while writer.is_alive():
-            writer.join(POLL_SECONDS)
-        if writer.error is not None:
-            raise writer.error
-        return rows
+            loop.read_ahead(prepared, threads)
+            loop.fill()
+            loop.step()
+        _finish_writing(finished, threads[1])
+        return loop.rows
     finally:
         stopping.set()
-        if writer.is_alive():
+        if threads[1].is_alive():
             finished.put(None)
+
+
+def _write_finished(
+    spec: InferenceSpec,
+    finished: queue.Queue[_ChunkInFlight | None],
+    committed: Callable[[ChunkCommitted], None],
+    replica: int,
+) -> None:
+    """The writer thread: each finished chunk's part file, errors and marker, in turn."""
+    locations: dict[str, ShardLocation] = {}
+    while True:
+        item = finished.get()
+        if item is None:
+            return
+        key = item.work.partition_key
+        where = locations.get(key) or locations.setdefault(key, ShardLocation.of(spec, key))
+        result, valid = item.result, item.valid
+        if result is None:
+            outputs = item.outputs
+            if item.rejected:  # rows the engine refused at submit join the errors
+                valid, outputs = valid.without_prompts(
+                    item.rejected, outputs, item.work.chunk.source
+                )
+            seconds = time.perf_counter() - (item.first_submitted or time.perf_counter())
+            result = ChunkResult.from_outputs(spec.task, outputs, seconds, requests=valid.requests)
+        marker = write_chunk(spec, where, item.work.chunk, valid, result, item.work.attempt)
+        committed(ChunkCommitted(partition_key=key, marker=marker, replica=replica))
+
+
+def _finish_writing(finished: queue.Queue[_ChunkInFlight | None], writer: _Worker) -> None:
+    """Tell the writer there is no more, wait for it, and raise what it died of."""
+    finished.put(None)
+    while writer.is_alive():
+        writer.join(POLL_SECONDS)
+    if writer.error is not None:
+        raise writer.error
+
+
+class _RequestWindow:
+    """The engine thread's state: rows read ahead, rows ordered for submission, requests in
+    flight; one step each of reading ahead, filling the window and stepping the engine."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        spec: InferenceSpec,
+        finished: queue.Queue[_ChunkInFlight | None],
+    ) -> None:
+        self.engine = engine
+        self.window = engine.window
+        self.finished = finished
+        self.metrics = current_metrics()
+        self.group = spec.group_prefixes and spec.task != "embed"
+        self.requests: dict[str, tuple[_ChunkInFlight, int]] = {}
+        self.incoming: deque[tuple[_ChunkInFlight, int]] = deque()  # read ahead, not ordered
+        self.current: deque[tuple[_ChunkInFlight, int]] = deque()  # ordered, being submitted
+        self.prepared_all = False
+        self.sequence = 0
+        self.rows = 0
+        self.done = False
+
+    def read_ahead(
+        self, prepared: queue.Queue[_ChunkInFlight | None], threads: tuple[_Worker, _Worker]
+    ) -> None:
+        """Up to a window's worth of rows waits beside the window in flight."""
+        engine = self.engine
+        while not self.prepared_all and len(self.incoming) + len(self.current) < self.window:
+            idle = engine.in_flight == 0 and not self.current
+            try:
+                item = prepared.get(timeout=POLL_SECONDS) if idle else prepared.get_nowait()
+            except queue.Empty:
+                if idle and all(thread.error is None for thread in threads):
+                    continue
+                break
+            if item is None:
+                self.prepared_all = True
+                break
+            if item.remaining == 0:  # every row quarantined: nothing for the engine
+                self.finished.put(item)
+                continue
+            self.incoming.extend((item, position) for position in range(item.remaining))
+
+    def fill(self) -> None:
+        """Fill the window. Rows read ahead are ordered a batch at a time, so no row waits
+        behind later arrivals. A batch is all that waits once a window of rows waits, or the
+        input is all read, or the engine's batch (`max_num_seqs`) is not full: the first
+        batch (nothing submitted yet) waits for a full window, so prompts that share a prefix
+        reach the engine together from the start, for the price of preparing one window."""
+        engine = self.engine
+        while engine.in_flight < self.window:
+            if not self.current:
+                batch_ready = (
+                    len(self.incoming) >= self.window
+                    or self.prepared_all
+                    or (self.sequence > 0 and engine.in_flight < engine.max_num_seqs)
+                )
+                if not self.incoming or not batch_ready:
+                    break
+                batch = list(self.incoming)
+                self.incoming.clear()
+                if self.group:
+                    batch.sort(key=lambda entry: entry[0].valid.token_ids[entry[1]])
+                self.current.extend(batch)
+            self._submit(*self.current.popleft())
+
+    def _submit(self, item: _ChunkInFlight, position: int) -> None:
+        request_id = str(self.sequence)
+        self.sequence += 1
+        if item.first_submitted is None:
+            item.first_submitted = time.perf_counter()
+        try:
+            self.engine.submit(request_id, item.valid.token_ids[position], item.params(position))
+        except RequestRejected as exc:  # that row is quarantined, the rest go on
+            item.rejected[position] = str(exc)
+            self._settled(item)
+            return
+        self.requests[request_id] = (item, position)
+        self.metrics.requests_started(1)
+
+    def _settled(self, item: _ChunkInFlight) -> None:
+        item.remaining -= 1
+        if item.remaining == 0:
+            self.finished.put(item)
+
+    def step(self) -> None:
+        """One engine step, its finished requests put in place; `done` once all are in."""
+        if self.engine.in_flight == 0:
+            self.done = self.prepared_all and not self.incoming and not self.current
+            return
+        finished = self.engine.step()
+        if finished:
+            self.metrics.requests_finished(len(finished))
+        for request_id, output in finished:
+            item, position = self.requests.pop(request_id)
+            item.outputs[position] = output
+            self.rows += 1
+            self._settled(item)
+
+
+def _put_until(target: queue.Queue[Any], item: Any, stopping: threading.Event) -> bool:
+    """Put `item` on the bounded queue unless `stopping` is set first; whether it went."""
+    while not stopping.is_set():
+        try:
+            target.put(item, timeout=POLL_SECONDS)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def _serve_whole_chunks(

@@ -1,5 +1,10 @@
 """Row validation: every parsed row is either tokenized for the engine or quarantined.
 
+Every check of one row runs behind one guard (`RowValidator.validate`): whatever goes wrong
+for a row (its parameters, its shape, its chat template, its tokenizing) quarantines that row
+with a reason, never the chunk. Prompts longer than `limits.max_prompt_chars` characters are
+quarantined before the tokenizer sees them, so a 10 MB prompt never costs gigabytes.
+
 Tokenizing here, once, with the engine's own tokenizer serves two ends: prompts longer than
 the engine can take are quarantined (with their token count) instead of failing the whole
 batch inside vLLM, and the engine receives token ids (`TokensPrompt`) so it does not
@@ -12,10 +17,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dagster_gpuinfer.spec import POOLING_TASKS
-from dagster_gpuinfer.worker.errors import RowError
+from dagster_gpuinfer.spec import POOLING_TASKS, RowLimits
+from dagster_gpuinfer.worker.errors import RowError, cap_message
 from dagster_gpuinfer.worker.pooling_tasks import ScorePairs, parse_score_payload
-from dagster_gpuinfer.worker.readers import RawChunk
+from dagster_gpuinfer.worker.readers import RawChunk, json_depth_exceeds
 from dagster_gpuinfer.worker.request_params import (
     ParameterError,
     RequestBuilder,
@@ -45,6 +50,41 @@ class ValidChunk:
     spans: list[int] = field(default_factory=list)
     pairs: list[ScorePairs] = field(default_factory=list)
     pair_tokens: list[int] = field(default_factory=list)
+
+    def without_prompts(
+        self, failed: dict[int, str], outputs: list[Any], source: str
+    ) -> tuple[ValidChunk, list[Any]]:
+        """This chunk and its outputs without the rows any of whose prompts (positions in
+        `token_ids`) failed at submit; those rows join the errors with the reason given."""
+        spans = self.spans or [1] * len(self.ids)
+        kept = ValidChunk(index=self.index, errors=list(self.errors))
+        kept_outputs: list[Any] = []
+        start = 0
+        for i, span in enumerate(spans):
+            positions = range(start, start + span)
+            start += span
+            reason = next((failed[p] for p in positions if p in failed), None)
+            if reason is not None:
+                kept.errors.append(
+                    RowError(
+                        self.ids[i],
+                        source,
+                        self.rows[i],
+                        "rejected_by_engine",
+                        f"{source} row {self.rows[i]} (id {self.ids[i]}): {reason}; the row "
+                        "was quarantined",
+                    )
+                )
+                continue
+            kept.rows.append(self.rows[i])
+            kept.ids.append(self.ids[i])
+            if self.requests:
+                kept.requests.append(self.requests[i])
+            if self.spans:
+                kept.spans.append(span)
+            kept.token_ids.extend(self.token_ids[p] for p in positions)
+            kept_outputs.extend(outputs[p] for p in positions)
+        return kept, kept_outputs
 
     def sampling_params(self) -> list[Any] | None:
         """Each row's vLLM `SamplingParams` (None: every row runs the engine's defaults)."""
@@ -77,6 +117,7 @@ class RowValidator:
         requests: builds each row's request from its parameters (see `request_params`);
             without one, rows run the engine's defaults and a row with parameters is checked
             against an empty set of defaults.
+        limits: the pipeline's `RowLimits` (prompt characters, parameter depth).
     """
 
     def __init__(
@@ -88,8 +129,10 @@ class RowValidator:
         seen_ids: set[str] | None = None,
         check_ids: bool = True,
         requests: RequestBuilder | None = None,
+        limits: RowLimits | None = None,
     ) -> None:
         self.task = task
+        self.limits = limits or (requests.limits if requests is not None else RowLimits())
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.seen_ids: set[str] = seen_ids if seen_ids is not None else set()
@@ -106,50 +149,97 @@ class RowValidator:
                     self.seen_ids.add(error.id)
         candidates: list[_Candidate] = []
         for row, row_id, payload in chunk.rows:
-            error = self._check_row(chunk.source, row, row_id, payload)
-            if error is not None:
-                out.errors.append(error)
-                continue
-            assert row_id is not None
-            if self.check_ids:
-                self.seen_ids.add(row_id)
-            where = f"{chunk.source} row {row} (id {row_id})"
             try:
-                request = self._request(chunk.params.get(row))
-            except ParameterError as exc:
-                out.errors.append(
-                    RowError(
-                        row_id,
-                        chunk.source,
-                        row,
-                        exc.error_type,
-                        f"{where}: {exc}; the row was quarantined",
-                    )
-                )
+                candidate = self._admit(chunk, row, row_id, payload, out.errors)
+            except Exception as exc:  # the row boundary: one row never fails the chunk
+                out.errors.append(unexpected_row_error(chunk.source, row, row_id, exc))
                 continue
-            candidate, problem = self._candidate(row, row_id, payload, request)
-            if candidate is None:
-                error_type, message = problem
-                out.errors.append(
-                    RowError(
-                        row_id,
-                        chunk.source,
-                        row,
-                        error_type,
-                        f"{where}: {message}; the row was quarantined",
-                    )
-                )
-                continue
-            candidates.append(candidate)
+            if candidate is not None:
+                candidates.append(candidate)
         if not candidates:
             return out
         if self.task == "chat":
             candidates = self._render(chunk.source, candidates, out.errors)
         if self.task == "score":
-            self._tokenize_pairs(chunk.source, candidates, out)
+            try:
+                self._tokenize_pairs(chunk.source, candidates, out)
+            except Exception:  # one pair broke the batch: each row alone, the bad one out
+                for candidate in candidates:
+                    try:
+                        self._tokenize_pairs(chunk.source, [candidate], out)
+                    except Exception as exc:
+                        out.errors.append(
+                            unexpected_row_error(chunk.source, candidate.row, candidate.row_id, exc)
+                        )
             return out
+        self._tokenize_candidates(chunk.source, candidates, out)
+        return out
+
+    def _admit(
+        self, chunk: RawChunk, row: int, row_id: str | None, payload: Any, errors: list[RowError]
+    ) -> _Candidate | None:
+        """The row as a candidate for the engine, or None with its reason added to `errors`."""
+        error = self._check_row(chunk.source, row, row_id, payload)
+        if error is not None:
+            errors.append(error)
+            return None
+        assert row_id is not None
+        if self.check_ids:
+            self.seen_ids.add(row_id)
+        where = f"{chunk.source} row {row} (id {row_id})"
+        try:
+            request = self._request(chunk.params.get(row))
+        except ParameterError as exc:
+            errors.append(
+                RowError(
+                    row_id,
+                    chunk.source,
+                    row,
+                    exc.error_type,
+                    f"{where}: {exc}; the row was quarantined",
+                )
+            )
+            return None
+        candidate, problem = self._candidate(row, row_id, payload, request)
+        if candidate is not None:
+            problem = self._length_problem(candidate)
+            if problem is not None:
+                candidate = None
+        if candidate is None:
+            error_type, message = problem
+            errors.append(
+                RowError(
+                    row_id,
+                    chunk.source,
+                    row,
+                    error_type,
+                    f"{where}: {message}; the row was quarantined",
+                )
+            )
+        return candidate
+
+    def _tokenize_candidates(
+        self, source: str, candidates: list[_Candidate], out: ValidChunk
+    ) -> None:
+        """Tokenize the candidates' text prompts (one batch; row by row when a row breaks the
+        batch) and admit the ones that fit the engine."""
         texts = [p for c in candidates for p in c.prompts if isinstance(p, str)]
-        encoded = iter(self._tokenize(texts))
+        try:
+            encoded = iter(self._tokenize(texts))
+        except Exception:
+            encoded_rows = []
+            kept = []
+            for candidate in candidates:
+                try:
+                    encoded_rows.extend(
+                        self._tokenize([p for p in candidate.prompts if isinstance(p, str)])
+                    )
+                    kept.append(candidate)
+                except Exception as exc:
+                    out.errors.append(
+                        unexpected_row_error(source, candidate.row, candidate.row_id, exc)
+                    )
+            candidates, encoded = kept, iter(encoded_rows)
         for candidate in candidates:
             token_lists = [
                 next(encoded) if isinstance(p, str) else list(p) for p in candidate.prompts
@@ -160,10 +250,10 @@ class RowValidator:
                 out.errors.append(
                     RowError(
                         candidate.row_id,
-                        chunk.source,
+                        source,
                         candidate.row,
                         "prompt_too_long",
-                        f"{chunk.source} row {candidate.row} (id {candidate.row_id}){element}: "
+                        f"{source} row {candidate.row} (id {candidate.row_id}){element}: "
                         f"{len(longest)} prompt tokens, more than the {self.max_prompt_tokens} "
                         f"this engine takes (max_model_len={self.max_model_len}); shorten the "
                         "input or raise engine.max_model_len; the row was quarantined",
@@ -176,14 +266,45 @@ class RowValidator:
             out.requests.append(candidate.request)
             out.spans.append(len(token_lists))
             out.token_ids.extend(token_lists)
-        return out
+
+    def _length_problem(self, candidate: _Candidate) -> tuple[str, str] | None:
+        """`prompt_too_long` when a prompt (a chat: its contents together; a score row: a
+        pair) has more characters than `limits.max_prompt_chars`, before any tokenizing."""
+        limit = self.limits.max_prompt_chars
+        if self.task == "chat":
+            chars = [_chat_chars(candidate.prompts[0])]
+        elif candidate.pairs is not None:
+            chars = [
+                len(q) + len(d)
+                for q, d in zip(candidate.pairs.queries, candidate.pairs.documents, strict=True)
+            ]
+        else:
+            chars = [len(p) for p in candidate.prompts if isinstance(p, str)]
+        longest = max(chars, default=0)
+        if longest <= limit:
+            return None
+        return "prompt_too_long", (
+            f"{longest} characters, more than limits.max_prompt_chars={limit} (checked before "
+            "tokenizing); shorten the input or raise the pipeline's limits.max_prompt_chars"
+        )
 
     def _request(self, params: Any) -> RowRequest:
         if params is None and self.requests is None:
             return RowRequest()
         if self.requests is None:
-            self.requests = RequestBuilder(task=self.task, defaults={})
-        return self.requests.build(parse_params_value(params))
+            self.requests = RequestBuilder(task=self.task, defaults={}, limits=self.limits)
+        try:
+            values = parse_params_value(params)
+        except RecursionError:
+            values = None
+        if values is None or json_depth_exceeds(values, self.limits.max_json_depth):
+            raise ParameterError(
+                "too_deep",
+                "params",
+                f"the parameters nest deeper than limits.max_json_depth="
+                f"{self.limits.max_json_depth} levels",
+            )
+        return self.requests.build(values)
 
     def _check_row(
         self, source: str, row: int, row_id: str | None, payload: Any
@@ -363,6 +484,31 @@ def screen_ids(chunk: RawChunk, seen_ids: set[str]) -> RawChunk:
         rows_in=chunk.rows_in,
         params=chunk.params,
     )
+
+
+def unexpected_row_error(source: str, row: int, row_id: str | None, exc: BaseException) -> RowError:
+    """A row that broke a check in a way no rule foresaw: quarantined, with what broke."""
+    return RowError(
+        row_id,
+        source,
+        row,
+        "unprocessable_row",
+        f"{source} row {row} (id {row_id}): could not be processed ({type(exc).__name__}: "
+        f"{cap_message(str(exc), 300)}); the row was quarantined",
+    )
+
+
+def _chat_chars(value: Any) -> int:
+    """Characters of a chat's message contents (a messages value or its JSON text)."""
+    if isinstance(value, str):
+        return len(value)
+    if not isinstance(value, list):
+        return 0
+    total = 0
+    for message in value:
+        if isinstance(message, dict) and isinstance(message.get("content"), str):
+            total += len(message["content"])
+    return total
 
 
 def _has_content(payload: str | list[Any]) -> bool:

@@ -5,6 +5,12 @@ OpenAI's chat shape when asked for; `text`/`finish_reason` repeat choice 0 for r
 want one string. Rows generated under a structured-output constraint are checked here
 (`structured.check_output`): `output_valid` and `output_error` say whether each row's output
 satisfies it (null when the row had none).
+
+On an OpenAI batch output line, a row whose output fails its constraint keeps its
+`response` (status 200: the model did answer, and the text may still be useful) and gets an
+`error` object beside it (`{"code": "invalid_output", "message": why}`), so whoever holds
+only the output file can tell which lines failed. A row whose response body cannot be built
+gets an `error` line (`response_failed`) instead of failing its chunk.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import ERRORS_SCHEMA
 from dagster_gpuinfer.worker import openai_batch as oa
 from dagster_gpuinfer.worker.completions import CHOICE_TYPE, completion_logprobs
-from dagster_gpuinfer.worker.errors import RowError
+from dagster_gpuinfer.worker.errors import RowError, cap_message
 from dagster_gpuinfer.worker.structured import check_output
 
 GENERATION_SCHEMA = pa.schema(
@@ -105,7 +111,11 @@ def output_table(spec: InferenceSpec, valid: Any, result: Any) -> pa.Table:
             problems.append(None)
             continue
         for choice in row_choices:
-            problem = check_output(constraint, choice["text"])
+            try:
+                problem = check_output(constraint, choice["text"])
+            except Exception as exc:  # the row boundary: a check never fails the chunk
+                problem = f"the output could not be checked ({type(exc).__name__}: {exc})"
+            problem = None if problem is None else cap_message(problem, 1000)
             choice["output_valid"], choice["output_error"] = problem is None, problem
         row_problems = [c["output_error"] for c in row_choices if c["output_error"]]
         valid_flags.append(not row_problems)
@@ -169,12 +179,23 @@ def encode_openai_batch(
     for position, row in enumerate(table.to_pylist()):
         custom_id = row["id"]
         rid = oa.request_id(spec_hash, custom_id)
-        body = _response_body(task, model, rid, created, row, valid, position)
+        try:
+            body = _response_body(task, model, rid, created, row, valid, position)
+            response = oa.BatchResponse(status_code=200, request_id=rid, body=body)
+        except Exception as exc:  # the row boundary: one row's body never fails the chunk
+            response, error = (
+                None,
+                oa.BatchError(
+                    code="response_failed",
+                    message=cap_message(f"the response could not be built ({exc})", 1000),
+                ),
+            )
+        else:
+            error = None
+            if row.get("output_valid") is False:
+                error = oa.BatchError(code="invalid_output", message=row["output_error"] or "")
         line = oa.BatchOutputLine(
-            id=f"batch_req_{rid}",
-            custom_id=custom_id,
-            response=oa.BatchResponse(status_code=200, request_id=rid, body=body),
-            error=None,
+            id=f"batch_req_{rid}", custom_id=custom_id, response=response, error=error
         )
         lines.append(line.model_dump_json(exclude_none=False))
     return ("\n".join(lines) + "\n").encode() if lines else b""
@@ -229,6 +250,14 @@ def _response_body(
             ],
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
         }
+    return _generation_body(task, model, rid, created, row)
+
+
+def _generation_body(
+    task: str, model: str, rid: str, created: int, row: dict[str, Any]
+) -> dict[str, Any]:
+    """A chat completion or a text completion, with every choice of the row."""
+    prompt_tokens = row["prompt_tokens"]
     generated = row.get("generated_tokens", 0)
     usage = oa.Usage(
         prompt_tokens=prompt_tokens,

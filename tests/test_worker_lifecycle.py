@@ -1,0 +1,166 @@
+"""The worker's life around its engines, without an engine: children die with the worker,
+a dead engine process is noticed within seconds, SIGTERM drains (also as PID 1) within a
+grace bound. The real-engine cases are in tests/test_engine_faults.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from dagster_gpuinfer.worker.lifecycle import EXIT_DRAINED, EngineWatch
+
+SPAWNER = textwrap.dedent(
+    """
+    import multiprocessing, os, sys, time
+    from dagster_gpuinfer.worker import lifecycle
+
+    def sleep():
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        lifecycle.children_die_with_this_process()
+        ctx = multiprocessing.get_context(sys.argv[1])
+        child = ctx.Process(target=sleep)
+        child.start()
+        print(child.pid, os.getpgid(0), flush=True)
+        time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_children_die_when_the_worker_is_killed(tmp_path, method):
+    script = tmp_path / "spawner.py"
+    script.write_text(SPAWNER)
+    parent = subprocess.Popen(
+        [sys.executable, str(script), method], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child_pid, parent_group = map(int, parent.stdout.readline().split())
+        if method == "spawn":  # a SIGTERM to the worker's group does not reach the engines
+            deadline = time.monotonic() + 10
+            while os.getpgid(child_pid) == parent_group and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert os.getpgid(child_pid) != parent_group
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        assert wait_gone(child_pid, 10), "the child outlived its killed parent"
+    finally:
+        parent.kill()
+
+
+def test_a_dead_engine_process_is_reported_within_seconds_naming_it():
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    reported: list[str] = []
+    watch = EngineWatch([psutil.Process(engine.pid)], name="model 'm'", on_death=reported.append)
+    watch.start()
+    time.sleep(1.0)
+    assert reported == []
+    started = time.monotonic()
+    engine.kill()
+    while not reported and time.monotonic() - started < 10:
+        time.sleep(0.05)
+    assert reported, "the death was not noticed"
+    assert time.monotonic() - started < 5
+    assert f"pid {engine.pid}" in reported[0] and "signal 9" in reported[0]
+    assert "model 'm'" in reported[0]
+
+
+DRAINER = textwrap.dedent(
+    """
+    import os, sys, time
+    from dagster_gpuinfer.worker import lifecycle
+
+    lifecycle.install_signal_handlers()
+    print("ready", flush=True)
+    while not lifecycle.draining():
+        time.sleep(0.05)
+    print("draining", flush=True)
+    if sys.argv[1] == "finish":
+        time.sleep(0.5)  # the chunks in flight finish and commit
+        print("committed", flush=True)
+        sys.exit(0)
+    time.sleep(600)  # a drain that never ends: the grace bound stops it
+    """
+)
+
+
+def _drainer(tmp_path, mode, *, pid1=False):
+    script = tmp_path / "drainer.py"
+    script.write_text(DRAINER)
+    command = [sys.executable, str(script), mode]
+    if pid1:
+        command = ["unshare", "--pid", "--fork", "--kill-child", *command]
+    env = {**os.environ, "GPUINFER_DRAIN_GRACE_SECONDS": "1.5"}
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    assert process.stdout.readline().strip() == "ready"
+    target = process.pid
+    if pid1:  # the worker is PID 1 of its own namespace: signal it, not unshare
+        (inner,) = psutil.Process(process.pid).children()
+        target = inner.pid
+    return process, target
+
+
+def test_sigterm_stops_admitting_work_and_lets_the_drain_finish(tmp_path):
+    process, target = _drainer(tmp_path, "finish")
+    os.kill(target, signal.SIGTERM)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == 0
+    assert out.split() == ["draining", "committed"]
+    assert "SIGTERM: the worker stops admitting rows" in err
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+@pytest.mark.skipif(os.geteuid() != 0, reason="a PID namespace needs root")
+def test_a_drain_past_its_grace_exits_with_a_message_also_as_pid_1(tmp_path):
+    process, target = _drainer(tmp_path, "hang", pid1=True)
+    started = time.monotonic()
+    os.kill(target, signal.SIGTERM)
+    out, err = process.communicate(timeout=30)
+    assert time.monotonic() - started < 10
+    assert "draining" in out  # PID 1 ran its handler: the signal was not ignored
+    assert "the drain took more than 2 s" in err or "the drain took more than 1 s" in err
+    assert process.returncode == EXIT_DRAINED
+
+
+def wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_the_pods_grace_period_leaves_room_for_the_drain():
+    from dagster_gpuinfer import InferenceSpec
+    from dagster_gpuinfer.k8s.pod import K8sLauncherConfig, RunIdentity, build_worker_pod
+    from dagster_gpuinfer.worker.lifecycle import DEFAULT_DRAIN_GRACE_SECONDS
+
+    spec = InferenceSpec.model_validate(
+        {
+            "model": "/models/m",
+            "task": "embed",
+            "input": {"uri": "s3://b/in/{partition_key}.jsonl"},
+            "output": {"root": "s3://b/out", "asset_name": "a"},
+            "partition_keys": ["p"],
+        }
+    )
+    pod = build_worker_pod(
+        spec, K8sLauncherConfig(image="w:1"), RunIdentity(run_id="r", asset_key="a")
+    )
+    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= DEFAULT_DRAIN_GRACE_SECONDS + 20

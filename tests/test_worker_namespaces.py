@@ -1,0 +1,210 @@
+"""Every worker namespace gets its NetworkPolicies, Role, RoleBinding and worker account, and
+an admission rule limits which Secrets its pods may read
+(deploy/admission/worker-secrets-policy.yaml, evaluated with cel-python as the API server
+would: variables in order, then every validation; an expression that errors rejects)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import celpy
+import pytest
+import yaml
+
+from dagster_gpuinfer import InferenceSpec
+from dagster_gpuinfer.k8s.pod import RunIdentity, build_worker_pod
+from resources.k8s import k8s_launcher_config
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def kit() -> list[dict[str, Any]]:
+    return [
+        doc
+        for path in DEPLOY.rglob("*.yaml")
+        if "local" not in path.relative_to(DEPLOY).parts and path.parent.name != "helm"
+        for doc in load(path)
+        if isinstance(doc, dict) and "kind" in doc
+    ]
+
+
+def worker_namespaces() -> list[str]:
+    return [
+        doc["metadata"]["name"]
+        for doc in load(DEPLOY / "namespaces.yaml")
+        if doc["metadata"].get("labels", {}).get("gpuinfer.dagster.io/kueue") == "managed"
+    ]
+
+
+@pytest.mark.parametrize("namespace", worker_namespaces())
+def test_every_worker_namespace_gets_its_policies_role_and_account(namespace):
+    here = [d for d in kit() if d.get("metadata", {}).get("namespace") == namespace]
+    policies = {d["metadata"]["name"]: d for d in here if d["kind"] == "NetworkPolicy"}
+    assert {
+        "gpuinfer-default-deny",
+        "gpuinfer-allow-dns",
+        "gpuinfer-allow-object-storage",
+        "gpuinfer-allow-model-source",
+    } <= set(policies)
+    deny = policies["gpuinfer-default-deny"]["spec"]
+    assert deny["podSelector"] == {} and set(deny["policyTypes"]) == {"Ingress", "Egress"}
+    accounts = [d for d in here if d["kind"] == "ServiceAccount"]
+    assert [a["metadata"]["name"] for a in accounts] == ["gpuinfer-worker"]
+    assert accounts[0]["automountServiceAccountToken"] is False
+    (role,) = [d for d in here if d["kind"] == "Role"]
+    assert all("secrets" not in rule["resources"] for rule in role["rules"])
+    (binding,) = [d for d in here if d["kind"] == "RoleBinding"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "gpuinfer-launcher", "namespace": "dagster"}
+    ]
+
+
+class SecretsPolicy:
+    def __init__(self) -> None:
+        docs = load(DEPLOY / "admission" / "worker-secrets-policy.yaml")
+        self.policy = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy")
+        self.binding = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding")
+        self.env = celpy.Environment()
+
+    def _evaluate(self, expression: str, activation: dict[str, Any]) -> Any:
+        value = self.env.program(self.env.compile(expression)).evaluate(activation)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    def admit(self, pod: dict[str, Any], namespace: str) -> list[str]:
+        activation: dict[str, Any] = {
+            "object": celpy.json_to_cel(pod),
+            "request": celpy.json_to_cel({"namespace": namespace, "operation": "CREATE"}),
+        }
+        variables: dict[str, Any] = {}
+        for variable in self.policy["spec"]["variables"]:
+            activation["variables"] = celpy.json_to_cel(variables)
+            variables[variable["name"]] = _to_json(
+                self._evaluate(variable["expression"], activation)
+            )
+        activation["variables"] = celpy.json_to_cel(variables)
+        failures = []
+        for validation in self.policy["spec"]["validations"]:
+            try:
+                allowed = bool(self._evaluate(validation["expression"], activation))
+            except Exception as exc:  # noqa: BLE001 - an evaluation error fails closed
+                failures.append(f"{validation['message'].strip()} (error: {exc})")
+                continue
+            if not allowed:
+                failures.append(validation["message"].strip())
+        return failures
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, celpy.celtypes.BoolType):
+        return bool(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    if isinstance(value, int):
+        return int(value)
+    return value
+
+
+@pytest.fixture(scope="module")
+def policy() -> SecretsPolicy:
+    return SecretsPolicy()
+
+
+def builder_pod(namespace: str = "gpuinfer") -> dict[str, Any]:
+    deployment = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())[
+        "dagster-user-deployments"
+    ]["deployments"][0]
+    env = {item["name"]: item["value"] for item in deployment["env"]}
+    env["GPUINFER_HF_TOKEN_SECRET"] = "hf-token"
+    env["GPUINFER_NAMESPACE"] = namespace
+    spec = InferenceSpec.model_validate(
+        {
+            "model": "/models/m",
+            "task": "generate",
+            "input": {"uri": "s3://b/in/{partition_key}.jsonl"},
+            "output": {"root": "s3://b/out", "asset_name": "a"},
+            "partition_keys": ["p"],
+        }
+    )
+    config = k8s_launcher_config(env)
+    return build_worker_pod(spec, config, RunIdentity(run_id="r" * 36, asset_key="a"))
+
+
+def test_the_binding_covers_every_worker_namespace(policy):
+    selector = policy.binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"]
+    assert selector == {"gpuinfer.dagster.io/kueue": "managed"}
+    assert policy.binding["spec"]["validationActions"] == ["Deny"]
+
+
+@pytest.mark.parametrize("namespace", worker_namespaces())
+def test_the_builders_pod_and_the_cache_warmers_are_admitted(policy, namespace):
+    pod = builder_pod(namespace)
+    container = pod["spec"]["containers"][0]
+    refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", []) if
+            "valueFrom" in e and "secretKeyRef" in e["valueFrom"]]  # fmt: skip
+    assert "hf-token" in refs  # the pod does read a Secret, by reference
+    assert policy.admit(pod, namespace) == []
+    for path in (DEPLOY / "model-cache").glob("warmer-*.yaml"):
+        for doc in load(path):
+            if doc["kind"] in ("Job", "DaemonSet"):
+                assert policy.admit(doc["spec"]["template"], "gpuinfer") == [], path.name
+
+
+def _hostile(change) -> dict[str, Any]:
+    pod = copy.deepcopy(builder_pod())
+    change(pod["spec"], pod["spec"]["containers"][0])
+    return pod
+
+
+HOSTILE = {
+    "another secret by env": lambda spec, c: c.setdefault("env", []).append(
+        {
+            "name": "X",
+            "valueFrom": {
+                "secretKeyRef": {"name": "dagster-postgresql-secret", "key": "postgresql-password"}
+            },
+        }
+    ),  # fmt: skip
+    "another secret by envFrom": lambda spec, c: c.setdefault("envFrom", []).append(
+        {"secretRef": {"name": "tenant-b-s3"}}
+    ),
+    "a secret volume": lambda spec, c: spec.setdefault("volumes", []).append(
+        {"name": "s", "secret": {"secretName": "gpuinfer-s3"}}
+    ),
+    "a projected token": lambda spec, c: spec.setdefault("volumes", []).append(
+        {"name": "t", "projected": {"sources": [{"serviceAccountToken": {"path": "t"}}]}}
+    ),
+    "a csi secrets store": lambda spec, c: spec.setdefault("volumes", []).append(
+        {"name": "c", "csi": {"driver": "secrets-store.csi.k8s.io"}}
+    ),
+    "an init container reading a secret": lambda spec, c: spec.setdefault(
+        "initContainers", []
+    ).append({"name": "i", "image": "x", "envFrom": [{"secretRef": {"name": "other"}}]}),
+    "a pull secret not listed": lambda spec, c: spec.update(
+        imagePullSecrets=[{"name": "someone-elses-registry"}]
+    ),
+    "the launcher's account": lambda spec, c: spec.update(serviceAccountName="gpuinfer-launcher"),
+    "a mounted token": lambda spec, c: spec.update(automountServiceAccountToken=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_pods_reading_other_secrets_are_refused(policy, case):
+    failures = policy.admit(_hostile(HOSTILE[case]), "gpuinfer")
+    assert len(failures) == 1, failures
+
+
+def test_a_namespace_not_listed_may_read_no_secret(policy):
+    assert policy.admit(builder_pod(), "gpuinfer-unlisted")
