@@ -10,18 +10,19 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, create_model
 
 from dagster_gpuinfer.checks import ERROR_RATE, ROWS_BALANCED, VALID_OUTPUT, check_results
 from dagster_gpuinfer.metadata import partition_metadata, run_metadata
 from dagster_gpuinfer.resource import GpuInferenceResource, InferenceRunResult, validate_spec
-from dagster_gpuinfer.run_metrics import run_timing_fields
 from dagster_gpuinfer.spec import (
     EngineArgs,
     InferenceSpec,
     InputSpec,
     SamplingParams,
     Task,
+    pipeline_fields,
+    run_config_fields,
 )
 
 DEFAULT_PARTITIONS_PER_RUN = 4
@@ -71,43 +72,42 @@ def default_backfill_policy() -> dg.BackfillPolicy:
     return dg.BackfillPolicy.multi_run(max_partitions_per_run=DEFAULT_PARTITIONS_PER_RUN)
 
 
-class InferenceRunConfig(dg.Config):
-    """Per-run overrides, editable in the launchpad; unset fields keep the pipeline's."""
+class _RunOverrides(dg.Config):
+    """Per-run overrides, editable in the launchpad; unset fields keep the pipeline's.
 
-    replicas: int | None = Field(None, description="Data-parallel vLLM engines in the worker.")
-    chunk_size: int | None = Field(None, description="Rows per chunk.")
-    max_num_seqs: int | None = Field(None, description="vLLM engine `max_num_seqs`.")
-    max_num_batched_tokens: int | None = Field(
-        None, description="vLLM engine `max_num_batched_tokens`."
-    )
-    gpu_memory_utilization: float | None = Field(
-        None, description="vLLM engine `gpu_memory_utilization`."
-    )
-    max_tokens: int | None = Field(None, description="Sampling `max_tokens` (generate, chat).")
-    temperature: float | None = Field(None, description="Sampling `temperature`.")
+    The fields are derived from the spec models (`spec.run_config_fields`): every pipeline
+    setting, engine and sampling field but those a run may not change (`NOT_PER_RUN`).
+    """
 
-    ENGINE_FIELDS: ClassVar[tuple[str, ...]] = (
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "gpu_memory_utilization",
-    )
-    SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = ("max_tokens", "temperature")
+    SPEC_MODEL: ClassVar[type[InferenceSpec]] = InferenceSpec
 
     def apply(self, raw_spec: dict[str, Any]) -> dict[str, Any]:
         """The spec with the fields this run sets replaced."""
         spec = dict(raw_spec)
         spec["engine"] = dict(raw_spec["engine"])
         spec["sampling"] = dict(raw_spec["sampling"])
-        for name in self.ENGINE_FIELDS:
-            if getattr(self, name) is not None:
-                spec["engine"][name] = getattr(self, name)
-        for name in self.SAMPLING_FIELDS:
-            if getattr(self, name) is not None:
-                spec["sampling"][name] = getattr(self, name)
-        for name in ("replicas", "chunk_size"):
-            if getattr(self, name) is not None:
-                spec[name] = getattr(self, name)
+        for run_name, (section, name, _) in run_config_fields(self.SPEC_MODEL).items():
+            value = getattr(self, run_name, None)
+            if value is not None:
+                (spec[section] if section else spec)[name] = value
         return spec
+
+
+def run_config_model(spec_model: type[InferenceSpec] = InferenceSpec) -> type[_RunOverrides]:
+    """The launchpad config class of `spec_model`: one optional field per run setting."""
+    fields: dict[str, Any] = {}
+    for run_name, (section, name, info) in run_config_fields(spec_model).items():
+        where = f"{section}.{name}" if section else name
+        about = f"{where}: {info.description}" if info.description else where
+        fields[run_name] = (info.annotation | None, Field(None, description=about))
+    model = create_model(
+        "InferenceRunConfig", __base__=_RunOverrides, __module__=__name__, **fields
+    )
+    model.SPEC_MODEL = spec_model
+    return model
+
+
+InferenceRunConfig = run_config_model()
 
 
 @dataclass(frozen=True)
@@ -150,13 +150,14 @@ def inference_assets(
     key_prefix: Sequence[str] | str | None = None,
     resource_key: str = "gpu",
     description: str | None = None,
+    **spec_fields: Any,
 ) -> InferencePipeline:
     """Declare a batch inference pipeline as two partitioned assets.
 
     Args:
         name: The output asset's name (also its folder under `output_root`).
         model: A model directory (or hub id) vLLM can load.
-        task: `embed`, `generate` or `chat`.
+        task: `embed`, `generate`, `chat`, `score` or `classify`.
         input: Where shards are: `InputSpec(uri="data/{partition_key}.parquet", ...)`.
         output_root: Local directory or `s3://bucket/prefix` for outputs.
         partitions_def: One partition per shard; shared by input and output assets.
@@ -177,6 +178,8 @@ def inference_assets(
         retry_policy, pool, op_tags, group_name, key_prefix: passed to `@dg.asset` as is.
         resource_key: Resource key of the `GpuInferenceResource`.
         description: Asset description.
+        **spec_fields: Any other pipeline setting of `InferenceSpec` by its name
+            (`spec.pipeline_fields`), so a setting added to the spec is settable here too.
 
     Returns:
         The input asset spec and the output assets definition.
@@ -207,10 +210,20 @@ def inference_assets(
         "replicas": replicas,
         "chunk_size": chunk_size,
     }
-    if max_requests_in_flight is not None:
-        raw_spec["max_requests_in_flight"] = max_requests_in_flight
-    if not group_prefixes:
-        raw_spec["group_prefixes"] = False
+    unknown = sorted(set(spec_fields) - set(pipeline_fields()))
+    if unknown:
+        raise TypeError(
+            f"inference_assets() got unknown settings {unknown} for asset {name!r}; the "
+            f"pipeline settings of InferenceSpec are {sorted(pipeline_fields())}"
+        )
+    settings = {
+        "max_requests_in_flight": max_requests_in_flight,
+        "group_prefixes": group_prefixes,
+        **spec_fields,
+    }
+    for setting, value in settings.items():  # defaults left out: the spec has them
+        if value != pipeline_fields()[setting].default:
+            raw_spec[setting] = value
     validate_spec(raw_spec, where=f"asset {name!r}")
 
     prefix = [key_prefix] if isinstance(key_prefix, str) else list(key_prefix or [])
@@ -285,18 +298,20 @@ def inference_assets(
         result = gpu.run_inference(context=context, spec=spec)
         if result.failed:
             fail_partitions(context, result, spec)
+        shared = run_metadata(result)
         for key, manifest in result.manifests.items():
+            # The partition's own figures first, then the run's (`run_*`): metadata given
+            # to MaterializeResult would be listed above every partition's own.
             context.add_asset_metadata(
                 {
                     **partition_metadata(
                         result.spec or spec, manifest, computed=key in result.computed
                     ),
-                    **run_timing_fields(result),
-                },  # the run's queue/start/load/inference/commit seconds
+                    **shared,
+                },
                 partition_key=key,
             )
         return dg.MaterializeResult(
-            metadata=run_metadata(result),
             check_results=check_results(
                 result,
                 max_error_rate=max_error_rate,
