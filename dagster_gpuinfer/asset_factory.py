@@ -123,6 +123,81 @@ class InferencePipeline:
         return [self.input_asset, self.output_asset]
 
 
+# Settings the raw spec always names (the asset's `gpuinfer/spec` metadata shows them); the
+# other pipeline settings appear only when they differ from the spec's default.
+ALWAYS_NAMED = ("tensor_parallel_size", "replicas", "chunk_size")
+
+
+def pipeline_spec(
+    *,
+    name: str,
+    model: str,
+    task: str,
+    input: Any,
+    output: dict[str, Any],
+    engine: Any,
+    sampling: Any,
+    settings: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The raw spec of a pipeline (before a run adds its partitions), as JSON-ready dicts.
+
+    Raises:
+        TypeError: a setting that is not a pipeline setting of `InferenceSpec`.
+    """
+    known = pipeline_fields()
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise TypeError(
+            f"inference_assets() got unknown settings {unknown} for asset {name!r}; the "
+            f"pipeline settings of InferenceSpec are {sorted(known)}"
+        )
+
+    def as_dict(value: Any) -> Any:
+        return value.model_dump(mode="json") if hasattr(value, "model_dump") else dict(value or {})
+
+    raw_spec: dict[str, Any] = {
+        "model": model,
+        "task": task,
+        "engine": as_dict(engine),
+        "sampling": as_dict(sampling),
+        "input": as_dict(input),
+        "output": output,
+    }
+    for setting, value in settings.items():
+        if setting in ALWAYS_NAMED or value != known[setting].default:
+            raw_spec[setting] = value
+    return raw_spec
+
+
+def check_specs(
+    output_key: dg.AssetKey, *, max_error_rate: float, max_invalid_output_rate: float | None
+) -> list[dg.AssetCheckSpec]:
+    """The output asset's checks: rows balanced, error rate, and (generation tasks, where
+    `max_invalid_output_rate` is set) valid structured output."""
+    specs = [
+        dg.AssetCheckSpec(
+            ROWS_BALANCED,
+            asset=output_key,
+            description="rows_in == rows_out + rows_errored, from the files",
+        ),
+        dg.AssetCheckSpec(
+            ERROR_RATE,
+            asset=output_key,
+            description=f"quarantined rows at most {max_error_rate:.0%}",
+        ),
+    ]
+    if max_invalid_output_rate is not None:
+        specs.append(
+            dg.AssetCheckSpec(
+                VALID_OUTPUT,
+                asset=output_key,
+                description="outputs failing their structured-output constraint (JSON "
+                f"schema, regex, choice) at most {max_invalid_output_rate:.0%}",
+            )
+        )
+    return specs
+
+
 def inference_assets(
     *,
     name: str,
@@ -196,34 +271,23 @@ def inference_assets(
         >>> defs = dg.Definitions(assets=pipeline.assets, resources={"gpu": GpuInferenceResource()})
     """
 
-    def as_dict(value: Any) -> Any:
-        return value.model_dump(mode="json") if hasattr(value, "model_dump") else dict(value or {})
-
-    raw_spec: dict[str, Any] = {
-        "model": model,
-        "task": task,
-        "engine": as_dict(engine),
-        "sampling": as_dict(sampling),
-        "input": as_dict(input),
-        "output": {"root": output_root, "asset_name": name, "format": output_format},
-        "tensor_parallel_size": tensor_parallel_size,
-        "replicas": replicas,
-        "chunk_size": chunk_size,
-    }
-    unknown = sorted(set(spec_fields) - set(pipeline_fields()))
-    if unknown:
-        raise TypeError(
-            f"inference_assets() got unknown settings {unknown} for asset {name!r}; the "
-            f"pipeline settings of InferenceSpec are {sorted(pipeline_fields())}"
-        )
-    settings = {
-        "max_requests_in_flight": max_requests_in_flight,
-        "group_prefixes": group_prefixes,
-        **spec_fields,
-    }
-    for setting, value in settings.items():  # defaults left out: the spec has them
-        if value != pipeline_fields()[setting].default:
-            raw_spec[setting] = value
+    raw_spec = pipeline_spec(
+        name=name,
+        model=model,
+        task=task,
+        input=input,
+        output={"root": output_root, "asset_name": name, "format": output_format},
+        engine=engine,
+        sampling=sampling,
+        settings={
+            "tensor_parallel_size": tensor_parallel_size,
+            "replicas": replicas,
+            "chunk_size": chunk_size,
+            "max_requests_in_flight": max_requests_in_flight,
+            "group_prefixes": group_prefixes,
+            **spec_fields,
+        },
+    )
     validate_spec(raw_spec, where=f"asset {name!r}")
 
     prefix = [key_prefix] if isinstance(key_prefix, str) else list(key_prefix or [])
@@ -254,30 +318,11 @@ def inference_assets(
         op_tags=op_tags,
         group_name=group_name,
         required_resource_keys={resource_key},
-        check_specs=[
-            dg.AssetCheckSpec(
-                ROWS_BALANCED,
-                asset=output_key,
-                description="rows_in == rows_out + rows_errored, from the files",
-            ),
-            dg.AssetCheckSpec(
-                ERROR_RATE,
-                asset=output_key,
-                description=f"quarantined rows at most {max_error_rate:.0%}",
-            ),
-            *(
-                [
-                    dg.AssetCheckSpec(
-                        VALID_OUTPUT,
-                        asset=output_key,
-                        description="outputs failing their structured-output constraint (JSON "
-                        f"schema, regex, choice) at most {max_invalid_output_rate:.0%}",
-                    )
-                ]
-                if generates
-                else []
-            ),
-        ],
+        check_specs=check_specs(
+            output_key,
+            max_error_rate=max_error_rate,
+            max_invalid_output_rate=max_invalid_output_rate if generates else None,
+        ),
         kinds={"vllm", output_format if output_format == "parquet" else "json"},
         description=description or f"{task} with {model} over {input_key.to_user_string()}",
         metadata={

@@ -157,6 +157,15 @@ class WorkerMetrics:
         self._push_warned = False
         self._push_paused_until = 0.0
         self._push_lock = threading.Lock()
+        self._declare_counters()
+        self._declare_gauges()
+        self.run_labels = {"asset": asset, "run": run_id}
+        self.retry_gauge.labels(**self.run_labels).set(retry_number)
+        self.up.labels(**self.run_labels).set(1)
+        self.in_flight.labels(**self.run_labels).set(0)
+
+    def _declare_counters(self) -> None:
+        """The platform's counters and its chunk-time histogram."""
         r = self.registry
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = PARTITION_LABELS) -> Counter:
@@ -195,6 +204,10 @@ class WorkerMetrics:
             "Engine builds that failed, by error_type.",
             (*RUN_LABELS, "error_type"),
         )
+
+    def _declare_gauges(self) -> None:
+        """The platform's gauges: the run's, the last telemetry sample's, each partition's."""
+        r = self.registry
         self.in_flight = Gauge(
             "gpuinfer_requests_in_flight",
             "Requests submitted to the engine, not yet done.",
@@ -262,10 +275,6 @@ class WorkerMetrics:
             RUN_LABELS,
             registry=r,
         )
-        self.run_labels = {"asset": asset, "run": run_id}
-        self.retry_gauge.labels(**self.run_labels).set(retry_number)
-        self.up.labels(**self.run_labels).set(1)
-        self.in_flight.labels(**self.run_labels).set(0)
 
     # ------------------------------------------------------------------ lifecycle
 
