@@ -137,6 +137,20 @@ def test_partition_metadata_reports_rows_tokens_speed_and_load(embed_run):
     assert md["model_load_seconds"] > 0 and md["wall_seconds"] > 0
     assert md["engine_args"]["dtype"] == "float32"
     assert md["output_path"].endswith("/emb/p2")
+    # Rates over the partition's own active span; chunk intervals counted once, within wall.
+    assert 0 < md["inference_seconds"] <= md["active_seconds"] <= md["wall_seconds"]
+    assert md["rows_per_second"] == pytest.approx(40 / md["active_seconds"], rel=0.01)
+    assert "active span" in md["rates_over"]
+    # The partition's own figures come first, the run's (`run_*`) after them all.
+    names = list(md)
+    first_run = min(i for i, name in enumerate(names) if name.startswith("run_"))
+    assert names[0] == "rows_in" and "rows_per_second" in names[:first_run]
+    assert all(
+        name.startswith("run_") or name in ("model", "tensor_parallel_size")
+        for name in names[first_run:]
+    )
+    # Pooling: saturation counts the requests queued for the next step; KV cache is n/a.
+    assert md["kv_cache_usage_p95"] == "n/a"
 
 
 def test_row_count_checks_pass_on_every_partition(embed_run):
