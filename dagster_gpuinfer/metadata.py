@@ -13,22 +13,24 @@ from dagster_gpuinfer.storage import Manifest, partition_dir
 
 RATES_OVER = (
     "rows_per_second and tokens_per_second: the rows and tokens this attempt computed over "
-    "active_seconds, the partition's own active span (its first row submitted to its last "
-    "row done); partitions streamed through one engine overlap, so their spans do too. "
-    "inference_seconds: the union of its chunks' inference intervals, within wall_seconds "
-    "(reading began to commit)."
+    "engine_seconds, the partition's share of its engine's time (the time between two engine "
+    "steps that finish rows is shared by the rows they finish; with replicas, per engine), so "
+    "partitions streamed through one engine together get their own rates. active_seconds: "
+    "its first row submitted to its last row done (spans of partitions streamed together "
+    "overlap). inference_seconds: the union of its chunks' inference intervals, within "
+    "wall_seconds (reading began to commit)."
 )
 
 
 def partition_rates(manifest: Manifest) -> dict[str, Any]:
-    """rows/s and tokens/s over the partition's active span; `n/a` without one (every chunk
-    resumed or quarantined, or a manifest of an older worker)."""
-    span = manifest.active_seconds
-    if span <= 0:
+    """rows/s and tokens/s over the partition's share of engine time; `n/a` without one
+    (every chunk resumed or quarantined, or a manifest of an older worker)."""
+    seconds = manifest.engine_seconds
+    if seconds <= 0:
         return {"rows_per_second": NOT_AVAILABLE, "tokens_per_second": NOT_AVAILABLE}
     return {
-        "rows_per_second": round(manifest.computed.rows_in / span, 2),
-        "tokens_per_second": round(manifest.computed.tokens / span, 2),
+        "rows_per_second": round(manifest.computed.rows_in / seconds, 2),
+        "tokens_per_second": round(manifest.computed.tokens / seconds, 2),
     }
 
 
@@ -45,6 +47,7 @@ def partition_metadata(
         "prompt_tokens": manifest.prompt_tokens,
         "generated_tokens": manifest.generated_tokens,
         **partition_rates(manifest),
+        "engine_seconds": round(manifest.engine_seconds, 3),
         "active_seconds": round(manifest.active_seconds, 3),
         "inference_seconds": round(manifest.inference_seconds, 3),
         "wall_seconds": round(manifest.wall_seconds, 3),

@@ -393,13 +393,16 @@ class ChunkMarker(RowCounts):
     """Proof that one chunk of a shard is committed: written after its files.
 
     `started_at` / `finished_at` (Unix time, as any process of the host reads it) bound the
-    chunk's inference: its first row submitted, its last row done. `write_seconds` is the
+    chunk's inference: its first row submitted, its last row done. `engine_seconds` is its
+    rows' share of their engine's time: the time between two steps that finished rows is
+    shared by the rows finished (a score/classify chunk: its call). `write_seconds` is the
     time its files took to write, measured where they were written (a replica process).
     """
 
     index: int
     spec_hash: str
     inference_seconds: float = 0.0
+    engine_seconds: float = 0.0
     started_at: float | None = None
     finished_at: float | None = None
     write_seconds: float = 0.0
@@ -445,10 +448,11 @@ class Manifest(RowCounts):
     """The `_SUCCESS` manifest: a partition is committed exactly when this exists.
 
     Its row counts (`RowCounts`) are the sum of all its chunks', resumed ones included;
-    `computed` counts only the chunks this attempt computed, over `active_seconds`: the
-    partition's own active span in this attempt (first row submitted to last row done).
-    `inference_seconds` is the union of those chunks' inference intervals (chunks overlap
-    under streaming, so never their sum), within `wall_seconds`.
+    `computed` counts only the chunks this attempt computed, in `engine_seconds`: their share
+    of the engine's time (`ChunkMarker.engine_seconds`). `active_seconds` is the partition's
+    active span in this attempt (first row submitted to last row done), and
+    `inference_seconds` the union of its chunks' inference intervals (chunks overlap under
+    streaming, so never their sum), within `wall_seconds`.
     """
 
     version: int = MANIFEST_VERSION
@@ -466,6 +470,7 @@ class Manifest(RowCounts):
     inference_seconds: float = 0.0
     wall_seconds: float = 0.0
     active_seconds: float = 0.0
+    engine_seconds: float = 0.0
     computed: RowCounts = Field(default_factory=RowCounts)
     model_load_seconds: float = 0.0
     committed_at: float = Field(default_factory=time.time)

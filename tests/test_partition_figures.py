@@ -110,20 +110,32 @@ def _spec(root: Path, task: str = "embed") -> InferenceSpec:
     )
 
 
-def test_rates_use_the_rows_computed_over_the_active_span(tmp_path):
+def test_rates_use_the_rows_computed_over_their_share_of_engine_time(tmp_path):
     manifest = _manifest(
         rows_in=100,
         rows_resumed=60,
         prompt_tokens=1000,
         computed=RowCounts(rows_in=40, prompt_tokens=300, generated_tokens=100),
-        active_seconds=2.0,
-        inference_seconds=1.5,
+        engine_seconds=2.0,
+        # Submitted early, its rows waited behind another partition's in the engine's queue.
+        active_seconds=6.0,
+        inference_seconds=5.5,
         wall_seconds=30.0,  # reading began long before: the run read ahead
     )
     md = partition_metadata(_spec(tmp_path), manifest, computed=True)
-    assert md["rows_per_second"] == 20.0  # 40 rows / 2 s, not 100 rows / 30 s
+    assert md["rows_per_second"] == 20.0  # 40 rows / 2 s, not 100 rows / 30 s nor 40 / 6
     assert md["tokens_per_second"] == 200.0
-    assert "active span" in md["rates_over"]
+    assert "share of its engine's time" in md["rates_over"]
+    names = list(md)
+    assert names[: names.index("rows_per_second")] == [
+        "rows_in",
+        "rows_out",
+        "rows_errored",
+        "rows_resumed",
+        "rows_invalid_output",
+        "prompt_tokens",
+        "generated_tokens",
+    ]
     resumed = partition_metadata(_spec(tmp_path), _manifest(rows_in=100), computed=False)
     assert resumed["rows_per_second"] == resumed["tokens_per_second"] == NOT_AVAILABLE
 
@@ -211,6 +223,7 @@ def _chunk_marker(
         rows_out=rows,
         prompt_tokens=3 * rows,
         inference_seconds=end - start,
+        engine_seconds=end - start,
         started_at=start,
         finished_at=end,
         write_seconds=write_seconds,

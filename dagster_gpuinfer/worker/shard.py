@@ -115,11 +115,14 @@ def write_chunk(
     valid: ValidChunk,
     result: ChunkResult,
     attempt: str,
+    *,
+    engine_seconds: float | None = None,
 ) -> ChunkMarker:
     """Write one chunk's outputs and quarantined rows; its marker, written last, commits it.
 
     The writer takes a chunk the moment its last row is done, and `result.seconds` runs from
     its first row submitted to then: so the chunk's inference interval ends now.
+    `engine_seconds` is its rows' share of the engine's time (default: `result.seconds`).
     """
     finished_at = time.time()
     started = time.perf_counter()
@@ -155,6 +158,7 @@ def write_chunk(
         prompt_tokens=sum(result.prompt_tokens or ()),
         generated_tokens=sum(result.generated_tokens or ()),
         inference_seconds=result.seconds,
+        engine_seconds=result.seconds if engine_seconds is None else engine_seconds,
         started_at=finished_at - result.seconds,
         finished_at=finished_at,
         write_seconds=time.perf_counter() - started,
@@ -221,8 +225,8 @@ def commit_chunks(
     """Commit a partition from its chunk markers: gather the errors, then write the manifest.
 
     `computed` names the chunks this attempt computed (the others were resumed): the
-    partition's own figures (`computed` counts, `active_seconds`, `inference_seconds`,
-    `commit_seconds`) come from those alone.
+    partition's own figures (`computed` counts, `engine_seconds`, `active_seconds`,
+    `inference_seconds`, `commit_seconds`) come from those alone.
     """
     ordered = [markers[i] for i in sorted(markers)]
     error_tables = [read_chunk_errors(where, m) for m in ordered if m.errors]
@@ -251,6 +255,7 @@ def commit_chunks(
         inference_seconds=union,
         wall_seconds=now - times.started_at,
         active_seconds=span,
+        engine_seconds=sum(m.engine_seconds for m in this_attempt),
         computed=RowCounts.total(this_attempt),
         model_load_seconds=times.model_load_seconds,
         worker=worker,

@@ -77,6 +77,7 @@ class _ChunkInFlight:
     outputs: list[Any] = field(default_factory=list)
     remaining: int = 0
     first_submitted: float | None = None
+    engine_seconds: float = 0.0  # its rows' share of the engine's time (see `serve_chunks`)
     result: Any = None  # score/classify: the chunk's `PoolingResult`, computed whole
 
     def __post_init__(self) -> None:
@@ -166,7 +167,13 @@ def serve_chunks(
                     spec.task, item.outputs, seconds, requests=item.valid.requests
                 )
             marker = write_chunk(
-                spec, where, item.work.chunk, item.valid, result, item.work.attempt
+                spec,
+                where,
+                item.work.chunk,
+                item.valid,
+                result,
+                item.work.attempt,
+                engine_seconds=result.seconds if item.result is not None else item.engine_seconds,
             )
             committed(ChunkCommitted(partition_key=key, marker=marker, replica=replica))
 
@@ -185,6 +192,7 @@ def serve_chunks(
     incoming: deque[tuple[_ChunkInFlight, int]] = deque()  # read ahead, not yet ordered
     current: deque[tuple[_ChunkInFlight, int]] = deque()  # ordered, being submitted
     prepared_all = False
+    since_last_done = time.perf_counter()
     sequence = 0
     rows = 0
     try:
@@ -232,6 +240,8 @@ def serve_chunks(
                 request_id = str(sequence)
                 sequence += 1
                 requests[request_id] = (item, position)
+                if engine.in_flight == 0:  # the engine starts working: its time counts from now
+                    since_last_done = time.perf_counter()
                 engine.submit(request_id, item.valid.token_ids[position], item.params(position))
                 metrics.requests_started(1)
                 if item.first_submitted is None:
@@ -243,8 +253,12 @@ def serve_chunks(
             done = engine.step()
             if done:
                 metrics.requests_finished(len(done))
+                # The engine's time since the last rows were done is shared by the rows done now.
+                now = time.perf_counter()
+                share, since_last_done = (now - since_last_done) / len(done), now
             for request_id, output in done:
                 item, position = requests.pop(request_id)
+                item.engine_seconds += share
                 item.outputs[position] = output
                 item.remaining -= 1
                 rows += 1
