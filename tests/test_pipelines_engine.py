@@ -325,6 +325,10 @@ def test_two_replicas_share_one_shard_chunk_by_chunk_exactly_once(generate_runs)
     assert all(texts[f"w-{i}"] == by_prompt[PROMPTS[i % len(PROMPTS)]] for i in range(120))
     md = partition_metadata(generate_runs["instance"], generate_runs["two"].output_asset.key, "w")
     assert md["computed_in_this_run"] is True
+    # The replicas wrote the chunks: their write time reached the parent in the markers
+    # (it read 0 when it was counted in the process that committed the partition).
+    assert md["commit_seconds"] > 0
+    assert 0 < md["inference_seconds"] <= md["wall_seconds"]
 
 
 def test_bad_rows_are_quarantined_and_the_shard_still_commits(generate_runs):
