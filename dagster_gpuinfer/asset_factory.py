@@ -198,6 +198,38 @@ def check_specs(
     return specs
 
 
+def materialize_run(
+    context: dg.AssetExecutionContext,
+    raw_spec: dict[str, Any],
+    *,
+    name: str,
+    resource_key: str,
+    max_error_rate: float,
+    max_invalid_output_rate: float | None,
+) -> dg.MaterializeResult:
+    """The output asset's body: run the worker over the run's partitions, then give each
+    partition its own figures first and the run's (`run_*`) after them."""
+    gpu: GpuInferenceResource = getattr(context.resources, resource_key)
+    run_spec = dict(raw_spec, partition_keys=list(context.partition_keys))
+    try:
+        spec = validate_spec(run_spec, where=f"asset {name!r}")
+    except ValueError as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
+    result = gpu.run_inference(context=context, spec=spec)
+    if result.failed:
+        fail_partitions(context, result, spec)
+    shared = run_metadata(result)
+    for key, manifest in result.manifests.items():
+        # Metadata given to MaterializeResult would be listed above every partition's own.
+        own = partition_metadata(result.spec or spec, manifest, computed=key in result.computed)
+        context.add_asset_metadata({**own, **shared}, partition_key=key)
+    return dg.MaterializeResult(
+        check_results=check_results(
+            result, max_error_rate=max_error_rate, max_invalid_output_rate=max_invalid_output_rate
+        ),
+    )
+
+
 def inference_assets(
     *,
     name: str,
@@ -334,34 +366,13 @@ def inference_assets(
         },
     )
     def _inference_asset(context: dg.AssetExecutionContext, config: InferenceRunConfig):
-        gpu: GpuInferenceResource = getattr(context.resources, resource_key)
-        run_spec = dict(config.apply(raw_spec), partition_keys=list(context.partition_keys))
-        try:
-            spec = validate_spec(run_spec, where=f"asset {name!r}")
-        except ValueError as exc:
-            raise dg.Failure(description=str(exc), allow_retries=False) from None
-        result = gpu.run_inference(context=context, spec=spec)
-        if result.failed:
-            fail_partitions(context, result, spec)
-        shared = run_metadata(result)
-        for key, manifest in result.manifests.items():
-            # The partition's own figures first, then the run's (`run_*`): metadata given
-            # to MaterializeResult would be listed above every partition's own.
-            context.add_asset_metadata(
-                {
-                    **partition_metadata(
-                        result.spec or spec, manifest, computed=key in result.computed
-                    ),
-                    **shared,
-                },
-                partition_key=key,
-            )
-        return dg.MaterializeResult(
-            check_results=check_results(
-                result,
-                max_error_rate=max_error_rate,
-                max_invalid_output_rate=max_invalid_output_rate if generates else None,
-            ),
+        return materialize_run(
+            context,
+            config.apply(raw_spec),
+            name=name,
+            resource_key=resource_key,
+            max_error_rate=max_error_rate,
+            max_invalid_output_rate=max_invalid_output_rate if generates else None,
         )
 
     return InferencePipeline(input_asset=input_spec, output_asset=_inference_asset, spec=raw_spec)
