@@ -394,8 +394,8 @@ class ChunkMarker(RowCounts):
 
     `started_at` / `finished_at` (Unix time, as any process of the host reads it) bound the
     chunk's inference: its first row submitted, its last row done. `engine_seconds` is its
-    rows' share of their engine's time: the time between two steps that finished rows is
-    shared by the rows finished (a score/classify chunk: its call). `write_seconds` is the
+    share of its engine's time in `step()` (`worker/engine_time.py`; a score/classify
+    chunk: its call). `write_seconds` is the
     time its files took to write, measured where they were written (a replica process).
     """
 

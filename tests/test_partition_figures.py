@@ -23,6 +23,7 @@ from dagster_gpuinfer.metadata import partition_metadata
 from dagster_gpuinfer.run_metrics import NOT_AVAILABLE
 from dagster_gpuinfer.storage import ChunkMarker, Manifest, RowCounts
 from dagster_gpuinfer.worker.coordinator import RunCoordinator
+from dagster_gpuinfer.worker.engine_time import EngineTimeShares
 from dagster_gpuinfer.worker.errors import ShardError
 from dagster_gpuinfer.worker.job import (
     ReplicaChunk,
@@ -308,3 +309,38 @@ def test_a_failed_partition_is_logged_once_by_whoever_handles_it(tmp_path, caplo
     assert failed == ["bad"] and [m.partition_key for m in manifests] == ["good"]
     # The coordinator hands the failure to `on_failed` (the job logs and reports it there).
     assert [r for r in caplog.records if "bad" in r.getMessage()] == []
+
+
+# --------------------------------------------------------------------------- engine time
+
+
+class _Chunk:
+    def __init__(self) -> None:
+        self.engine_seconds = 0.0
+
+
+def test_generation_steps_are_shared_by_the_chunks_in_flight_by_their_requests():
+    shares = EngineTimeShares(pooling=False)
+    a, b = _Chunk(), _Chunk()
+    for chunk in (a, a, a, b):
+        shares.submitted(chunk)
+    shares.stepped(0.4, [])  # a holds 3 of 4 requests in flight
+    shares.stepped(0.4, [a, a, a])  # a's rows were in flight during this step too
+    shares.stepped(0.2, [b])  # b alone
+    assert a.engine_seconds == pytest.approx(0.6)
+    assert b.engine_seconds == pytest.approx(0.2 + 0.2)
+    assert a.engine_seconds + b.engine_seconds == pytest.approx(1.0)  # all engine time
+
+
+def test_pooling_steps_go_to_the_rows_they_finish_not_to_rows_waiting():
+    # Two equal partitions' chunks submitted together into one window: the second's rows
+    # wait in the engine's queue while the first's run; each gets its own steps' time.
+    shares = EngineTimeShares(pooling=True)
+    first, second = _Chunk(), _Chunk()
+    for chunk in [first] * 4 + [second] * 4:
+        shares.submitted(chunk)
+    shares.stepped(0.5, [first, first, first, first])
+    shares.stepped(0.25, [])  # a step that finished nothing: its time goes to the next rows
+    shares.stepped(0.25, [second, second, second, second])
+    assert first.engine_seconds == pytest.approx(0.5)
+    assert second.engine_seconds == pytest.approx(0.5)

@@ -35,9 +35,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.spec import POOLING_TASKS, InferenceSpec
 from dagster_gpuinfer.storage import ChunkMarker
 from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine
+from dagster_gpuinfer.worker.engine_time import EngineTimeShares
 from dagster_gpuinfer.worker.metrics import current_metrics
 from dagster_gpuinfer.worker.pooling_tasks import run_pooling_chunk
 from dagster_gpuinfer.worker.readers import RawChunk
@@ -77,7 +78,7 @@ class _ChunkInFlight:
     outputs: list[Any] = field(default_factory=list)
     remaining: int = 0
     first_submitted: float | None = None
-    engine_seconds: float = 0.0  # its rows' share of the engine's time (see `serve_chunks`)
+    engine_seconds: float = 0.0  # its rows' share of the engine's time (`EngineTimeShares`)
     result: Any = None  # score/classify: the chunk's `PoolingResult`, computed whole
 
     def __post_init__(self) -> None:
@@ -192,7 +193,7 @@ def serve_chunks(
     incoming: deque[tuple[_ChunkInFlight, int]] = deque()  # read ahead, not yet ordered
     current: deque[tuple[_ChunkInFlight, int]] = deque()  # ordered, being submitted
     prepared_all = False
-    since_last_done = time.perf_counter()
+    engine_time = EngineTimeShares(pooling=spec.task in POOLING_TASKS)
     sequence = 0
     rows = 0
     try:
@@ -240,9 +241,8 @@ def serve_chunks(
                 request_id = str(sequence)
                 sequence += 1
                 requests[request_id] = (item, position)
-                if engine.in_flight == 0:  # the engine starts working: its time counts from now
-                    since_last_done = time.perf_counter()
                 engine.submit(request_id, item.valid.token_ids[position], item.params(position))
+                engine_time.submitted(item)
                 metrics.requests_started(1)
                 if item.first_submitted is None:
                     item.first_submitted = time.perf_counter()
@@ -250,15 +250,15 @@ def serve_chunks(
                 if prepared_all and not incoming and not current:
                     break
                 continue
+            step_started = time.perf_counter()
             done = engine.step()
+            engine_time.stepped(
+                time.perf_counter() - step_started, [requests[rid][0] for rid, _ in done]
+            )
             if done:
                 metrics.requests_finished(len(done))
-                # The engine's time since the last rows were done is shared by the rows done now.
-                now = time.perf_counter()
-                share, since_last_done = (now - since_last_done) / len(done), now
             for request_id, output in done:
                 item, position = requests.pop(request_id)
-                item.engine_seconds += share
                 item.outputs[position] = output
                 item.remaining -= 1
                 rows += 1
