@@ -14,9 +14,9 @@ from dagster_gpuinfer.storage import Manifest, partition_dir
 RATES_OVER = (
     "rows_per_second and tokens_per_second: the rows and tokens this attempt computed over "
     "engine_seconds, the partition's share of its engine's time (generation: each engine step "
-    "shared by the requests in flight during it; pooling: each step's time to the rows it "
-    "finished; with replicas, summed over the engines), so partitions streamed through one "
-    "engine together get their own rates. active_seconds: "
+    "shared by the requests it runs, the max_num_seqs oldest in flight; pooling: each step's "
+    "time to the rows it finished; with replicas, summed over the engines), so partitions "
+    "streamed through one engine together get their own rates. active_seconds: "
     "its first row submitted to its last row done (spans of partitions streamed together "
     "overlap). inference_seconds: the union of its chunks' inference intervals, within "
     "wall_seconds (reading began to commit)."

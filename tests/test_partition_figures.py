@@ -319,28 +319,31 @@ class _Chunk:
         self.engine_seconds = 0.0
 
 
-def test_generation_steps_are_shared_by_the_chunks_in_flight_by_their_requests():
-    shares = EngineTimeShares(pooling=False)
-    a, b = _Chunk(), _Chunk()
-    for chunk in (a, a, a, b):
-        shares.submitted(chunk)
-    shares.stepped(0.4, [])  # a holds 3 of 4 requests in flight
-    shares.stepped(0.4, [a, a, a])  # a's rows were in flight during this step too
-    shares.stepped(0.2, [b])  # b alone
-    assert a.engine_seconds == pytest.approx(0.6)
-    assert b.engine_seconds == pytest.approx(0.2 + 0.2)
-    assert a.engine_seconds + b.engine_seconds == pytest.approx(1.0)  # all engine time
+def test_generation_steps_are_shared_by_the_requests_running_not_those_waiting():
+    shares = EngineTimeShares(pooling=False, max_running=2)
+    a, b, c = _Chunk(), _Chunk(), _Chunk()
+    for request_id, chunk in (("1", a), ("2", b), ("3", c), ("4", c)):
+        shares.submitted(request_id, chunk)  # 1 and 2 run; c's two wait in the queue
+    shares.stepped(0.4, [])
+    shares.stepped(0.4, [("1", a)])  # a's row ran in this step too; then 3 starts
+    shares.stepped(0.2, [("2", b), ("3", c)])  # 4 starts
+    shares.stepped(0.2, [("4", c)])
+    assert a.engine_seconds == pytest.approx(0.4)
+    assert b.engine_seconds == pytest.approx(0.2 + 0.2 + 0.1)
+    assert c.engine_seconds == pytest.approx(0.1 + 0.2)
+    total = a.engine_seconds + b.engine_seconds + c.engine_seconds
+    assert total == pytest.approx(1.2)  # all the engine's step time, shared once
 
 
 def test_pooling_steps_go_to_the_rows_they_finish_not_to_rows_waiting():
     # Two equal partitions' chunks submitted together into one window: the second's rows
     # wait in the engine's queue while the first's run; each gets its own steps' time.
-    shares = EngineTimeShares(pooling=True)
+    shares = EngineTimeShares(pooling=True, max_running=8)
     first, second = _Chunk(), _Chunk()
-    for chunk in [first] * 4 + [second] * 4:
-        shares.submitted(chunk)
-    shares.stepped(0.5, [first, first, first, first])
+    for index, chunk in enumerate([first] * 4 + [second] * 4):
+        shares.submitted(str(index), chunk)
+    shares.stepped(0.5, [(str(i), first) for i in range(4)])
     shares.stepped(0.25, [])  # a step that finished nothing: its time goes to the next rows
-    shares.stepped(0.25, [second, second, second, second])
+    shares.stepped(0.25, [(str(i), second) for i in range(4, 8)])
     assert first.engine_seconds == pytest.approx(0.5)
     assert second.engine_seconds == pytest.approx(0.5)

@@ -193,7 +193,9 @@ def serve_chunks(
     incoming: deque[tuple[_ChunkInFlight, int]] = deque()  # read ahead, not yet ordered
     current: deque[tuple[_ChunkInFlight, int]] = deque()  # ordered, being submitted
     prepared_all = False
-    engine_time = EngineTimeShares(pooling=spec.task in POOLING_TASKS)
+    engine_time = EngineTimeShares(
+        pooling=spec.task in POOLING_TASKS, max_running=engine.max_num_seqs
+    )
     sequence = 0
     rows = 0
     try:
@@ -242,7 +244,7 @@ def serve_chunks(
                 sequence += 1
                 requests[request_id] = (item, position)
                 engine.submit(request_id, item.valid.token_ids[position], item.params(position))
-                engine_time.submitted(item)
+                engine_time.submitted(request_id, item)
                 metrics.requests_started(1)
                 if item.first_submitted is None:
                     item.first_submitted = time.perf_counter()
@@ -253,7 +255,7 @@ def serve_chunks(
             step_started = time.perf_counter()
             done = engine.step()
             engine_time.stepped(
-                time.perf_counter() - step_started, [requests[rid][0] for rid, _ in done]
+                time.perf_counter() - step_started, [(rid, requests[rid][0]) for rid, _ in done]
             )
             if done:
                 metrics.requests_finished(len(done))
