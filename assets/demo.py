@@ -117,14 +117,19 @@ def summary_rows(instance: dg.DagsterInstance, asset_key: dg.AssetKey) -> list[l
                 key,
                 str(md["rows_out"]),
                 str(md["rows_errored"]),
-                f"{md['rows_per_second']:.0f}",
-                f"{md['tokens_per_second']:.0f}",
+                rate(md["rows_per_second"]),
+                rate(md["tokens_per_second"]),
                 f"{md['model_load_seconds']:.1f}",
                 "yes" if md["computed_in_this_run"] else "reused",
                 str(md["output_path"]),
             ]
         )
     return rows
+
+
+def rate(value: object) -> str:
+    """A rate from partition metadata: a number, or `n/a` (no active span, e.g. resumed)."""
+    return f"{value:.0f}" if isinstance(value, (int, float)) else str(value)
 
 
 def print_table(rows: list[list[str]]) -> None:

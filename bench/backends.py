@@ -337,7 +337,7 @@ class EngineBackend:
 
         from dagster_gpuinfer.storage import read_partition
         from dagster_gpuinfer.worker.readers import RawChunk
-        from dagster_gpuinfer.worker.shard import ShardLocation, commit_chunks
+        from dagster_gpuinfer.worker.shard import PartitionTimes, ShardLocation, commit_chunks
         from dagster_gpuinfer.worker.stream import WorkChunk, serve_chunks
 
         spec = self.spec.model_copy(
@@ -359,6 +359,7 @@ class EngineBackend:
         self.engine.llm.reset_prefix_cache()
         self.cached_tokens = 0
         started = time.perf_counter()
+        started_at = time.time()
         serve_chunks(
             self.engine,
             spec,
@@ -369,9 +370,9 @@ class EngineBackend:
             where,
             spec,
             markers,
+            computed=set(markers),
             rows_resumed=0,
-            wall_seconds=time.perf_counter() - started,
-            model_load_seconds=0.0,
+            times=PartitionTimes(started_at=started_at, model_load_seconds=0.0),
             worker={},
         )
         seconds = time.perf_counter() - started

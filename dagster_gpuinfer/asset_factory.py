@@ -10,18 +10,19 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, create_model
 
 from dagster_gpuinfer.checks import ERROR_RATE, ROWS_BALANCED, VALID_OUTPUT, check_results
 from dagster_gpuinfer.metadata import partition_metadata, run_metadata
 from dagster_gpuinfer.resource import GpuInferenceResource, InferenceRunResult, validate_spec
-from dagster_gpuinfer.run_metrics import run_timing_fields
 from dagster_gpuinfer.spec import (
     EngineArgs,
     InferenceSpec,
     InputSpec,
     SamplingParams,
     Task,
+    pipeline_fields,
+    run_config_fields,
 )
 
 DEFAULT_PARTITIONS_PER_RUN = 4
@@ -71,43 +72,42 @@ def default_backfill_policy() -> dg.BackfillPolicy:
     return dg.BackfillPolicy.multi_run(max_partitions_per_run=DEFAULT_PARTITIONS_PER_RUN)
 
 
-class InferenceRunConfig(dg.Config):
-    """Per-run overrides, editable in the launchpad; unset fields keep the pipeline's."""
+class _RunOverrides(dg.Config):
+    """Per-run overrides, editable in the launchpad; unset fields keep the pipeline's.
 
-    replicas: int | None = Field(None, description="Data-parallel vLLM engines in the worker.")
-    chunk_size: int | None = Field(None, description="Rows per chunk.")
-    max_num_seqs: int | None = Field(None, description="vLLM engine `max_num_seqs`.")
-    max_num_batched_tokens: int | None = Field(
-        None, description="vLLM engine `max_num_batched_tokens`."
-    )
-    gpu_memory_utilization: float | None = Field(
-        None, description="vLLM engine `gpu_memory_utilization`."
-    )
-    max_tokens: int | None = Field(None, description="Sampling `max_tokens` (generate, chat).")
-    temperature: float | None = Field(None, description="Sampling `temperature`.")
+    The fields are derived from the spec models (`spec.run_config_fields`): every pipeline
+    setting, engine and sampling field but those a run may not change (`NOT_PER_RUN`).
+    """
 
-    ENGINE_FIELDS: ClassVar[tuple[str, ...]] = (
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "gpu_memory_utilization",
-    )
-    SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = ("max_tokens", "temperature")
+    SPEC_MODEL: ClassVar[type[InferenceSpec]] = InferenceSpec
 
     def apply(self, raw_spec: dict[str, Any]) -> dict[str, Any]:
         """The spec with the fields this run sets replaced."""
         spec = dict(raw_spec)
         spec["engine"] = dict(raw_spec["engine"])
         spec["sampling"] = dict(raw_spec["sampling"])
-        for name in self.ENGINE_FIELDS:
-            if getattr(self, name) is not None:
-                spec["engine"][name] = getattr(self, name)
-        for name in self.SAMPLING_FIELDS:
-            if getattr(self, name) is not None:
-                spec["sampling"][name] = getattr(self, name)
-        for name in ("replicas", "chunk_size"):
-            if getattr(self, name) is not None:
-                spec[name] = getattr(self, name)
+        for run_name, (section, name, _) in run_config_fields(self.SPEC_MODEL).items():
+            value = getattr(self, run_name, None)
+            if value is not None:
+                (spec[section] if section else spec)[name] = value
         return spec
+
+
+def run_config_model(spec_model: type[InferenceSpec] = InferenceSpec) -> type[_RunOverrides]:
+    """The launchpad config class of `spec_model`: one optional field per run setting."""
+    fields: dict[str, Any] = {}
+    for run_name, (section, name, info) in run_config_fields(spec_model).items():
+        where = f"{section}.{name}" if section else name
+        about = f"{where}: {info.description}" if info.description else where
+        fields[run_name] = (info.annotation | None, Field(None, description=about))
+    model = create_model(
+        "InferenceRunConfig", __base__=_RunOverrides, __module__=__name__, **fields
+    )
+    model.SPEC_MODEL = spec_model
+    return model
+
+
+InferenceRunConfig = run_config_model()
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,113 @@ class InferencePipeline:
     @property
     def assets(self) -> list[dg.AssetSpec | dg.AssetsDefinition]:
         return [self.input_asset, self.output_asset]
+
+
+# Settings the raw spec always names (the asset's `gpuinfer/spec` metadata shows them); the
+# other pipeline settings appear only when they differ from the spec's default.
+ALWAYS_NAMED = ("tensor_parallel_size", "replicas", "chunk_size")
+
+
+def pipeline_spec(
+    *,
+    name: str,
+    model: str,
+    task: str,
+    input: Any,
+    output: dict[str, Any],
+    engine: Any,
+    sampling: Any,
+    settings: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The raw spec of a pipeline (before a run adds its partitions), as JSON-ready dicts.
+
+    Raises:
+        TypeError: a setting that is not a pipeline setting of `InferenceSpec`.
+    """
+    known = pipeline_fields()
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise TypeError(
+            f"inference_assets() got unknown settings {unknown} for asset {name!r}; the "
+            f"pipeline settings of InferenceSpec are {sorted(known)}"
+        )
+
+    def as_dict(value: Any) -> Any:
+        return value.model_dump(mode="json") if hasattr(value, "model_dump") else dict(value or {})
+
+    raw_spec: dict[str, Any] = {
+        "model": model,
+        "task": task,
+        "engine": as_dict(engine),
+        "sampling": as_dict(sampling),
+        "input": as_dict(input),
+        "output": output,
+    }
+    for setting, value in settings.items():
+        if setting in ALWAYS_NAMED or value != known[setting].default:
+            raw_spec[setting] = value
+    return raw_spec
+
+
+def check_specs(
+    output_key: dg.AssetKey, *, max_error_rate: float, max_invalid_output_rate: float | None
+) -> list[dg.AssetCheckSpec]:
+    """The output asset's checks: rows balanced, error rate, and (generation tasks, where
+    `max_invalid_output_rate` is set) valid structured output."""
+    specs = [
+        dg.AssetCheckSpec(
+            ROWS_BALANCED,
+            asset=output_key,
+            description="rows_in == rows_out + rows_errored, from the files",
+        ),
+        dg.AssetCheckSpec(
+            ERROR_RATE,
+            asset=output_key,
+            description=f"quarantined rows at most {max_error_rate:.0%}",
+        ),
+    ]
+    if max_invalid_output_rate is not None:
+        specs.append(
+            dg.AssetCheckSpec(
+                VALID_OUTPUT,
+                asset=output_key,
+                description="outputs failing their structured-output constraint (JSON "
+                f"schema, regex, choice) at most {max_invalid_output_rate:.0%}",
+            )
+        )
+    return specs
+
+
+def materialize_run(
+    context: dg.AssetExecutionContext,
+    raw_spec: dict[str, Any],
+    *,
+    name: str,
+    resource_key: str,
+    max_error_rate: float,
+    max_invalid_output_rate: float | None,
+) -> dg.MaterializeResult:
+    """The output asset's body: run the worker over the run's partitions, then give each
+    partition its own figures first and the run's (`run_*`) after them."""
+    gpu: GpuInferenceResource = getattr(context.resources, resource_key)
+    run_spec = dict(raw_spec, partition_keys=list(context.partition_keys))
+    try:
+        spec = validate_spec(run_spec, where=f"asset {name!r}")
+    except ValueError as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
+    result = gpu.run_inference(context=context, spec=spec)
+    if result.failed:
+        fail_partitions(context, result, spec)
+    shared = run_metadata(result)
+    for key, manifest in result.manifests.items():
+        # Metadata given to MaterializeResult would be listed above every partition's own.
+        own = partition_metadata(result.spec or spec, manifest, computed=key in result.computed)
+        context.add_asset_metadata({**own, **shared}, partition_key=key)
+    return dg.MaterializeResult(
+        check_results=check_results(
+            result, max_error_rate=max_error_rate, max_invalid_output_rate=max_invalid_output_rate
+        ),
+    )
 
 
 def inference_assets(
@@ -151,13 +258,14 @@ def inference_assets(
     key_prefix: Sequence[str] | str | None = None,
     resource_key: str = "gpu",
     description: str | None = None,
+    **spec_fields: Any,
 ) -> InferencePipeline:
     """Declare a batch inference pipeline as two partitioned assets.
 
     Args:
         name: The output asset's name (also its folder under `output_root`).
         model: A model directory (or hub id) vLLM can load.
-        task: `embed`, `generate` or `chat`.
+        task: `embed`, `generate`, `chat`, `score` or `classify`.
         input: Where shards are: `InputSpec(uri="data/{partition_key}.parquet", ...)`.
         output_root: Local directory or `s3://bucket/prefix` for outputs.
         partitions_def: One partition per shard; shared by input and output assets.
@@ -180,6 +288,8 @@ def inference_assets(
         retry_policy, pool, op_tags, group_name, key_prefix: passed to `@dg.asset` as is.
         resource_key: Resource key of the `GpuInferenceResource`.
         description: Asset description.
+        **spec_fields: Any other pipeline setting of `InferenceSpec` by its name
+            (`spec.pipeline_fields`), so a setting added to the spec is settable here too.
 
     Returns:
         The input asset spec and the output assets definition.
@@ -196,26 +306,27 @@ def inference_assets(
         >>> defs = dg.Definitions(assets=pipeline.assets, resources={"gpu": GpuInferenceResource()})
     """
 
-    def as_dict(value: Any) -> Any:
-        return value.model_dump(mode="json") if hasattr(value, "model_dump") else dict(value or {})
-
-    raw_spec: dict[str, Any] = {
-        "model": model,
-        "task": task,
-        "engine": as_dict(engine),
-        "sampling": as_dict(sampling),
-        "input": as_dict(input),
-        "output": {"root": output_root, "asset_name": name, "format": output_format},
-        "tensor_parallel_size": tensor_parallel_size,
-        "replicas": replicas,
-        "chunk_size": chunk_size,
-    }
-    if max_requests_in_flight is not None:
-        raw_spec["max_requests_in_flight"] = max_requests_in_flight
-    if not group_prefixes:
-        raw_spec["group_prefixes"] = False
-    if limits is not None:
-        raw_spec["limits"] = as_dict(limits)
+    raw_spec = pipeline_spec(
+        name=name,
+        model=model,
+        task=task,
+        input=input,
+        output={"root": output_root, "asset_name": name, "format": output_format},
+        engine=engine,
+        sampling=sampling,
+        settings={
+            "tensor_parallel_size": tensor_parallel_size,
+            "replicas": replicas,
+            "chunk_size": chunk_size,
+            "max_requests_in_flight": max_requests_in_flight,
+            "group_prefixes": group_prefixes,
+            **spec_fields,
+        },
+    )
+    if limits is not None:  # a nested model, like engine and sampling
+        raw_spec["limits"] = (
+            limits.model_dump(mode="json") if hasattr(limits, "model_dump") else dict(limits)
+        )
     validate_spec(raw_spec, where=f"asset {name!r}")
 
     prefix = [key_prefix] if isinstance(key_prefix, str) else list(key_prefix or [])
@@ -246,30 +357,11 @@ def inference_assets(
         op_tags=op_tags,
         group_name=group_name,
         required_resource_keys={resource_key},
-        check_specs=[
-            dg.AssetCheckSpec(
-                ROWS_BALANCED,
-                asset=output_key,
-                description="rows_in == rows_out + rows_errored, from the files",
-            ),
-            dg.AssetCheckSpec(
-                ERROR_RATE,
-                asset=output_key,
-                description=f"quarantined rows at most {max_error_rate:.0%}",
-            ),
-            *(
-                [
-                    dg.AssetCheckSpec(
-                        VALID_OUTPUT,
-                        asset=output_key,
-                        description="outputs failing their structured-output constraint (JSON "
-                        f"schema, regex, choice) at most {max_invalid_output_rate:.0%}",
-                    )
-                ]
-                if generates
-                else []
-            ),
-        ],
+        check_specs=check_specs(
+            output_key,
+            max_error_rate=max_error_rate,
+            max_invalid_output_rate=max_invalid_output_rate if generates else None,
+        ),
         kinds={"vllm", output_format if output_format == "parquet" else "json"},
         description=description or f"{task} with {model} over {input_key.to_user_string()}",
         metadata={
@@ -281,32 +373,13 @@ def inference_assets(
         },
     )
     def _inference_asset(context: dg.AssetExecutionContext, config: InferenceRunConfig):
-        gpu: GpuInferenceResource = getattr(context.resources, resource_key)
-        run_spec = dict(config.apply(raw_spec), partition_keys=list(context.partition_keys))
-        try:
-            spec = validate_spec(run_spec, where=f"asset {name!r}")
-        except ValueError as exc:
-            raise dg.Failure(description=str(exc), allow_retries=False) from None
-        result = gpu.run_inference(context=context, spec=spec)
-        if result.failed:
-            fail_partitions(context, result, spec)
-        for key, manifest in result.manifests.items():
-            context.add_asset_metadata(
-                {
-                    **partition_metadata(
-                        result.spec or spec, manifest, computed=key in result.computed
-                    ),
-                    **run_timing_fields(result),
-                },  # the run's queue/start/load/inference/commit seconds
-                partition_key=key,
-            )
-        return dg.MaterializeResult(
-            metadata=run_metadata(result),
-            check_results=check_results(
-                result,
-                max_error_rate=max_error_rate,
-                max_invalid_output_rate=max_invalid_output_rate if generates else None,
-            ),
+        return materialize_run(
+            context,
+            config.apply(raw_spec),
+            name=name,
+            resource_key=resource_key,
+            max_error_rate=max_error_rate,
+            max_invalid_output_rate=max_invalid_output_rate if generates else None,
         )
 
     return InferencePipeline(input_asset=input_spec, output_asset=_inference_asset, spec=raw_spec)

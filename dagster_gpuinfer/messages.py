@@ -59,7 +59,7 @@ class RunFinished(BaseModel):
     partitions_skipped: int = 0
     replicas: int = 0
     model_loads: int = 0
-    model_load_seconds: float = 0.0
+    load_seconds: float | None = None  # slowest engine build; older workers: model_load_seconds
     wall_seconds: float = 0.0
 
     def summary(self) -> dict[str, Any]:

@@ -7,17 +7,38 @@ from typing import Any
 import dagster as dg
 
 from dagster_gpuinfer.resource import InferenceRunResult
-from dagster_gpuinfer.run_metrics import run_timing_metadata, telemetry_metadata
+from dagster_gpuinfer.run_metrics import NOT_AVAILABLE, run_timing_metadata, telemetry_metadata
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest, partition_dir
+
+RATES_OVER = (
+    "rows_per_second and tokens_per_second: the rows and tokens this attempt computed over "
+    "engine_seconds, the partition's share of its engine's time (generation: each engine step "
+    "shared by the requests it runs, the max_num_seqs oldest in flight; pooling: each step's "
+    "time to the rows it finished; with replicas, summed over the engines), so partitions "
+    "streamed through one engine together get their own rates. active_seconds: "
+    "its first row submitted to its last row done (spans of partitions streamed together "
+    "overlap). inference_seconds: the union of its chunks' inference intervals, within "
+    "wall_seconds (reading began to commit)."
+)
+
+
+def partition_rates(manifest: Manifest) -> dict[str, Any]:
+    """rows/s and tokens/s over the partition's share of engine time; `n/a` without one
+    (every chunk resumed or quarantined, or a manifest of an older worker)."""
+    seconds = manifest.engine_seconds
+    if seconds <= 0:
+        return {"rows_per_second": NOT_AVAILABLE, "tokens_per_second": NOT_AVAILABLE}
+    return {
+        "rows_per_second": round(manifest.computed.rows_in / seconds, 2),
+        "tokens_per_second": round(manifest.computed.tokens / seconds, 2),
+    }
 
 
 def partition_metadata(
     spec: InferenceSpec, manifest: Manifest, *, computed: bool
 ) -> dict[str, Any]:
     """What the UI shows for one partition: counts, speed, tokens, where the output is."""
-    seconds = manifest.wall_seconds or 1e-9
-    tokens = manifest.prompt_tokens + manifest.generated_tokens
     return {
         "rows_in": manifest.rows_in,
         "rows_out": manifest.rows_out,
@@ -26,11 +47,13 @@ def partition_metadata(
         "rows_invalid_output": manifest.rows_invalid_output,
         "prompt_tokens": manifest.prompt_tokens,
         "generated_tokens": manifest.generated_tokens,
-        "rows_per_second": round(manifest.rows_in / seconds, 2),
-        "tokens_per_second": round(tokens / seconds, 2),
-        "model_load_seconds": round(manifest.model_load_seconds, 3),
-        "wall_seconds": round(manifest.wall_seconds, 3),
+        **partition_rates(manifest),
+        "engine_seconds": round(manifest.engine_seconds, 3),
+        "active_seconds": round(manifest.active_seconds, 3),
         "inference_seconds": round(manifest.inference_seconds, 3),
+        "wall_seconds": round(manifest.wall_seconds, 3),
+        "rates_over": RATES_OVER,
+        "model_load_seconds": round(manifest.model_load_seconds, 3),
         "computed_in_this_run": computed,
         "spec_hash": manifest.spec_hash,
         "error_types": dg.MetadataValue.json(manifest.error_types),
@@ -42,7 +65,8 @@ def partition_metadata(
 
 
 def run_metadata(result: InferenceRunResult) -> dict[str, Any]:
-    """What is true of the whole run (shared by all its partitions)."""
+    """What is true of the whole run (shared by all its partitions): shown after each
+    partition's own figures (`run_*` rows below them in the UI)."""
     summary = result.summary
     spec = result.spec
     metadata: dict[str, Any] = {

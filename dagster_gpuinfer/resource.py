@@ -60,7 +60,7 @@ def validate_spec(raw: Mapping[str, Any], *, where: str) -> InferenceSpec:
 
     Raises:
         InvalidInferenceSpec: naming each bad field, e.g. `task: Input should be 'embed',
-            'generate' or 'chat' (got 'summarize')`.
+            'generate', 'chat', 'score' or 'classify' (got 'summarize')`.
     """
     try:
         return InferenceSpec.model_validate(raw)

@@ -118,6 +118,12 @@ class EngineArgs(_Strict):
         "(hf_token, api_key, ...): those are refused; give them to the worker by Secret.",
     )
 
+    # Fields a run's launchpad config may not change: weights that run code, and anything
+    # passed to vLLM unchecked. The pipeline's code (or YAML) sets them, not a run.
+    NOT_PER_RUN: ClassVar[frozenset[str]] = frozenset(
+        {"trust_remote_code", "allow_pickle_weights", "load_format", "extra"}
+    )
+
     # Fields that do not change results: excluded from the spec hash. The speed and memory
     # knobs so that stepping them down after an out-of-memory error keeps committed chunks
     # valid; the load format because the same weights load either way.
@@ -248,6 +254,9 @@ class SamplingParams(_Strict):
     extra: dict[str, Any] = Field(
         default_factory=dict, description="Other `vllm.SamplingParams` fields, passed as is."
     )
+
+    # Not settable in a run's launchpad config: nested or passed to vLLM unchecked.
+    NOT_PER_RUN: ClassVar[frozenset[str]] = frozenset({"structured_outputs", "extra"})
 
     @field_validator("extra")
     @classmethod
@@ -441,7 +450,9 @@ class InferenceSpec(_Strict):
     """
 
     model: str = Field(description="Model directory (local or in the model cache) or hub id.")
-    task: Task = Field(description="embed (pooling models), generate, or chat.")
+    task: Task = Field(
+        description="embed (pooling models), generate, chat, score (pairs) or classify."
+    )
     engine: EngineArgs = Field(default_factory=EngineArgs)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     input: InputSpec
@@ -472,6 +483,23 @@ class InferenceSpec(_Strict):
         default_factory=RowLimits,
         description="Bounds on one row (line bytes, prompt characters, JSON depth, `n`, "
         "`n` x `top_logprobs`); a row past one is quarantined.",
+    )
+
+    # Fields that are not a pipeline's own settings: the models the pipeline passes whole,
+    # where its output goes (named by the pipeline, placed by the resource) and the run's
+    # partitions. Every other field is a pipeline setting (`pipeline_fields`).
+    NOT_PIPELINE_SETTINGS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "model",
+            "task",
+            "engine",
+            "sampling",
+            "input",
+            "output",
+            "storage",
+            "partition_keys",
+            "limits",  # a nested model like engine/sampling: `inference_assets(limits=...)`
+        }
     )
 
     # Fields that change how the work is scheduled but not its results: left out of the
@@ -552,3 +580,47 @@ def _looks_local(model: str) -> bool:
     """A model given as an absolute, `./`, `../` or `~` path is a local directory; anything
     else may be a hub id such as `sentence-transformers/all-MiniLM-L6-v2`."""
     return model.startswith(("/", "./", "../", "~", "file://")) or os.path.isdir(model)
+
+
+# --------------------------------------------------------------------------- one source
+# The asset factory's keywords, the YAML component's attributes and the launchpad run config
+# are derived from the spec models here, so a field added to a model is settable in all three.
+
+
+def pipeline_fields(spec_model: type[InferenceSpec] = InferenceSpec) -> dict[str, Any]:
+    """The spec's top-level pipeline settings by name (`tensor_parallel_size`, `replicas`,
+    `chunk_size`, `max_requests_in_flight`, `group_prefixes`, ...): pydantic `FieldInfo`s,
+    every field of `spec_model` but `NOT_PIPELINE_SETTINGS`."""
+    return {
+        name: info
+        for name, info in spec_model.model_fields.items()
+        if name not in spec_model.NOT_PIPELINE_SETTINGS
+    }
+
+
+def run_config_fields(
+    spec_model: type[InferenceSpec] = InferenceSpec,
+) -> dict[str, tuple[str | None, str, Any]]:
+    """What a run may override, by run-config name: (section, field, FieldInfo), where the
+    section is None (a pipeline setting), `engine` or `sampling`.
+
+    Engine and sampling fields keep their own names (`max_num_seqs`, `temperature`); a name
+    two of them share (`seed`) is prefixed by its section (`engine_seed`, `sampling_seed`).
+    Fields in a model's `NOT_PER_RUN` are left out.
+    """
+    sections: list[tuple[str | None, dict[str, Any]]] = [(None, pipeline_fields(spec_model))]
+    for section in ("engine", "sampling"):
+        model = spec_model.model_fields[section].annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        locked = getattr(model, "NOT_PER_RUN", frozenset())
+        sections.append((section, {n: f for n, f in model.model_fields.items() if n not in locked}))
+    counts: dict[str, int] = {}
+    for _, fields in sections:
+        for name in fields:
+            counts[name] = counts.get(name, 0) + 1
+    derived: dict[str, tuple[str | None, str, Any]] = {}
+    for section, fields in sections:
+        for name, info in fields.items():
+            run_name = f"{section}_{name}" if counts[name] > 1 and section else name
+            derived[run_name] = (section, name, info)
+    return derived

@@ -372,20 +372,55 @@ def write_file_entry(
 # --------------------------------------------------------------------------- chunks
 
 
-class ChunkMarker(BaseModel):
-    """Proof that one chunk of a shard is committed: written after its files."""
+class RowCounts(BaseModel):
+    """The row and token counts of a chunk or a partition; a partition's are the sum of its
+    chunks' (`RowCounts.total`), the one place they are added up."""
 
     model_config = ConfigDict(extra="forbid")
 
-    index: int
-    spec_hash: str
-    rows_in: int
-    rows_out: int
-    rows_errored: int
+    rows_in: int = 0
+    rows_out: int = 0
+    rows_errored: int = 0
+    # Rows whose output fails its structured-output constraint (kept in the output, flagged).
     rows_invalid_output: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+
+    @classmethod
+    def total(cls, counts: Iterable[RowCounts]) -> RowCounts:
+        """The field-by-field sum of `counts` (zero for none)."""
+        sums = dict.fromkeys(RowCounts.model_fields, 0)
+        for each in counts:
+            for name in sums:
+                sums[name] += getattr(each, name)
+        return RowCounts(**sums)
+
+    def counts(self) -> RowCounts:
+        """Just the counts of this chunk or partition."""
+        return RowCounts(**{name: getattr(self, name) for name in RowCounts.model_fields})
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.generated_tokens
+
+
+class ChunkMarker(RowCounts):
+    """Proof that one chunk of a shard is committed: written after its files.
+
+    `started_at` / `finished_at` (Unix time, as any process of the host reads it) bound the
+    chunk's inference: its first row submitted, its last row done. `engine_seconds` is its
+    share of its engine's time in `step()` (`worker/engine_time.py`; a score/classify
+    chunk: its call). `write_seconds` is the
+    time its files took to write, measured where they were written (a replica process).
+    """
+
+    index: int
+    spec_hash: str
     inference_seconds: float = 0.0
+    engine_seconds: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    write_seconds: float = 0.0
     part: FileEntry | None = None
     errors: FileEntry | None = None
 
@@ -424,10 +459,16 @@ def read_chunk_markers(
 # --------------------------------------------------------------------------- manifest
 
 
-class Manifest(BaseModel):
-    """The `_SUCCESS` manifest: a partition is committed exactly when this exists."""
+class Manifest(RowCounts):
+    """The `_SUCCESS` manifest: a partition is committed exactly when this exists.
 
-    model_config = ConfigDict(extra="forbid")
+    Its row counts (`RowCounts`) are the sum of all its chunks', resumed ones included;
+    `computed` counts only the chunks this attempt computed, in `engine_seconds`: their share
+    of the engine's time (`ChunkMarker.engine_seconds`). `active_seconds` is the partition's
+    active span in this attempt (first row submitted to last row done), and
+    `inference_seconds` the union of its chunks' inference intervals (chunks overlap under
+    streaming, so never their sum), within `wall_seconds`.
+    """
 
     version: int = MANIFEST_VERSION
     partition_key: str
@@ -435,14 +476,7 @@ class Manifest(BaseModel):
     model: str
     task: str
     output_format: str
-    rows_in: int
-    rows_out: int
-    rows_errored: int
     rows_resumed: int = 0
-    # Rows whose output fails its structured-output constraint (kept in the output, flagged).
-    rows_invalid_output: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
     parts: list[FileEntry]
     errors: FileEntry
     # errors.jsonl: the quarantined rows as OpenAI Batch error lines (openai_batch output).
@@ -450,6 +484,9 @@ class Manifest(BaseModel):
     error_types: dict[str, int] = Field(default_factory=dict)
     inference_seconds: float = 0.0
     wall_seconds: float = 0.0
+    active_seconds: float = 0.0
+    engine_seconds: float = 0.0
+    computed: RowCounts = Field(default_factory=RowCounts)
     model_load_seconds: float = 0.0
     committed_at: float = Field(default_factory=time.time)
     worker: dict[str, Any] = Field(default_factory=dict)

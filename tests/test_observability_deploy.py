@@ -108,8 +108,9 @@ def test_platform_metric_list_is_what_the_worker_registry_exports():
         prompt_tokens=3,
         generated_tokens=4,
         inference_seconds=0.1,
+        write_seconds=0.1,
     )
-    metrics.chunk_committed("p", marker, [RowError("i", "s", 0, "empty", "m")], write_seconds=0.1)
+    metrics.chunk_committed("p", marker, [RowError("i", "s", 0, "empty", "m")])
     metrics.partition_telemetry("p", rows_resumed=1)
     metrics.partition_failed("q", "ShardError")
     # a GPU sample to set the GPU gauges

@@ -137,6 +137,22 @@ def test_partition_metadata_reports_rows_tokens_speed_and_load(embed_run):
     assert md["model_load_seconds"] > 0 and md["wall_seconds"] > 0
     assert md["engine_args"]["dtype"] == "float32"
     assert md["output_path"].endswith("/emb/p2")
+    # Chunk intervals counted once, within the partition's wall time.
+    assert 0 < md["inference_seconds"] <= md["active_seconds"] <= md["wall_seconds"]
+    # Rates over its share of the (one) engine's time, spent while the partition ran.
+    assert 0 < md["engine_seconds"] <= md["wall_seconds"]
+    assert md["rows_per_second"] == pytest.approx(40 / md["engine_seconds"], rel=0.01)
+    assert "share of its engine's time" in md["rates_over"]
+    # The partition's own figures come first, the run's (`run_*`) after them all.
+    names = list(md)
+    first_run = min(i for i, name in enumerate(names) if name.startswith("run_"))
+    assert names[0] == "rows_in" and "rows_per_second" in names[:first_run]
+    assert all(
+        name.startswith("run_") or name in ("model", "tensor_parallel_size")
+        for name in names[first_run:]
+    )
+    # Pooling: saturation counts the requests queued for the next step; KV cache is n/a.
+    assert md["kv_cache_usage_p95"] == "n/a"
 
 
 def test_row_count_checks_pass_on_every_partition(embed_run):
@@ -309,6 +325,10 @@ def test_two_replicas_share_one_shard_chunk_by_chunk_exactly_once(generate_runs)
     assert all(texts[f"w-{i}"] == by_prompt[PROMPTS[i % len(PROMPTS)]] for i in range(120))
     md = partition_metadata(generate_runs["instance"], generate_runs["two"].output_asset.key, "w")
     assert md["computed_in_this_run"] is True
+    # The replicas wrote the chunks: their write time reached the parent in the markers
+    # (it read 0 when it was counted in the process that committed the partition).
+    assert md["commit_seconds"] > 0
+    assert 0 < md["inference_seconds"] <= md["wall_seconds"]
 
 
 def test_bad_rows_are_quarantined_and_the_shard_still_commits(generate_runs):

@@ -44,7 +44,7 @@ from dagster_gpuinfer.storage import (
     write_file_entry,
 )
 from dagster_gpuinfer.worker.errors import RowError
-from dagster_gpuinfer.worker.shard import ShardLocation, commit_chunks
+from dagster_gpuinfer.worker.shard import PartitionTimes, ShardLocation, commit_chunks
 from dagster_gpuinfer.worker.writers import errors_table
 
 # --------------------------------------------------------------------------- commit window
@@ -102,7 +102,13 @@ def _chunks_ready_to_commit(root: Path) -> tuple[InferenceSpec, ShardLocation]:
 def _commit(spec: InferenceSpec, where: ShardLocation):
     markers = read_chunk_markers(where.fs, where.path, where.spec_hash)
     return commit_chunks(
-        where, spec, markers, rows_resumed=0, wall_seconds=0.0, model_load_seconds=0.0, worker={}
+        where,
+        spec,
+        markers,
+        computed=set(markers),
+        rows_resumed=0,
+        times=PartitionTimes(started_at=time.time(), model_load_seconds=0.0),
+        worker={},
     )
 
 
@@ -319,7 +325,7 @@ def test_of_two_workers_committing_one_partition_exactly_one_wins(tmp_path):
     spec = _spec(tmp_path)
     where = ShardLocation.of(spec, "p")
     winner, loser = _write_attempt(where, "aaaa1111"), _write_attempt(where, "bbbb2222")
-    args = dict(rows_resumed=0, wall_seconds=0.0, model_load_seconds=0.0, worker={})
+    args = dict(computed=set(), rows_resumed=0, times=PartitionTimes(0.0, 0.0), worker={})
     committed = commit_chunks(where, spec, winner, **args)
     with pytest.raises(storage.CommitConflict) as conflict:
         commit_chunks(where, spec, loser, **args)
@@ -334,7 +340,7 @@ def test_of_two_workers_committing_one_partition_exactly_one_wins(tmp_path):
 def test_a_new_spec_replaces_the_manifest_of_an_old_one(tmp_path):
     spec = _spec(tmp_path)
     where = ShardLocation.of(spec, "p")
-    args = dict(rows_resumed=0, wall_seconds=0.0, model_load_seconds=0.0, worker={})
+    args = dict(computed=set(), rows_resumed=0, times=PartitionTimes(0.0, 0.0), worker={})
     commit_chunks(where, spec, _write_attempt(where, "old00000"), **args)
     new_spec = spec.model_copy(update={"chunk_size": 3})
     new_where = ShardLocation.of(new_spec, "p")

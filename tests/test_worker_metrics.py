@@ -187,6 +187,7 @@ class Marker:
     prompt_tokens: int = 100
     generated_tokens: int = 40
     inference_seconds: float = 0.5
+    write_seconds: float = 0.25
 
 
 def test_worker_metrics_carry_asset_partition_run_labels_and_vllm_metrics():
@@ -203,8 +204,8 @@ def test_worker_metrics_carry_asset_partition_run_labels_and_vllm_metrics():
     metrics.requests_started(10)
     metrics.requests_finished(10)
     errors = [RowError("a", "f", 1, "too_long", "m"), RowError("b", "f", 2, "empty", "m")]
-    metrics.chunk_committed("p1", Marker(), errors, write_seconds=0.25)
-    telemetry = metrics.partition_telemetry("p1")
+    metrics.chunk_committed("p1", Marker(), errors)
+    telemetry = metrics.partition_telemetry("p1", commit_seconds=0.25)
     assert telemetry["engine_saturation_mean"] == 0.5
     assert telemetry["gpu_utilization_mean"] == 75
 
@@ -330,7 +331,7 @@ def test_an_unreachable_pushgateway_costs_one_attempt_not_one_per_chunk(monkeypa
         sampler=TelemetrySampler(gpu_reader=None, engine_gauges=lambda: None, clock=FakeClock()),
     )
     for _ in range(5):
-        metrics.chunk_committed("p", Marker(), write_seconds=0.0)
+        metrics.chunk_committed("p", Marker())
     assert len(attempts) == 1
     assert attempts[0] == {"run": "r4", "asset": "docs", "process": "main", "retry": "0"}
     metrics.close()  # the final push is tried regardless

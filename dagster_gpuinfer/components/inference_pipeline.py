@@ -31,16 +31,16 @@ daily schedule) would in Python. Without `resource`, the pipeline uses the code 
 
 from __future__ import annotations
 
-import warnings
 from typing import Annotated, Any, Literal
 
 import dagster as dg
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, create_model
 
 from dagster_gpuinfer.arrivals import SplitLargeFiles
 from dagster_gpuinfer.asset_factory import InferencePipeline, inference_assets
 from dagster_gpuinfer.resource import GpuInferenceResource, InvalidInferenceSpec
 from dagster_gpuinfer.sensors import arrival_sensor
+from dagster_gpuinfer.spec import InferenceSpec, Task, pipeline_fields
 
 # The attribute models are `Resolvable` too: Dagster then checks their `Field` constraints
 # while it reads the YAML, and its error names the attribute and the YAML line.
@@ -97,26 +97,18 @@ class ArrivalSensorSettings(dg.Resolvable, dg.Model):
     )
 
 
-# The YAML attribute is `model`, vLLM's own name for it. As a pydantic field it shadows the
-# classmethod `Resolvable.model()` on instances only; Dagster calls that classmethod on the
-# class, where it stays intact (the component tests load YAML through it), so the warning
-# pydantic raises at class creation is silenced here and nowhere else.
-warnings.filterwarnings(
-    "ignore",
-    message='Field name "model" in "InferencePipelineComponent" shadows',
-    category=UserWarning,
-)
+# The YAML attribute is `model`, vLLM's own name for it. As a pydantic field (declared on
+# `_PipelineAttributes`, so pydantic raises no shadowing warning) it shadows the classmethod
+# `Resolvable.model()` on instances only; Dagster calls that classmethod on the class, where
+# it stays intact (the component tests load YAML through it).
 
 
-class InferencePipelineComponent(dg.Component, dg.Resolvable, dg.Model):
-    """A batch inference pipeline with vLLM: an input shard asset, an inference output asset
-    with row-balance and error-rate checks, and optionally an arrival sensor or a schedule."""
+class _PipelineAttributes(dg.Model):
+    """The component's own attributes; the spec's pipeline settings follow them."""
 
     name: str = Field(description="Output asset name (and its folder under output_root).")
     model: str = Field(description="Model directory (or hub id) vLLM loads.")
-    task: Literal["embed", "generate", "chat", "score", "classify"] = Field(
-        description="embed, generate, chat, score or classify."
-    )
+    task: Task = Field(description=InferenceSpec.model_fields["task"].description)
     input: dict[str, Any] = Field(
         description="InputSpec fields: uri (template with {partition_key}), format, id_column, "
         "text_column, text_pair_column, messages_column, params_column."
@@ -132,9 +124,6 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, dg.Model):
     sampling: dict[str, Any] | None = Field(
         None, description="vLLM sampling parameters by vLLM name (generate, chat)."
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine.")
-    replicas: int = Field(1, ge=1, description="Data-parallel engines per worker.")
-    chunk_size: int = Field(512, ge=1, description="Rows per chunk.")
     max_error_rate: float = Field(
         0.10, ge=0, le=1, description="Error-rate check threshold, 0 to 1."
     )
@@ -156,6 +145,24 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, dg.Model):
         description="GpuInferenceResource fields (launcher, engine_overrides, env, s3_...) for "
         "this pipeline alone; it is bound under `gpuinfer_<name>`.",
     )
+
+
+def settings_model(
+    base: type[dg.Model], spec_model: type[InferenceSpec] = InferenceSpec
+) -> type[dg.Model]:
+    """`base` plus one attribute per pipeline setting of `spec_model` (`pipeline_fields`:
+    tensor_parallel_size, replicas, chunk_size, max_requests_in_flight, group_prefixes, ...),
+    with the spec's own type, default, bounds and description."""
+    fields = {name: (info.annotation, info) for name, info in pipeline_fields(spec_model).items()}
+    return create_model(f"{base.__name__}WithSettings", __base__=base, **fields)
+
+
+class InferencePipelineComponent(dg.Component, dg.Resolvable, settings_model(_PipelineAttributes)):
+    """A batch inference pipeline with vLLM: an input shard asset, an inference output asset
+    with row-balance and error-rate checks, and optionally an arrival sensor or a schedule.
+
+    Its attributes are its own (name, partitioning, sensor, resource, ...) plus every
+    pipeline setting of the job spec, derived from `InferenceSpec` (`settings_model`)."""
 
     # ------------------------------------------------------------------ python API
 
@@ -182,9 +189,6 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, dg.Model):
             output_format=self.output_format,
             engine=self.engine,
             sampling=self.sampling,
-            tensor_parallel_size=self.tensor_parallel_size,
-            replicas=self.replicas,
-            chunk_size=self.chunk_size,
             max_error_rate=self.max_error_rate,
             max_invalid_output_rate=self.max_invalid_output_rate,
             backfill_policy=dg.BackfillPolicy.multi_run(
@@ -193,6 +197,7 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, dg.Model):
             pool=self.pool,
             group_name=self.group_name,
             resource_key=self.effective_resource_key(),
+            **{name: getattr(self, name) for name in pipeline_fields()},
         )
 
     # ------------------------------------------------------------------ dg

@@ -25,11 +25,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dagster_gpuinfer.spec import InferenceSpec
-from dagster_gpuinfer.storage import ChunkMarker, CommitConflict, Manifest, read_chunk_markers
+from dagster_gpuinfer.storage import (
+    ChunkMarker,
+    CommitConflict,
+    Manifest,
+    RowCounts,
+    read_chunk_markers,
+)
 from dagster_gpuinfer.worker.errors import ShardError
 from dagster_gpuinfer.worker.metrics import current_metrics
 from dagster_gpuinfer.worker.readers import ShardReader
-from dagster_gpuinfer.worker.shard import ShardLocation, commit_chunks, committed_ids
+from dagster_gpuinfer.worker.shard import (
+    PartitionTimes,
+    ShardLocation,
+    commit_chunks,
+    committed_ids,
+)
 from dagster_gpuinfer.worker.stream import ChunkCommitted, WorkChunk
 from dagster_gpuinfer.worker.validate import screen_ids
 
@@ -44,8 +55,9 @@ class _PartitionRun:
     attempt: str
     markers: dict[int, ChunkMarker]
     rows_resumed: int
-    started: float
+    started_at: float  # Unix time: chunk intervals, written by any process, use this clock
     pending: set[int] = field(default_factory=set)
+    computed: set[int] = field(default_factory=set)
     replicas: set[int] = field(default_factory=set)
     fully_read: bool = False
     settled: bool = False
@@ -91,7 +103,6 @@ class RunCoordinator:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._feed, name="gpuinfer-read", daemon=True)
         self.started: float | None = None
-        self.finished: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -158,8 +169,8 @@ class RunCoordinator:
             where=where,
             attempt=uuid.uuid4().hex[:8],
             markers=markers,
-            rows_resumed=sum(marker.rows_in for marker in markers.values()),
-            started=time.perf_counter(),
+            rows_resumed=RowCounts.total(markers.values()).rows_in,
+            started_at=time.time(),
         )
         with self._lock:
             self._partitions[key] = run
@@ -193,6 +204,7 @@ class RunCoordinator:
         with self._lock:
             run = self._partitions[message.partition_key]
             run.pending.discard(message.marker.index)
+            run.computed.add(message.marker.index)
             run.markers[message.marker.index] = message.marker
             run.replicas.add(message.replica)
         self._slots.release()
@@ -204,12 +216,7 @@ class RunCoordinator:
                 return
             run.settled = True
             where = run.where
-            if run.failed is not None:
-                log.error(
-                    "partition %s failed, the run goes on without it: %s",
-                    where.partition_key,
-                    run.failed,
-                )
+            if run.failed is not None:  # `on_failed` logs it
                 self.on_failed(run.failed, where.partition_key)
                 return
             if run.committed_elsewhere is not None:
@@ -223,9 +230,9 @@ class RunCoordinator:
                     where,
                     self.spec,
                     run.markers,
+                    computed=run.computed,
                     rows_resumed=run.rows_resumed,
-                    wall_seconds=time.perf_counter() - max(run.started, self.started or 0.0),
-                    model_load_seconds=self.model_load_seconds,
+                    times=PartitionTimes(run.started_at, self.model_load_seconds),
                     worker=self._worker_info(run),
                 )
             except CommitConflict as conflict:
@@ -252,5 +259,4 @@ class RunCoordinator:
 
     def _report(self, manifest: Manifest, *, computed: bool) -> None:
         with self._lock:
-            self.finished = time.perf_counter()
             self.on_committed(manifest, computed)

@@ -15,8 +15,13 @@ SIGTERM (`worker/lifecycle.py`) drains: no chunk is handed to an engine after it
 chunks in flight finish and commit, and the run ends with `Drained`, naming what was left.
 
 The run summary splits the worker's time: `start_seconds` (process start to job start:
-interpreter, imports, Pipes), `load_seconds` (engine build), `inference_seconds` (first
-engine ready to last partition committed) and `shutdown_seconds` (engine shutdown).
+interpreter, imports, Pipes), `load_seconds` (engine build, the slowest engine's),
+`inference_seconds` (first engine ready to last partition committed) and
+`shutdown_seconds` (engine shutdown).
+
+Replicas talk to this process in typed messages (`ReplicaLoaded`, `ReplicaChunk`,
+`ReplicaFinished`, `ReplicaUserError`, `ReplicaCrashed`), picklable dataclasses sent on a
+multiprocessing queue.
 """
 
 from __future__ import annotations
@@ -44,9 +49,9 @@ from dagster_gpuinfer.worker.lifecycle import (
     draining,
     install_signal_handlers,
 )
-from dagster_gpuinfer.worker.metrics import start_worker_metrics
+from dagster_gpuinfer.worker.metrics import current_metrics, start_worker_metrics
 from dagster_gpuinfer.worker.readers import ShardReader
-from dagster_gpuinfer.worker.stream import WorkChunk, serve_chunks
+from dagster_gpuinfer.worker.stream import ChunkCommitted, WorkChunk, serve_chunks
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 
@@ -121,7 +126,6 @@ def run_job(spec: InferenceSpec, reporter: Reporter) -> dict[str, Any]:
         "partitions_skipped": len(spec.partition_keys) - len(computed_keys) - len(failed),
         "replicas": replicas,
         "model_loads": len(timing.load_seconds),
-        "model_load_seconds": round(max(timing.load_seconds, default=0.0), 3),
         "wall_seconds": round(time.perf_counter() - started, 3),
         "start_seconds": round(start_seconds, 3),
         "load_seconds": round(max(timing.load_seconds, default=0.0), 3),
@@ -139,6 +143,60 @@ class RunTiming:
     load_seconds: list[float] = field(default_factory=list)
     shutdown_seconds: list[float] = field(default_factory=list)
     inference_seconds: float = 0.0
+
+
+# --------------------------------------------------------------------------- replica messages
+
+
+@dataclass(frozen=True)
+class ReplicaLoaded:
+    """A replica's engine is built: its load time and its window of requests in flight."""
+
+    replica: int
+    load_seconds: float
+    window: int
+
+
+@dataclass(frozen=True)
+class ReplicaChunk:
+    """A replica wrote and marked a chunk (its marker carries the chunk's times)."""
+
+    replica: int
+    committed: ChunkCommitted
+
+
+@dataclass(frozen=True)
+class ReplicaFinished:
+    """A replica served its last chunk and shut its engine down."""
+
+    replica: int
+    shutdown_seconds: float
+
+
+@dataclass(frozen=True)
+class ReplicaUserError:
+    """A replica met a `WorkerError` (a bad shard or spec): raised again in the parent."""
+
+    replica: int
+    error_class: str
+    message: str
+    partition_key: str | None
+
+    def error(self) -> WorkerError:
+        return USER_ERRORS.get(self.error_class, WorkerError)(
+            self.message, partition_key=self.partition_key
+        )
+
+
+@dataclass(frozen=True)
+class ReplicaCrashed:
+    """A replica died of anything else; `traceback` is its formatted traceback."""
+
+    replica: int
+    traceback: str
+
+
+ReplicaMessage = ReplicaLoaded | ReplicaChunk | ReplicaFinished | ReplicaUserError | ReplicaCrashed
 
 
 def process_age_seconds() -> float:
@@ -176,6 +234,7 @@ def run_single_engine(
 ) -> RunTiming:
     """One engine in this process, fed by the coordinator's reader thread."""
     timing = RunTiming()
+    current_metrics().serves_task(spec.task)
     engine = InferenceEngine(spec)
     timing.load_seconds.append(engine.load_seconds)
     try:
@@ -325,54 +384,26 @@ def run_replicas(
     `on_failed`; the others go on.
     """
     processes, tasks, results = start_replica_processes(spec, replicas)
-    coordinator: RunCoordinator | None = None
-    timing = RunTiming()
-    finished_replicas = 0
+    put = admit_unless_draining(tasks.put)
+    run = _ReplicaRun(spec, partition_keys, replicas, on_committed, on_failed, put)
     forwarded = False
     try:
-        while finished_replicas < replicas:
-            if coordinator is not None:
-                coordinator.check()
+        while run.finished_replicas < replicas:
+            if run.coordinator is not None:
+                run.coordinator.check()
             if draining() and not forwarded:  # each replica drains its own engine
                 forwarded = True
                 forward_sigterm(processes)
             message = next_replica_message(results, processes, partition_keys)
             if message is None:
                 continue
-            kind = message[0]
-            if kind == "loaded":
-                # Reading starts once every engine is ready: engines of one worker start
-                # together, and the first one ready would otherwise take the head of the
-                # work while the others load (and partition times would include loading).
-                timing.load_seconds.append(message[2])
-                if len(timing.load_seconds) == replicas:
-                    coordinator = RunCoordinator(
-                        spec,
-                        partition_keys,
-                        on_committed=on_committed,
-                        on_failed=on_failed,
-                        put=admit_unless_draining(tasks.put),
-                        engines=replicas,
-                        max_outstanding=max_outstanding_chunks(spec, replicas, message[3]),
-                    )
-                    coordinator.start(max(timing.load_seconds))
-            elif kind == "chunk":
-                assert coordinator is not None
-                coordinator.chunk_committed(message[2])
-            elif kind == "finished":
-                finished_replicas += 1
-                timing.shutdown_seconds.append(message[2])
-            elif kind == "user_error":
-                _, _, error_class, text, key = message
-                raise USER_ERRORS.get(error_class, WorkerError)(text, partition_key=key)
-            else:  # "crashed"
-                raise RuntimeError(f"replica {message[1]} failed:\n{message[2]}")
-        assert coordinator is not None
+            run.handle(message)
+        coordinator = run.started_coordinator()
         coordinator.check()
-        timing.inference_seconds = time.perf_counter() - (coordinator.started or 0.0)
+        run.timing.inference_seconds = time.perf_counter() - (coordinator.started or 0.0)
     except BaseException:
-        if coordinator is not None:
-            coordinator.stop()
+        if run.coordinator is not None:
+            run.coordinator.stop()
         for process in processes:
             if process.is_alive():
                 process.terminate()
@@ -389,7 +420,58 @@ def run_replicas(
         if draining():
             raise drained_error(partition_keys)
         raise RuntimeError("replicas finished before every partition of the run was settled")
-    return timing
+    return run.timing
+
+
+@dataclass
+class _ReplicaRun:
+    """The parent's side of a replica run: what each replica message does."""
+
+    spec: InferenceSpec
+    partition_keys: list[str]
+    replicas: int
+    on_committed: Callable[[Manifest, bool], None]
+    on_failed: Callable[[ShardError, str], None]
+    put: Callable[[WorkChunk | None], None]
+    timing: RunTiming = field(default_factory=RunTiming)
+    coordinator: RunCoordinator | None = None
+    finished_replicas: int = 0
+
+    def started_coordinator(self) -> RunCoordinator:
+        if self.coordinator is None:
+            raise RuntimeError("a replica sent chunks before every engine was loaded")
+        return self.coordinator
+
+    def handle(self, message: ReplicaMessage) -> None:
+        if isinstance(message, ReplicaLoaded):
+            # Reading starts once every engine is ready: engines of one worker start
+            # together, and the first one ready would otherwise take the head of the
+            # work while the others load (and partition times would include loading).
+            self.timing.load_seconds.append(message.load_seconds)
+            if len(self.timing.load_seconds) == self.replicas:
+                self.coordinator = RunCoordinator(
+                    self.spec,
+                    self.partition_keys,
+                    on_committed=self.on_committed,
+                    on_failed=self.on_failed,
+                    put=self.put,
+                    engines=self.replicas,
+                    max_outstanding=max_outstanding_chunks(
+                        self.spec, self.replicas, message.window
+                    ),
+                )
+                self.coordinator.start(max(self.timing.load_seconds))
+        elif isinstance(message, ReplicaChunk):
+            self.started_coordinator().chunk_committed(message.committed)
+        elif isinstance(message, ReplicaFinished):
+            self.finished_replicas += 1
+            self.timing.shutdown_seconds.append(message.shutdown_seconds)
+        elif isinstance(message, ReplicaUserError):
+            raise message.error()
+        elif isinstance(message, ReplicaCrashed):
+            raise RuntimeError(f"replica {message.replica} failed:\n{message.traceback}")
+        else:
+            raise TypeError(f"unknown replica message {message!r}")
 
 
 def start_replica_processes(spec: InferenceSpec, replicas: int) -> tuple[list[Any], Any, Any]:
@@ -454,25 +536,26 @@ def replica_main(spec_json: str, index: int, env: dict[str, str], tasks: Any, re
     logging.basicConfig(level=logging.INFO, format=f"[replica {index}] %(message)s")
     spec = InferenceSpec.model_validate_json(spec_json)
     metrics = start_worker_metrics(asset=spec.output.asset_name, process=f"replica-{index}")
+    metrics.serves_task(spec.task)
     engine = None
     try:
         engine = InferenceEngine(spec)
-        results.put(("loaded", index, engine.load_seconds, engine.window))
+        results.put(ReplicaLoaded(index, engine.load_seconds, engine.window))
         serve_chunks(
             engine,
             spec,
             take_unless_draining(tasks.get),
-            lambda message: results.put(("chunk", index, message)),
+            lambda committed: results.put(ReplicaChunk(index, committed)),
             replica=index,
         )
         shutdown_started = time.perf_counter()
         engine.shutdown()
         engine = None
-        results.put(("finished", index, time.perf_counter() - shutdown_started))
+        results.put(ReplicaFinished(index, time.perf_counter() - shutdown_started))
     except WorkerError as exc:
-        results.put(("user_error", index, type(exc).__name__, str(exc), exc.partition_key))
+        results.put(ReplicaUserError(index, type(exc).__name__, str(exc), exc.partition_key))
     except BaseException:
-        results.put(("crashed", index, traceback.format_exc()))
+        results.put(ReplicaCrashed(index, traceback.format_exc()))
     finally:
         if engine is not None:
             engine.shutdown()

@@ -32,10 +32,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
 
+from dagster_gpuinfer.spec import POOLING_TASKS
 from dagster_gpuinfer.worker.telemetry import (
     NOT_AVAILABLE,
     Sample,
     TelemetrySampler,
+    engine_saturation,
     open_gpu_reader,
     read_vllm_gauges,
 )
@@ -152,10 +154,18 @@ class WorkerMetrics:
         )
         self.sampler.on_sample = self._export_sample
         self._partition_started: dict[str, float] = {}
-        self._partition_commit_seconds: dict[str, float] = {}
         self._push_warned = False
         self._push_paused_until = 0.0
         self._push_lock = threading.Lock()
+        self._declare_counters()
+        self._declare_gauges()
+        self.run_labels = {"asset": asset, "run": run_id}
+        self.retry_gauge.labels(**self.run_labels).set(retry_number)
+        self.up.labels(**self.run_labels).set(1)
+        self.in_flight.labels(**self.run_labels).set(0)
+
+    def _declare_counters(self) -> None:
+        """The platform's counters and its chunk-time histogram."""
         r = self.registry
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = PARTITION_LABELS) -> Counter:
@@ -194,6 +204,10 @@ class WorkerMetrics:
             "Engine builds that failed, by error_type.",
             (*RUN_LABELS, "error_type"),
         )
+
+    def _declare_gauges(self) -> None:
+        """The platform's gauges: the run's, the last telemetry sample's, each partition's."""
+        r = self.registry
         self.in_flight = Gauge(
             "gpuinfer_requests_in_flight",
             "Requests submitted to the engine, not yet done.",
@@ -226,7 +240,8 @@ class WorkerMetrics:
         )
         self.saturation = Gauge(
             "gpuinfer_engine_saturation_ratio",
-            "Running requests / max_num_seqs, last sample.",
+            "Running requests / max_num_seqs, last sample (pooling: running + waiting, "
+            "capped at max_num_seqs).",
             RUN_LABELS,
             registry=r,
         )
@@ -260,10 +275,6 @@ class WorkerMetrics:
             RUN_LABELS,
             registry=r,
         )
-        self.run_labels = {"asset": asset, "run": run_id}
-        self.retry_gauge.labels(**self.run_labels).set(retry_number)
-        self.up.labels(**self.run_labels).set(1)
-        self.in_flight.labels(**self.run_labels).set(0)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -337,6 +348,10 @@ class WorkerMetrics:
 
     # ------------------------------------------------------------------ hooks
 
+    def serves_task(self, task: str) -> None:
+        """Say which task the engine serves: pooling tasks read saturation another way."""
+        self.sampler.pooling = task in POOLING_TASKS
+
     def model_loaded(self, seconds: float, *, max_num_seqs: int | None) -> None:
         self.load_seconds.labels(**self.run_labels).set(seconds)
         self.sampler.max_num_seqs = max_num_seqs
@@ -354,9 +369,7 @@ class WorkerMetrics:
     def partition_started(self, partition: str) -> None:
         self._partition_started.setdefault(partition, self.sampler.clock())
 
-    def chunk_committed(
-        self, partition: str, marker: Any, errors: Iterable[Any] = (), *, write_seconds: float
-    ) -> None:
+    def chunk_committed(self, partition: str, marker: Any, errors: Iterable[Any] = ()) -> None:
         """A chunk's marker is written: count its rows and tokens, then push."""
         labels = {**self.run_labels, "partition": partition}
         self.rows_in.labels(**labels).inc(marker.rows_in)
@@ -366,18 +379,20 @@ class WorkerMetrics:
         self.prompt_tokens.labels(**labels).inc(marker.prompt_tokens)
         self.generated_tokens.labels(**labels).inc(marker.generated_tokens)
         self.chunks.labels(**labels).inc()
-        self.chunk_seconds.labels(**labels).observe(marker.inference_seconds + write_seconds)
-        self._partition_commit_seconds[partition] = (
-            self._partition_commit_seconds.get(partition, 0.0) + write_seconds
-        )
+        self.chunk_seconds.labels(**labels).observe(marker.inference_seconds + marker.write_seconds)
         self.push()
 
-    def partition_telemetry(self, partition: str, *, rows_resumed: int = 0) -> dict[str, Any]:
-        """The partition is being committed: its telemetry, for the manifest and metadata."""
+    def partition_telemetry(
+        self, partition: str, *, rows_resumed: int = 0, commit_seconds: float = 0.0
+    ) -> dict[str, Any]:
+        """The partition is being committed: its telemetry, for the manifest and metadata.
+
+        `commit_seconds` is the time its chunks' files took to write, summed from their
+        markers (written in whichever process, replica or not, served the chunk)."""
         self.sampler.sample_once()  # at least one sample, however short the partition
         started = self._partition_started.pop(partition, None)
         summary = self.sampler.summarise(started if started is not None else 0.0)
-        summary["commit_seconds"] = round(self._partition_commit_seconds.pop(partition, 0.0), 3)
+        summary["commit_seconds"] = round(commit_seconds, 3)
         labels = {**self.run_labels, "partition": partition}
         if rows_resumed:
             self.rows_resumed.labels(**labels).inc(rows_resumed)
@@ -405,7 +420,9 @@ class WorkerMetrics:
             self.kv_cache.labels(**self.run_labels).set(sample.engine.kv_cache_usage)
             if self.sampler.max_num_seqs:
                 self.saturation.labels(**self.run_labels).set(
-                    sample.engine.running / self.sampler.max_num_seqs
+                    engine_saturation(
+                        sample.engine, self.sampler.max_num_seqs, pooling=self.sampler.pooling
+                    )
                 )
 
 

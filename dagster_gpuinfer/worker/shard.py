@@ -40,6 +40,7 @@ from dagster_gpuinfer.storage import (
     ChunkMarker,
     FileEntry,
     Manifest,
+    RowCounts,
     chunk_dir,
     chunk_part_name,
     commit_partition,
@@ -115,8 +116,16 @@ def write_chunk(
     valid: ValidChunk,
     result: ChunkResult,
     attempt: str,
+    *,
+    engine_seconds: float | None = None,
 ) -> ChunkMarker:
-    """Write one chunk's outputs and quarantined rows; its marker, written last, commits it."""
+    """Write one chunk's outputs and quarantined rows; its marker, written last, commits it.
+
+    The writer takes a chunk the moment its last row is done, and `result.seconds` runs from
+    its first row submitted to then: so the chunk's inference interval ends now.
+    `engine_seconds` is its rows' share of the engine's time (default: `result.seconds`).
+    """
+    finished_at = time.time()
     started = time.perf_counter()
     part = None
     invalid_outputs = 0
@@ -150,13 +159,15 @@ def write_chunk(
         prompt_tokens=sum(result.prompt_tokens or ()),
         generated_tokens=sum(result.generated_tokens or ()),
         inference_seconds=result.seconds,
+        engine_seconds=result.seconds if engine_seconds is None else engine_seconds,
+        started_at=finished_at - result.seconds,
+        finished_at=finished_at,
+        write_seconds=time.perf_counter() - started,
         part=part,
         errors=errors,
     )
     write_chunk_marker(where.fs, where.path, marker)
-    current_metrics().chunk_committed(
-        where.partition_key, marker, valid.errors, write_seconds=time.perf_counter() - started
-    )
+    current_metrics().chunk_committed(where.partition_key, marker, valid.errors)
     log.debug(
         "partition %s chunk %d committed: %d rows out, %d quarantined",
         where.partition_key,
@@ -167,45 +178,89 @@ def write_chunk(
     return marker
 
 
+@dataclass(frozen=True)
+class PartitionTimes:
+    """A partition's times in one attempt: `wall_seconds` from `started_at` (its reading
+    began; Unix time) to its commit; the chunks it computed lie within that window."""
+
+    started_at: float
+    model_load_seconds: float
+
+
+def chunk_span(markers: list[ChunkMarker], since: float, until: float) -> tuple[float, float]:
+    """(union, span) of the chunks' inference intervals clipped to [since, until]: the union
+    counts time in which any chunk was in inference once (chunks overlap under streaming);
+    the span runs from the first chunk's start to the last chunk's end. Both are at most
+    `until - since`; chunks without times (written by an older worker) count for nothing."""
+    intervals = sorted(
+        (max(m.started_at, since), min(m.finished_at, until))
+        for m in markers
+        if m.started_at is not None and m.finished_at is not None
+    )
+    intervals = [(start, end) for start, end in intervals if end > start]
+    if not intervals:
+        return 0.0, 0.0
+    union = 0.0
+    current_start, current_end = intervals[0]
+    for start, end in intervals[1:]:
+        if start > current_end:
+            union += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    union += current_end - current_start
+    span = max(end for _, end in intervals) - intervals[0][0]
+    return union, span
+
+
 def commit_chunks(
     where: ShardLocation,
     spec: InferenceSpec,
     markers: dict[int, ChunkMarker],
     *,
+    computed: set[int],
     rows_resumed: int,
-    wall_seconds: float,
-    model_load_seconds: float,
+    times: PartitionTimes,
     worker: dict[str, object],
 ) -> Manifest:
-    """Commit a partition from its chunk markers: gather the errors, then write the manifest."""
+    """Commit a partition from its chunk markers: gather the errors, then write the manifest.
+
+    `computed` names the chunks this attempt computed (the others were resumed): the
+    partition's own figures (`computed` counts, `engine_seconds`, `active_seconds`,
+    `inference_seconds`, `commit_seconds`) come from those alone.
+    """
     ordered = [markers[i] for i in sorted(markers)]
     error_tables = [read_chunk_errors(where, m) for m in ordered if m.errors]
     error_types: Counter[str] = Counter()
     for table in error_tables:
         error_types.update(table.column("error_type").to_pylist())
+    now = time.time()
+    this_attempt = [m for m in ordered if m.index in computed]
+    union, span = chunk_span(this_attempt, times.started_at, now)
+    telemetry = current_metrics().partition_telemetry(
+        where.partition_key,
+        rows_resumed=rows_resumed,
+        commit_seconds=sum(m.write_seconds for m in this_attempt),
+    )
     manifest = Manifest(
         partition_key=where.partition_key,
         spec_hash=where.spec_hash,
         model=spec.model,
         task=spec.task,
         output_format=spec.output.format,
-        rows_in=sum(m.rows_in for m in ordered),
-        rows_out=sum(m.rows_out for m in ordered),
-        rows_errored=sum(m.rows_errored for m in ordered),
+        **RowCounts.total(ordered).model_dump(),
         rows_resumed=rows_resumed,
-        rows_invalid_output=sum(m.rows_invalid_output for m in ordered),
-        prompt_tokens=sum(m.prompt_tokens for m in ordered),
-        generated_tokens=sum(m.generated_tokens for m in ordered),
         parts=[m.part for m in ordered if m.part is not None],
         errors=FileEntry(name=ERRORS_NAME, rows=0, bytes=0, sha256=""),
         error_types=dict(error_types),
-        inference_seconds=sum(m.inference_seconds for m in ordered),
-        wall_seconds=wall_seconds,
-        model_load_seconds=model_load_seconds,
+        inference_seconds=union,
+        wall_seconds=now - times.started_at,
+        active_seconds=span,
+        engine_seconds=sum(m.engine_seconds for m in this_attempt),
+        computed=RowCounts.total(this_attempt),
+        model_load_seconds=times.model_load_seconds,
         worker=worker,
-        telemetry=current_metrics().partition_telemetry(
-            where.partition_key, rows_resumed=rows_resumed
-        ),
+        telemetry=telemetry,
     )
     openai_errors = None
     if spec.output.format == "openai_batch":

@@ -35,9 +35,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.spec import POOLING_TASKS, InferenceSpec
 from dagster_gpuinfer.storage import ChunkMarker
 from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine, RequestRejected
+from dagster_gpuinfer.worker.engine_time import EngineTimeShares
 from dagster_gpuinfer.worker.metrics import current_metrics
 from dagster_gpuinfer.worker.pooling_tasks import run_pooling_chunk
 from dagster_gpuinfer.worker.readers import RawChunk
@@ -77,6 +78,7 @@ class _ChunkInFlight:
     outputs: list[Any] = field(default_factory=list)
     remaining: int = 0
     first_submitted: float | None = None
+    engine_seconds: float = 0.0  # its rows' share of the engine's time (`EngineTimeShares`)
     result: Any = None  # score/classify: the chunk's `PoolingResult`, computed whole
     rejected: dict[int, str] = field(default_factory=dict)  # prompt position -> why
 
@@ -194,7 +196,15 @@ def _write_finished(
                 )
             seconds = time.perf_counter() - (item.first_submitted or time.perf_counter())
             result = ChunkResult.from_outputs(spec.task, outputs, seconds, requests=valid.requests)
-        marker = write_chunk(spec, where, item.work.chunk, valid, result, item.work.attempt)
+        marker = write_chunk(
+            spec,
+            where,
+            item.work.chunk,
+            valid,
+            result,
+            item.work.attempt,
+            engine_seconds=result.seconds if item.result is not None else item.engine_seconds,
+        )
         committed(ChunkCommitted(partition_key=key, marker=marker, replica=replica))
 
 
@@ -222,6 +232,9 @@ class _RequestWindow:
         self.finished = finished
         self.metrics = current_metrics()
         self.group = spec.group_prefixes and spec.task != "embed"
+        self.engine_time = EngineTimeShares(
+            pooling=spec.task in POOLING_TASKS, max_running=engine.max_num_seqs
+        )
         self.requests: dict[str, tuple[_ChunkInFlight, int]] = {}
         self.incoming: deque[tuple[_ChunkInFlight, int]] = deque()  # read ahead, not ordered
         self.current: deque[tuple[_ChunkInFlight, int]] = deque()  # ordered, being submitted
@@ -286,6 +299,7 @@ class _RequestWindow:
             self._settled(item)
             return
         self.requests[request_id] = (item, position)
+        self.engine_time.submitted(request_id, item)
         self.metrics.requests_started(1)
 
     def _settled(self, item: _ChunkInFlight) -> None:
@@ -298,7 +312,12 @@ class _RequestWindow:
         if self.engine.in_flight == 0:
             self.done = self.prepared_all and not self.incoming and not self.current
             return
+        step_started = time.perf_counter()
         finished = self.engine.step()
+        self.engine_time.stepped(
+            time.perf_counter() - step_started,
+            [(request_id, self.requests[request_id][0]) for request_id, _ in finished],
+        )
         if finished:
             self.metrics.requests_finished(len(finished))
         for request_id, output in finished:

@@ -179,6 +179,8 @@ class TelemetrySampler:
     interval: float = DEFAULT_SAMPLE_SECONDS
     clock: Callable[[], float] = time.monotonic
     max_num_seqs: int | None = None
+    # The engine serves pooling requests (embed, score, classify): see `engine_saturation`.
+    pooling: bool = False
     samples: list[Sample] = field(default_factory=list)
     on_sample: Callable[[Sample], None] | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -232,7 +234,7 @@ class TelemetrySampler:
         samples = self.window(start, end)
         summary: dict[str, Any] = {"samples": len(samples)}
         summary.update(summarise_gpus(samples))
-        summary.update(summarise_engine(samples, self.max_num_seqs))
+        summary.update(summarise_engine(samples, self.max_num_seqs, pooling=self.pooling))
         return summary
 
 
@@ -268,7 +270,25 @@ def summarise_gpus(samples: Sequence[Sample]) -> dict[str, Any]:
     }
 
 
-def summarise_engine(samples: Sequence[Sample], max_num_seqs: int | None) -> dict[str, Any]:
+def engine_saturation(gauges: EngineGauges, max_num_seqs: int, *, pooling: bool) -> float:
+    """How full the engine's batch is at one sample, 0 to 1.
+
+    Generation: running requests over `max_num_seqs`. Pooling (embed, score, classify): a
+    pooling request lives a single engine step, and vLLM's gauges are read between steps,
+    where `running` is about 0 however busy the engine is; the requests queued for the next
+    step (`waiting`, plus any running) capped at `max_num_seqs` are how full that step is.
+    """
+    held = gauges.running + gauges.waiting if pooling else gauges.running
+    return min(held, max_num_seqs) / max_num_seqs if pooling else held / max_num_seqs
+
+
+def summarise_engine(
+    samples: Sequence[Sample], max_num_seqs: int | None, *, pooling: bool = False
+) -> dict[str, Any]:
+    """Mean saturation (`engine_saturation`), p95 KV-cache usage and mean waiting requests.
+
+    KV-cache usage is `n/a` for pooling: its requests hold no KV cache between steps, so
+    the gauge reads 0 at every sample, which says nothing about the engine."""
     engine = [s.engine for s in samples if s.engine is not None]
     if not engine:
         return {
@@ -278,9 +298,13 @@ def summarise_engine(samples: Sequence[Sample], max_num_seqs: int | None) -> dic
         }
     saturation: Any = NOT_AVAILABLE
     if max_num_seqs:
-        saturation = round(sum(e.running for e in engine) / len(engine) / max_num_seqs, 4)
+        per_sample = [engine_saturation(e, max_num_seqs, pooling=pooling) for e in engine]
+        saturation = round(sum(per_sample) / len(per_sample), 4)
+    kv: Any = NOT_AVAILABLE
+    if not pooling:
+        kv = round(percentile([e.kv_cache_usage for e in engine], 0.95), 6)
     return {
         "engine_saturation_mean": saturation,
-        "kv_cache_usage_p95": round(percentile([e.kv_cache_usage for e in engine], 0.95), 6),
+        "kv_cache_usage_p95": kv,
         "requests_waiting_mean": round(sum(e.waiting for e in engine) / len(engine), 2),
     }
