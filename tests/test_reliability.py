@@ -254,6 +254,12 @@ def test_killed_worker_resumes_without_recomputing_committed_chunks(tmp_path, ti
     assert manifest.rows_resumed == resumed_rows == metadata["rows_resumed"]
     second_attempt_rows = sum(p.rows for p in manifest.parts if p.name not in first_attempt_parts)
     assert second_attempt_rows == 600 - resumed_rows
+    # The partition's own figures are the second attempt's: its rows, over its engine time.
+    assert manifest.computed.rows_in == 600 - resumed_rows
+    assert metadata["rows_per_second"] == pytest.approx(
+        manifest.computed.rows_in / manifest.engine_seconds, rel=0.01
+    )
+    assert 0 < manifest.inference_seconds <= manifest.wall_seconds
     ids = read_partition(output, "p0").column("id").to_pylist()
     assert len(ids) == 600 and set(ids) == {f"id-{i}" for i in range(600)}
 
