@@ -61,7 +61,6 @@ def process_kind(cmdline: str, *, root_pid: int | None = None, pid: int | None =
 
 # Frames that name a bucket inside the worker (matched against the whole stack).
 _WORKER_FRAMES = (
-    ("engine build", ("InferenceEngine.__init__ (",)),
     ("engine shutdown", ("InferenceEngine.shutdown (",)),
     ("commit (manifest, markers)", ("commit_chunks (", "RunCoordinator._settle (")),
     ("write (Parquet part files)", ("write_chunk (",)),
@@ -79,7 +78,10 @@ _ENGINE_FRAMES = (
 
 def classify_stack(kind: str, thread: str, frames: str) -> str:
     """The bucket of one py-spy sample: its process kind, thread name and frames."""
+    importing = "_find_and_load" in frames
     if kind == WORKER:
+        if "InferenceEngine.__init__ (" in frames:
+            return "worker: engine build: " + ("imports" if importing else "LLM(...)")
         for bucket, needles in _WORKER_FRAMES:
             if any(n in frames for n in needles):
                 return f"worker: {bucket}"
@@ -94,6 +96,8 @@ def classify_stack(kind: str, thread: str, frames: str) -> str:
                 return bucket
         return "engine core: other (IPC, busy loop)"
     if kind == RAW_CLIENT:
+        if "VllmBackend.__init__ (" in frames:
+            return "raw client: engine build: " + ("imports" if importing else "LLM(...)")
         if "_run_engine (" in frames or "LLM.generate (" in frames or "LLM.embed (" in frames:
             return "raw client: LLM.generate loop, output processing"
         return "raw client: other"

@@ -117,7 +117,9 @@ def profile(ctx: BenchContext, task: str, *, rate: int, with_raw: bool) -> dict[
     manifest_path = Path(partition_dir(pipeline.output(), "shard-0")) / MANIFEST_NAME
     committed_at = manifest_path.stat().st_mtime
     window = (committed_at - timing.partition_seconds["shard-0"], committed_at)
+    ready = window[0]
     report["platform"] = {
+        "build": split(sampler, ready - timing.model_load_seconds, ready),
         "rows": timing.rows,
         "partition_seconds": timing.partition_seconds["shard-0"],
         "run_seconds": timing.run_seconds,
@@ -146,29 +148,32 @@ def profile_raw(
     from bench.server import ContestantProcess
 
     sampling = spec.sampling.to_vllm_kwargs() if task != "embed" else None
-    raw = ContestantProcess(
-        f"profile-{task}-raw",
-        "bench.backends:VllmBackend",
-        dict(model=model, task=task, engine_kwargs=kwargs, sampling=sampling),
-        env=ctx.engine_env(),
-        log_dir=ctx.log_dir,
-    )
+    sampler = ProcSampler(os.getpid()).start()
+    spy = PySpy(os.getpid(), ctx.work_dir / f"profile-{task}-raw.pyspy.txt", rate=rate)
     try:
-        sampler = ProcSampler(os.getpid()).start()
-        spy = PySpy(raw.pid(), ctx.work_dir / f"profile-{task}-raw.pyspy.txt", rate=rate)
-        time.sleep(1.0)  # py-spy attaches to the engine core before the call starts
-        started = time.time()
-        out = raw.call("run", texts)
-        ended = time.time()
-        stacks = parse_pyspy_raw(spy.stop())
-        sampler.stop()
+        raw = ContestantProcess(
+            f"profile-{task}-raw",
+            "bench.backends:VllmBackend",
+            dict(model=model, task=task, engine_kwargs=kwargs, sampling=sampling),
+            env=ctx.engine_env(),
+            log_dir=ctx.log_dir,
+        )
+        built = time.time()
+        try:
+            started = time.time()
+            out = raw.call("run", texts)
+            ended = time.time()
+        finally:
+            raw.close()
     finally:
-        raw.close()
+        stacks = parse_pyspy_raw(spy.stop(), root_pid=os.getpid())
+        sampler.stop()
     return {
         "rows": out["rows"],
         "seconds": out["seconds"],
         "engine_seconds": raw.info.get("engine_seconds"),
         "import_seconds": raw.info.get("import_seconds"),
+        "build": split(sampler, built - raw.info["engine_seconds"], built),
         "window": split(sampler, started, ended),
         "pyspy_seconds": {k: v / rate for k, v in sorted(stacks.items())},
     }
@@ -199,16 +204,20 @@ def render(report: dict[str, Any]) -> str:
         "",
     ]
     platform = report["platform"]
-    columns = [("platform partition", platform["window"]), ("whole run", platform["whole_run"])]
+    columns = [
+        ("platform build", platform["build"]),
+        ("platform partition", platform["window"]),
+        ("platform whole run", platform["whole_run"]),
+    ]
     if "raw" in report:
-        columns.append(("raw call", report["raw"]["window"]))
+        columns += [("raw build", report["raw"]["build"]), ("raw call", report["raw"]["window"])]
     keys = ["wall_seconds"]
     for _, col in columns:
         keys += [k for k in col if k not in keys and k != "capacity"]
-    lines.append(f"{'seconds':44s}" + "".join(f"{name:>20s}" for name, _ in columns))
+    lines.append(f"{'seconds':40s}" + "".join(f"{name:>19s}" for name, _ in columns))
     for key in keys:
-        cells = "".join(f"{col.get(key, 0.0):20.1f}" for _, col in columns)
-        lines.append(f"{key:44s}{cells}")
+        cells = "".join(f"{col.get(key, 0.0):19.1f}" for _, col in columns)
+        lines.append(f"{key:40s}{cells}")
     lines += ["", "worker split: " + json.dumps(platform["worker_split"])]
     for name, block in (("platform run", platform), ("raw call", report.get("raw"))):
         if not block:
@@ -224,7 +233,14 @@ def interpret(report: dict[str, Any]) -> list[str]:
     """The few sentences the split supports: engine CPU per row in each contestant, and what
     ran beside the engine on the same cores."""
     window = report["platform"]["window"]
-    out = []
+    load = report["platform"]["model_load_seconds"]
+    out = [f"engine build (import vllm + LLM(...)): platform {load:.1f} s"]
+    if "raw" in report:
+        raw_block = report["raw"]
+        out[0] += (
+            f", raw {raw_block['engine_seconds']:.1f} s (of which import "
+            f"{raw_block['import_seconds']:.1f} s)"
+        )
     engine = window.get(f"cpu {ENGINE_CORE}", 0.0)
     beside = window.get(f"cpu {WORKER}", 0.0) + window.get(f"cpu {RUN_PROCESS}", 0.0)
     out.append(
