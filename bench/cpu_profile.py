@@ -149,6 +149,7 @@ class ProcSampler:
     interval: float = 0.2
     samples: list[ProcSample] = field(default_factory=list)
     cmdlines: dict[int, str] = field(default_factory=dict)
+    own_cpu: float = 0.0  # the sampler thread's own CPU seconds (inside the root process)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -167,6 +168,7 @@ class ProcSampler:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             self.sample()
+        self.own_cpu = time.thread_time()
 
     def sample(self) -> None:
         parents: dict[int, int] = {}

@@ -190,6 +190,8 @@ def split(sampler: ProcSampler, start: float, end: float) -> dict[str, float]:
         "wall_seconds": wall,
         **{f"cpu {kind}": seconds for kind, seconds in sorted(ours.items())},
         "cpu other processes on the machine": others,
+        # the /proc sampler's own thread, inside the Dagster run process's figure (whole run)
+        "cpu of which the /proc sampler (whole profile)": sampler.own_cpu,
         "idle": max(capacity - machine, 0.0),
         "capacity": capacity,
     }

