@@ -10,8 +10,10 @@ Two instruments, each for what it sees:
 - py-spy (`py-spy record --subprocesses --threads --format raw`) samples the Python stack of
   each running thread; `classify_stack` puts each stack in a bucket by process, thread name and
   the frames in it (read, prepare, write, commit, the engine loop, vLLM's output processing,
-  the engine core's forward pass and scheduler, ...). py-spy does not see native-only threads,
-  so its seconds are a lower bound per bucket; the /proc totals are exact per process.
+  the engine core's forward pass and scheduler, ...). py-spy counts a thread as active when it
+  is not blocked, so on a loaded machine its seconds are a thread's runnable time (running or
+  waiting for a core), not CPU time, and it does not see native-only threads: compare its
+  buckets with each other, and take CPU seconds from the /proc rows.
 
 `python -m bench.profile_run` drives both around a platform run and a raw vLLM run.
 """
@@ -146,7 +148,7 @@ class ProcSampler:
     """CPU seconds of every process under `root_pid`, sampled every `interval` seconds."""
 
     root_pid: int
-    interval: float = 0.2
+    interval: float = 0.5
     samples: list[ProcSample] = field(default_factory=list)
     cmdlines: dict[int, str] = field(default_factory=dict)
     own_cpu: float = 0.0  # the sampler thread's own CPU seconds (inside the root process)
@@ -257,7 +259,7 @@ def machine_cpu() -> tuple[float, float]:
 class PySpy:
     """`py-spy record` of a process and its children, written in raw (collapsed) form."""
 
-    def __init__(self, pid: int, out: Path, *, rate: int = 50) -> None:
+    def __init__(self, pid: int, out: Path, *, rate: int = 20) -> None:
         exe = shutil.which("py-spy") or str(Path(os.sys.executable).with_name("py-spy"))
         if not Path(exe).exists():
             raise RuntimeError(

@@ -49,7 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("task", choices=("generate", "embed"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks it runs")
-    parser.add_argument("--rate", type=int, default=50, help="py-spy samples per second")
+    parser.add_argument(
+        "--rate",
+        type=int,
+        default=20,
+        help="py-spy samples per second (50 Hz cost 12-14 CPU s per minute of run here)",
+    )
     parser.add_argument("--no-raw", action="store_true", help="profile the platform run only")
     parser.add_argument("--work", type=Path, help="scratch folder (default: a temporary one)")
     parser.add_argument("--json", type=Path, help="write every number here")
@@ -224,7 +229,7 @@ def render(report: dict[str, Any]) -> str:
     for name, block in (("platform run", platform), ("raw call", report.get("raw"))):
         if not block:
             continue
-        lines += ["", f"py-spy, {name} (seconds a Python thread was seen running):"]
+        lines += ["", f"py-spy, {name} (seconds a Python thread was runnable, not CPU):"]
         for bucket, seconds in sorted(block["pyspy_seconds"].items(), key=lambda kv: -kv[1]):
             lines.append(f"  {bucket:56s}{seconds:8.1f}")
     lines += ["", *interpret(report)]
