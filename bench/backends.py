@@ -402,9 +402,9 @@ def _make_ray_actor(
 ) -> type:
     class VllmActor:
         def __init__(self) -> None:
+            started = time.perf_counter()  # vLLM's import + LLM(...), as the worker's build
             from vllm import LLM, SamplingParams
 
-            started = time.perf_counter()
             self.llm = LLM(model=model, **engine_kwargs)
             self.sampling = SamplingParams(**sampling) if task != "embed" else None
             self.ready_at = time.time()

@@ -156,36 +156,54 @@ def _engine_build_rows(results: dict[str, Any]) -> list[str]:
     return rows
 
 
+_VOLATILE = ("pid", "engine_seconds", "import_seconds")
+
+
 def _peers(results: dict[str, Any]) -> list[str]:
-    """Each peer named exactly: package versions and configuration, as the run recorded."""
-    seen: dict[str, Any] = {}
-    for res in list(results.get("throughput", {}).values()) + [results.get("longtail") or {}]:
+    """Each peer named exactly: package versions and configuration, as the run recorded; a
+    peer configured differently per workload (Ray's detokenize stage) gets one line each."""
+    sections = [(task, res) for task, res in results.get("throughput", {}).items()]
+    sections.append(("long-tailed", results.get("longtail") or {}))
+    seen: dict[tuple[str, str], tuple[list[str], dict[str, Any]]] = {}
+    for label, res in sections:
         for name, info in (res.get("peers") or {}).items():
-            seen.setdefault(name, info)
+            stable = {k: v for k, v in info.items() if k not in _VOLATILE}
+            labels, _ = seen.setdefault((name, repr(sorted(stable.items()))), ([], info))
+            labels.append(label)
     if not seen:
         return []
     lines = ["Peers, exactly:", ""]
-    for name, info in seen.items():
-        if name == "raw-vllm":
-            what = f"{info.get('vllm')}, one `LLM(...).embed / .generate` call over all rows"
-        elif name == "ray-data-llm":
-            config = ", ".join(f"{k}={v!r}" for k, v in (info.get("config") or {}).items())
-            what = (
-                f"Ray {info.get('ray')} (`ray[data]`, no `llm` extra) with {info.get('vllm')}: "
-                f"`ray.data.llm.build_processor(vLLMEngineProcessorConfig({config}, "
-                "engine_kwargs=<the worker's>))`, `ray.init(num_cpus=2, num_gpus=1)`"
-            )
-        elif name == "ray-map-batches":
-            what = (
-                f"Ray {info.get('ray')}: `map_batches` of an actor calling `LLM.generate` "
-                "per batch (hand-written, a barrier per batch)"
-            )
-        elif name == "run-batch":
-            what = f"{results.get('vllm') or 'vLLM'}: `{info.get('command')}` (OpenAI Batch file)"
-        else:
-            what = str(info)
-        lines.append(f"- `{name}`: {what}")
+    names = {name for name, _ in seen}
+    for (name, _), (labels, info) in seen.items():
+        scope = f" ({', '.join(labels)})" if sum(n == name for n, _ in seen) > 1 else ""
+        lines.append(f"- `{name}`{scope}: {_peer_line(name, info, results)}")
+    if "ray-data-llm" in names:
+        lines.append(
+            "- `ray-data-llm` builds its engine inside each execution: its model load column is "
+            "the execution's wall time minus its rate window (engine build and Ray's pipeline "
+            "start)."
+        )
     return lines + [""]
+
+
+def _peer_line(name: str, info: dict[str, Any], results: dict[str, Any]) -> str:
+    if name == "raw-vllm":
+        return f"{info.get('vllm')}, one `LLM(...).embed / .generate` call over all rows"
+    if name == "ray-data-llm":
+        config = ", ".join(f"{k}={v!r}" for k, v in (info.get("config") or {}).items())
+        return (
+            f"Ray {info.get('ray')} (`ray[data]`, no `llm` extra) with {info.get('vllm')}: "
+            f"`ray.data.llm.build_processor(vLLMEngineProcessorConfig({config}, "
+            "engine_kwargs=<the worker's>))`, `ray.init(num_cpus=2, num_gpus=1)`"
+        )
+    if name == "ray-map-batches":
+        return (
+            f"Ray {info.get('ray')}: `map_batches` of an actor calling `LLM.generate` "
+            "per batch (hand-written, a barrier per batch)"
+        )
+    if name == "run-batch":
+        return f"{results.get('vllm') or 'vLLM'}: `{info.get('command')}` (OpenAI Batch file)"
+    return str(info)
 
 
 def _throughput(throughput: dict[str, Any]) -> list[str]:
