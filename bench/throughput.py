@@ -9,7 +9,10 @@ Per task (embed with MiniLM, generate with the tiny Llama), the same shard goes 
 - raw-vllm: `vllm.LLM(...)` with the very engine arguments and environment the worker gets,
   one `.embed(texts)` / `.generate(texts, ...)` call;
 - transformers: a plain batched Hugging Face loop;
-- ray-data: Ray Data `map_batches` with a vLLM actor (when Ray is installed);
+- ray-data-llm: Ray Data LLM's own processor, `build_processor(vLLMEngineProcessorConfig(
+  ...))` with the same engine arguments (when Ray is installed; `bench.backends`);
+- ray-map-batches (only with `--ray-map-batches`): a hand-written `map_batches` actor calling
+  `LLM.generate` per batch;
 
 Rounds interleave the contestants in rotating order; the headline is the per-round ratio.
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from bench.context import KV_CACHE_BYTES, BenchContext, Sizes
+from bench.context import KV_CACHE_BYTES, RAY_NAMES, BenchContext, Sizes, ray_contestants
 from bench.platform_run import PlatformPipeline, local_resource
 from bench.server import ContestantProcess
 from bench.stats import paired_ratios, rotations, summarize
@@ -31,7 +34,6 @@ log = logging.getLogger("bench")
 PLATFORM = "platform"
 RAW = "raw-vllm"
 HF = "transformers"
-RAY = "ray-data"
 
 
 def uniform_workload(
@@ -103,27 +105,32 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
             log_dir=ctx.log_dir,
         )
         loads[HF] = contestants[HF].info["engine_seconds"]
-        if ctx.ray_python:
-            log.info("%s: starting Ray", task)
-            contestants[RAY] = ContestantProcess(
-                f"{task}-{RAY}",
-                "bench.backends:RayDataBackend",
+        peers = {RAW: contestants[RAW].info}
+        ray_peers = ray_contestants(ctx, map_batch_size=sizes.chunk_size)
+        for name, (backend, extra) in ray_peers.items():
+            log.info("%s: starting %s", task, name)
+            contestants[name] = ContestantProcess(
+                f"{task}-{name}",
+                backend,
                 dict(
                     model=model,
                     task=task,
                     engine_kwargs=kwargs,
                     sampling=sampling_kwargs,
-                    batch_size=max(sizes.chunk_size, 1),
+                    **extra,
                 ),
                 env=env,
                 python=ctx.ray_python,
                 log_dir=ctx.log_dir,
             )
-        names = [PLATFORM, RAW, HF] + ([RAY] if RAY in contestants else [])
+            peers[name] = contestants[name].info
+        result["peers"] = peers
+        names = [PLATFORM, RAW, HF] + [n for n in RAY_NAMES if n in contestants]
         rows_per_s: dict[str, list[float]] = {n: [] for n in names}
         tokens_per_s: dict[str, list[float]] = {n: [] for n in names}
         platform_runs: list[dict[str, Any]] = []
-        ray_loads: list[float] = []
+        ray_loads: dict[str, list[float]] = {n: [] for n in RAY_NAMES}
+        ray_end_to_end: dict[str, list[float]] = {n: [] for n in RAY_NAMES}
         fingerprints: dict[str, set[str]] = {n: set() for n in names}
         token_key = "prompt_tokens" if task == "embed" else "generated_tokens"
         for round_index, order in enumerate(rotations(names, sizes.rounds)):
@@ -150,8 +157,9 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
                 else:
                     out = contestants[name].call("run", texts)
                     seconds, rows, tokens = out["seconds"], out["rows"], out[token_key]
-                    if name == RAY:
-                        ray_loads.append(out["load_seconds"])
+                    if name in RAY_NAMES:  # it builds its engine inside each execution
+                        ray_loads[name].append(out["load_seconds"])
+                        ray_end_to_end[name].append(rows / out["wall_seconds"])
                     if "fingerprint" in out:
                         fingerprints[name].add(out["fingerprint"])
                 if rows != len(texts):
@@ -166,8 +174,9 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
                     rows / seconds,
                     tokens / seconds,
                 )
-        if ray_loads:
-            loads[RAY] = summarize(ray_loads).median
+        for name, values in ray_loads.items():
+            if values:
+                loads[name] = summarize(values).median
         loads[PLATFORM] = summarize([r["model_load_seconds"] for r in platform_runs]).median
         result["contestants"] = {
             name: {
@@ -176,6 +185,11 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
                 "rows_per_s_summary": summarize(rows_per_s[name]).__dict__,
                 "tokens_per_s_summary": summarize(tokens_per_s[name]).__dict__,
                 "model_load_seconds": loads.get(name),
+                **(
+                    {"end_to_end_rows_per_s": ray_end_to_end[name]}
+                    if ray_end_to_end.get(name)
+                    else {}
+                ),
             }
             for name in names
         }
