@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-
 POD_INTERFACE = "eth0"
 """The interface of each namespace, named as a pod's is."""
 
