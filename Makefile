@@ -13,7 +13,7 @@ export VLLM_LOGGING_LEVEL ?= WARNING
 CHECKOV_VENV := .venv-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
 
-.PHONY: install prepare demo lint test test-all test-fast dev bench lock lock-gpu security clean
+.PHONY: install prepare demo lint test test-all test-fast test-cluster dev bench lock lock-gpu security clean
 
 install: $(STAMP)
 
@@ -65,6 +65,11 @@ $(CHECKOV_STAMP): requirements/checkov.txt
 
 security: install $(CHECKOV_STAMP)
 	$(PY) deploy/checkov/gate.py --checkov $(CHECKOV_VENV)/bin/checkov
+
+# Pods that run: the pod executor (tests/pod_executor.py, network and mount namespaces, so
+# root, as CI runs) and the k8s launcher end to end through it, every case (slow ones too).
+test-cluster: prepare
+	$(PY) -m pytest tests/test_pod_executor.py tests/test_k8s_pods_e2e.py
 
 test-fast: install
 	PROMETHEUS_ENV=$$(bash deploy/local/test-prometheus.sh) && eval "$$PROMETHEUS_ENV" && \

@@ -104,3 +104,20 @@ def s3_server() -> Iterator[LoopbackS3]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+# --------------------------------------------------------------------------- pods that run
+# tests/pod_executor.py: a fake CoreV1Api whose pods run for real (namespaces; needs root).
+
+
+@pytest.fixture
+def pod_executor() -> Iterator[Any]:
+    """A `PodExecutor` (set `.secrets`, `.config_maps`, `.claims`, `.plans` before creating
+    pods); every process, namespace and link it made is removed after the test, always."""
+    from pod_executor import PodExecutor
+
+    executor = PodExecutor()
+    try:
+        yield executor
+    finally:
+        executor.close()

@@ -19,9 +19,11 @@ from dagster_gpuinfer.k8s.failures import (
 )
 
 
-def terminated_pod(*, exit_code: int, reason: str = "Error") -> SimpleNamespace:
+def terminated_pod(
+    *, exit_code: int, reason: str = "Error", message: str | None = None
+) -> SimpleNamespace:
     """A pod whose one container terminated, as the API reports it (only the fields read)."""
-    terminated = SimpleNamespace(exit_code=exit_code, reason=reason)
+    terminated = SimpleNamespace(exit_code=exit_code, reason=reason, message=message)
     state = SimpleNamespace(waiting=None, running=None, terminated=terminated)
     status = SimpleNamespace(
         phase="Failed",
@@ -93,3 +95,15 @@ def test_a_plain_crash_names_the_signal_and_shows_the_log_tail():
     assert (failure.kind, failure.retryable) == ("worker_crash", True)
     assert "exited with code 137 (SIGKILL)" in failure.message
     assert failure.message.endswith("KeyError: 'x'")
+
+
+def test_a_container_that_cannot_start_is_not_retried():
+    pod = terminated_pod(
+        exit_code=128,
+        reason="StartError",
+        message='exec: "python3": executable file not found in $PATH',
+    )
+    failure = classify_pod_failure(pod=pod, pod_name="p", image=IMAGE)
+    assert (failure.kind, failure.retryable) == ("container_start", False)
+    assert '"python3": executable file not found' in failure.message
+    assert IMAGE in failure.message and "k8s.command" in failure.message

@@ -16,6 +16,7 @@ the first row whose `matches` holds gives the kind, whether it is retryable, and
 | queue_timeout      | Kueue did not admit within `queue_timeout`           | yes       |
 | image_pull         | ErrImagePull, ImagePullBackOff, InvalidImageName     | no        |
 | config_error       | CreateContainerConfigError (missing Secret or key)   | no        |
+| container_start    | StartError: the image cannot exec k8s.command        | no        |
 | out_of_memory      | OOMKilled, CUDA/KV-cache out of memory at start      | step-down |
 | kv_cache_too_small | the KV cache cannot hold one max_model_len sequence  | no        |
 | evicted            | evicted, preempted, drained, node lost               | yes       |
@@ -44,6 +45,7 @@ FailureKind = Literal[
     "queue_timeout",
     "image_pull",
     "config_error",
+    "container_start",
     "out_of_memory",
     "kv_cache_too_small",
     "evicted",
@@ -66,6 +68,9 @@ IMAGE_PULL_REASONS = frozenset(
     }
 )
 CONFIG_ERROR_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError"})
+# Terminated reasons of a container whose process never started (containerd: StartError,
+# "exec: \"python3\": executable file not found in $PATH"; docker: ContainerCannotRun).
+START_ERROR_REASONS = frozenset({"StartError", "ContainerCannotRun", "RunContainerError"})
 # Pod-level reasons the kubelet or node lifecycle controllers set when they stop a pod.
 NODE_LOSS_REASONS = frozenset(
     {"NodeLost", "NodeShutdown", "Shutdown", "Terminated", "NodeAffinity"}
@@ -277,6 +282,7 @@ class PodFacts:
     deleting: bool = False
     exit_code: int | None = None
     container_reason: str | None = None
+    container_message: str = ""
     memory: str | None = None
     tail: str = ""
 
@@ -357,6 +363,7 @@ def read_pod_facts(
         deleting=getattr(metadata, "deletion_timestamp", None) is not None,
         exit_code=exit_code,
         container_reason=waiting.reason if waiting is not None else container_reason,
+        container_message=(getattr(terminated, "message", None) or "").strip(),
         memory=memory,
         tail=last_error_lines(log_text) if terminated is not None else "",
     )
@@ -436,6 +443,16 @@ FAILURE_TABLE: tuple[FailureRow, ...] = (
         f"{{f.waiting_message}}). {_MISSING_SECRET_HINT} in namespace {{f.namespace!r}}. "
         "Not retried: create it or fix the reference, then re-run.",
         ("container_reason",),
+    ),
+    FailureRow(
+        "container_start",
+        False,
+        lambda f: f.container_reason in START_ERROR_REASONS,
+        "worker pod {f.pod} could not start its container ({f.container_reason}, exit code "
+        "{f.exit_code}: {f.container_message}). The image {f.image!r} cannot run k8s.command "
+        "(default: python3 -m dagster_gpuinfer.worker). Not retried: fix k8s.image or "
+        "k8s.command, then re-run.",
+        ("exit_code", "container_reason", "image"),
     ),
     FailureRow(
         "deleted",
