@@ -132,16 +132,28 @@ def create_group_members(client: DagsterKubernetesClient, group: WorkerGroup) ->
         client.core_api.create_namespaced_pod(namespace, follower)
 
 
-def delete_group_members(client: DagsterKubernetesClient, group: WorkerGroup) -> None:
-    """Delete the followers and the Service; ones already gone are fine."""
+def delete_group_members(
+    client: DagsterKubernetesClient, group: WorkerGroup, *, poll_interval: float
+) -> None:
+    """Delete the followers and the Service, and wait (bounded by the pods' grace period)
+    until the followers are gone, so no rank outlives the step; ones already gone are fine."""
     namespace = group.leader["metadata"]["namespace"]
-    for follower in group.followers:
-        delete_pod(client, name=follower["metadata"]["name"], namespace=namespace)
+    names = [follower["metadata"]["name"] for follower in group.followers]
+    for name in names:
+        delete_pod(client, name=name, namespace=namespace)
     try:
         client.core_api.delete_namespaced_service(group.service["metadata"]["name"], namespace)
     except kubernetes.client.ApiException as exc:
         if exc.status != 404:
             log.warning("could not delete the Service of group %s: %s", group.name, exc)
+    grace = max(f["spec"].get("terminationGracePeriodSeconds", 30) for f in group.followers)
+    deadline = client.timer() + grace + 2 * poll_interval
+    while names and client.timer() < deadline:
+        names = [n for n in names if read_pod(client, name=n, namespace=namespace) is not None]
+        if names:
+            client.sleeper(poll_interval)
+    if names:
+        log.warning("followers %s of group %s are still terminating", names, group.name)
 
 
 def run_k8s_group(
@@ -205,5 +217,5 @@ def run_k8s_group(
             raise
         raise failure_for(exc.failure) from None
     finally:
-        delete_group_members(cluster, group)
+        delete_group_members(cluster, group, poll_interval=config.poll_interval)
     return [*invocation.get_custom_messages(), start_timing_message(client.start_timing)]
