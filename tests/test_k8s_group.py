@@ -162,3 +162,21 @@ def test_leader_without_its_address_says_how_to_launch(monkeypatch: pytest.Monke
     monkeypatch.delenv(MASTER_ADDR_ENV, raising=False)
     with pytest.raises(SpecError, match="GPUINFER_MASTER_ADDR is not set"):
         engine_kwargs(make_spec(tensor_parallel_size=2, nodes=2))
+
+
+def test_checked_in_2x8_example_is_what_the_builder_makes():
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    repo = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(repo / "deploy" / "checkov"))
+    import gate
+
+    example = list(
+        yaml.safe_load_all((repo / "deploy/multinode/worker-group-2x8.yaml").read_text())
+    )
+    assert example == gate.worker_group_objects()
+    for doc in example:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
