@@ -1,4 +1,4 @@
-"""Network namespaces as "nodes" for the multi-node tests: each with its own address on one
+"""Network namespaces as "nodes" for bench/multinode.py: each with its own address on one
 bridge, the way pods of a group each get a pod IP on the cluster network.
 
 The bridge lives in a namespace of its own, so the host's network is never touched; every
