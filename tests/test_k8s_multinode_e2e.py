@@ -214,6 +214,7 @@ def roles(cluster: Cluster) -> list[str]:
     ]
 
 
+@pytest.mark.engine
 def test_tp2_across_two_pods_commits_what_tp1_commits(cluster):
     tp2 = pipeline(cluster, "gen_tp2", tensor_parallel_size=2, nodes=2)
     result = run(cluster, tp2, ["p0"], cluster.resource())
@@ -231,6 +232,7 @@ def test_tp2_across_two_pods_commits_what_tp1_commits(cluster):
     assert len(texts2) == ROWS and texts2 == texts1
 
 
+@pytest.mark.engine
 @pytest.mark.slow
 def test_killed_follower_fails_the_group_fast_and_the_retry_commits_exactly_once(cluster):
     tp2 = pipeline(cluster, "gen_kill", tensor_parallel_size=2, nodes=2)
