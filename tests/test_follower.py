@@ -6,6 +6,7 @@ the leader's master port; the TP=2 engine across pods is in test_k8s_multinode_e
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -149,3 +150,31 @@ def test_follower_exits_with_vllm_when_vllm_exits_first():
         assert watch(process, host, port, interval=0.05, failures=3) == ("exited", 7)
     finally:
         leader.close()
+
+
+def test_vllm_server_dies_when_the_follower_is_killed(tmp_path):
+    script = tmp_path / "follower.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from dagster_gpuinfer.worker.follower import _die_with_parent\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],"
+        " start_new_session=True, preexec_fn=_die_with_parent)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    follower = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = int(follower.stdout.readline())
+    follower.kill()
+    follower.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{child}/stat") as handle:
+                if handle.read().split()[2] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        raise AssertionError("the vLLM server outlived its follower")

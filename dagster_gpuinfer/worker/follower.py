@@ -15,8 +15,11 @@ node rank (`vllm serve MODEL --headless --nnodes N --node-rank R --master-addr A
   leader is gone, and the follower stops its vLLM processes (SIGTERM to their process group,
   SIGKILL after `--grace` seconds) and exits 0. So a follower outlives its leader by at most
   `probe_interval x probe_failures + grace` seconds, whatever the launcher does.
-- **Die with vLLM.** If vLLM's processes exit on their own (lost the leader's collective,
-  out of memory), the follower exits with their code; SIGTERM (pod deletion) is passed on.
+- **Die with vLLM, and vLLM with it.** If vLLM's processes exit on their own (lost the
+  leader's collective, out of memory), the follower exits with their code; SIGTERM (pod
+  deletion) is passed on to their process group, and the vLLM server gets SIGKILL if the
+  follower itself is killed (`PR_SET_PDEATHSIG`; seen without it: a SIGKILLed follower
+  outside a pod left vLLM's headless server and its worker running).
 
 The engine arguments come as JSON (`--engine-args-json`, the same `engine_kwargs(spec)` the
 leader passes to `vllm.LLM`), so both ends build the same model the same way.
@@ -191,6 +194,17 @@ def stop_process_group(process: Any, grace: float) -> int | None:
     return process.poll()
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the child gets SIGKILL when the follower dies, even by SIGKILL (no orphan
+    vLLM server holding the node's devices); elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def follower_env(environ: dict[str, str]) -> dict[str, str]:
     """The environment of vLLM's headless server: the CPU build needs its platform named."""
     env = dict(environ)
@@ -250,7 +264,10 @@ def run_follower(args: argparse.Namespace) -> int:
         return EXIT_CANNOT_JOIN
     log.info("follower rank %s: leader at %s reachable, starting vLLM", args.node_rank, where)
     process = subprocess.Popen(
-        headless_command(args), env=follower_env(dict(os.environ)), start_new_session=True
+        headless_command(args),
+        env=follower_env(dict(os.environ)),
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
     )
 
     def on_term(signum: int, _frame: Any) -> None:
