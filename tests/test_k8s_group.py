@@ -180,3 +180,12 @@ def test_checked_in_2x8_example_is_what_the_builder_makes():
     assert example == gate.worker_group_objects()
     for doc in example:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_one_pod_pipeline_parallel_engine_requests_every_stage_gpus():
+    from dagster_gpuinfer.k8s.pod import build_worker_pod
+
+    pod = build_worker_pod(
+        make_spec(tensor_parallel_size=2, pipeline_parallel_size=2), make_config(), IDENTITY
+    )
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
