@@ -69,7 +69,9 @@ security: install $(CHECKOV_STAMP)
 # Pods that run: the pod executor (tests/pod_executor.py, network and mount namespaces, so
 # root, as CI runs) and the k8s launcher end to end through it, every case (slow ones too).
 test-cluster: prepare
-	$(PY) -m pytest tests/test_pod_executor.py tests/test_k8s_pods_e2e.py
+	$(PY) -m pytest tests/test_pod_executor.py tests/test_k8s_pods_e2e.py \
+		tests/test_k8s_group.py tests/test_k8s_group_launch.py tests/test_follower.py \
+		tests/test_k8s_multinode_e2e.py
 
 test-fast: install
 	PROMETHEUS_ENV=$$(bash deploy/local/test-prometheus.sh) && eval "$$PROMETHEUS_ENV" && \

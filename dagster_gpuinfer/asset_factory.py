@@ -244,6 +244,8 @@ def inference_assets(
     sampling: SamplingParams | Mapping[str, Any] | None = None,
     tensor_parallel_size: int = 1,
     replicas: int = 1,
+    pipeline_parallel_size: int = 1,
+    nodes: int = 1,
     chunk_size: int = 512,
     max_requests_in_flight: int | None = None,
     group_prefixes: bool = True,
@@ -275,6 +277,9 @@ def inference_assets(
         sampling: vLLM sampling parameters (generate, chat).
         tensor_parallel_size: GPUs per engine.
         replicas: Data-parallel engines per worker.
+        pipeline_parallel_size: Pipeline stages per engine (vLLM's name).
+        nodes: Pods one engine spans (vLLM's `nnodes`); above 1 the k8s launcher runs a
+            gang of pods (`k8s.group`): a leader worker and vLLM-headless followers.
         chunk_size: Rows per chunk (the unit of writing, commit and resume).
         max_requests_in_flight: Requests each engine keeps in flight across chunks and
             shards; default 2 x the engine's `max_num_seqs` (for experts).
@@ -320,6 +325,8 @@ def inference_assets(
             "chunk_size": chunk_size,
             "max_requests_in_flight": max_requests_in_flight,
             "group_prefixes": group_prefixes,
+            "nodes": nodes,
+            "pipeline_parallel_size": pipeline_parallel_size,
             **spec_fields,
         },
     )

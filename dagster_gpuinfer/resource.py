@@ -15,6 +15,7 @@ from typing import Any, Literal
 import dagster as dg
 from pydantic import Field, ValidationError
 
+from dagster_gpuinfer.k8s.group import GroupConfig
 from dagster_gpuinfer.k8s.pod import K8sLauncherConfig
 from dagster_gpuinfer.messages import (
     Fatal,
@@ -146,6 +147,11 @@ class GpuInferenceResource(dg.ConfigurableResource):
         description="Worker pods for launcher='k8s': image, namespace, GPU type, Kueue queue, "
         "model cache volume, resources, secret references, timeouts (K8sLauncherConfig).",
     )
+    k8s_group: GroupConfig = Field(
+        default_factory=GroupConfig,
+        description="For specs with nodes > 1 (one engine across pods, k8s.group): topology "
+        "key, master port, gloo/NCCL interface and per-rank env of the pod group.",
+    )
 
     # ------------------------------------------------------------------ spec
 
@@ -257,6 +263,19 @@ class GpuInferenceResource(dg.ConfigurableResource):
                 "k8s=K8sLauncherConfig(image=..., namespace=...) on GpuInferenceResource "
                 "(see resources/k8s.py), or use launcher='local'",
                 allow_retries=False,
+            )
+        if spec.nodes > 1:
+            from dagster_gpuinfer.k8s.group_launch import run_k8s_group
+
+            return run_k8s_group(
+                context=context,
+                spec=spec,
+                extras=extras,
+                config=self.k8s,
+                group_config=self.k8s_group,
+                env=self.worker_env(),
+                kubernetes_client=self.kubernetes_client,
+                launch_attempt=launch_attempt,
             )
         from dagster_gpuinfer.k8s.client import run_k8s_worker
 

@@ -465,6 +465,17 @@ class InferenceSpec(_Strict):
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine (replica).")
     replicas: int = Field(1, ge=1, description="Data-parallel vLLM engines in this worker.")
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="vLLM `pipeline_parallel_size`: pipeline stages per engine."
+    )
+    nodes: int = Field(
+        1,
+        ge=1,
+        description="Pods (nodes) one engine spans: vLLM's `nnodes`. Above 1 the engine's "
+        "tensor_parallel_size x pipeline_parallel_size ranks are split evenly across a group "
+        "of pods (a leader running the worker, followers running vLLM headless), created "
+        "and admitted as one gang (k8s.group).",
+    )
     chunk_size: int = Field(
         512, ge=1, description="Rows per chunk: the unit of writing, commit and resume."
     )
@@ -509,6 +520,8 @@ class InferenceSpec(_Strict):
             "partition_keys",
             "tensor_parallel_size",
             "replicas",
+            "pipeline_parallel_size",
+            "nodes",
             "storage",
             "max_requests_in_flight",
             "group_prefixes",
@@ -541,6 +554,7 @@ class InferenceSpec(_Strict):
                     f"partition {key!r} asks for a byte range of a Parquet file; Parquet shards "
                     "split by rows (`@rows=<start>-<end>`), byte ranges are for JSONL"
                 )
+        self._check_nodes()
         if self.task in POOLING_TASKS and self.sampling != SamplingParams():
             raise ValueError(f"sampling parameters are set but task {self.task!r} does not sample")
         if self.sampling.n > self.limits.max_n:
@@ -556,6 +570,34 @@ class InferenceSpec(_Strict):
                 "limits.max_n_logprobs"
             )
         return self
+
+    def _check_nodes(self) -> None:
+        """An engine across pods: its ranks split evenly, one engine per group of pods."""
+        if self.nodes == 1:
+            return
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        if ranks % self.nodes != 0:
+            raise ValueError(
+                f"nodes={self.nodes} must divide tensor_parallel_size={self.tensor_parallel_size}"
+                f" x pipeline_parallel_size={self.pipeline_parallel_size} = {ranks} ranks, so "
+                "every pod holds the same number of GPUs; e.g. tensor_parallel_size=8, "
+                "pipeline_parallel_size=2, nodes=2 for two 8-GPU nodes"
+            )
+        if self.replicas != 1:
+            raise ValueError(
+                f"replicas={self.replicas} with nodes={self.nodes}: an engine spanning several "
+                "pods is one replica (one group of pods). Set replicas=1 and get data "
+                "parallelism from more runs (a backfill with multi_run), one group each"
+            )
+        if "distributed_executor_backend" in self.engine.extra:
+            raise ValueError(
+                "engine.extra['distributed_executor_backend'] is set with nodes > 1; a group "
+                "of pods runs vLLM's multiprocessing backend ('mp'), leave it unset"
+            )
+
+    def ranks_per_node(self) -> int:
+        """Engine ranks (GPUs) in each pod of the engine's group."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size // self.nodes
 
     def spec_hash(self) -> str:
         """A hash of what decides the results; committed outputs are valid only for it.

@@ -53,6 +53,7 @@ from dagster_gpuinfer.storage import (
     write_file_entry,
 )
 
+POD_IP = "10.42.0.7"
 IMAGE = "registry.example.com/gpuinfer-worker:0.1.0"
 NAMESPACE = "team-a"
 POLL = 10.0
@@ -136,6 +137,8 @@ class FakePod:
         for item in container.get("env", []):
             if "value" in item:
                 env[item["name"]] = item["value"]
+            elif "fieldRef" in item.get("valueFrom", {}):  # the downward API: pod IP
+                env[item["name"]] = POD_IP
             elif "valueFrom" in item:
                 ref = item["valueFrom"]["secretKeyRef"]
                 env[item["name"]] = secrets[ref["name"]][ref["key"]]
@@ -172,6 +175,7 @@ class FakeKubernetes:
         self.vanished_at: float | None = None
         self.polls_after_vanish = 0
         self.create_error: kubernetes.client.ApiException | None = None
+        self.services: dict[str, dict[str, Any]] = {}
 
     def client(self) -> DagsterKubernetesClient:
         return DagsterKubernetesClient(
@@ -195,6 +199,15 @@ class FakeKubernetes:
         self.pods[pod.name] = pod
         self.created.append(pod)
         return body
+
+    def create_namespaced_service(self, namespace: str, body: Any, **kwargs: Any) -> Any:
+        manifest = _API.sanitize_for_serialization(body)
+        self.services[manifest["metadata"]["name"]] = manifest
+        return body
+
+    def delete_namespaced_service(self, name: str, namespace: str, **kwargs: Any) -> None:
+        if self.services.pop(name, None) is None:
+            raise kubernetes.client.ApiException(status=404, reason="Not Found")
 
     def list_namespaced_pod(
         self, namespace: str, field_selector: str = "", **kwargs: Any

@@ -24,7 +24,7 @@ def test_control_plane_imports_no_torch_or_vllm():
         "import dagster_gpuinfer.asset_factory, dagster_gpuinfer.checks\n"
         "import dagster_gpuinfer.metadata, dagster_gpuinfer.launchers.local\n"
         "import dagster_gpuinfer.k8s.pod, dagster_gpuinfer.k8s.failures\n"
-        "import dagster_gpuinfer.k8s.memory\n"
+        "import dagster_gpuinfer.k8s.memory, dagster_gpuinfer.k8s.group\n"
         "import assets.definitions"
     )
     heavy = sorted(m for m in loaded if m.split(".")[0] in HEAVY)
@@ -45,7 +45,8 @@ def test_kubernetes_client_imports_no_torch_or_vllm_and_nothing_above_it():
 def test_worker_imports_no_dagster_control_plane():
     loaded = modules_after_import(
         "import dagster_gpuinfer.worker.__main__, dagster_gpuinfer.worker.job\n"
-        "import dagster_gpuinfer.worker.shard, dagster_gpuinfer.worker.validate"
+        "import dagster_gpuinfer.worker.shard, dagster_gpuinfer.worker.validate\n"
+        "import dagster_gpuinfer.worker.follower"
     )
     assert "dagster" not in loaded
     assert not any(m.startswith("dagster.") for m in loaded)

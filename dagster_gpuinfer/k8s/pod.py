@@ -534,8 +534,9 @@ def _check_model_location(spec: InferenceSpec, cache: ModelCache) -> None:
 
 
 def gpus_per_pod(spec: InferenceSpec) -> int:
-    """GPUs one worker pod requests: one engine of `tensor_parallel_size` GPUs per replica."""
-    return spec.tensor_parallel_size * spec.replicas
+    """GPUs one worker pod requests: one engine of `tensor_parallel_size x
+    pipeline_parallel_size` GPUs per replica (a group's pods: `spec.ranks_per_node()`)."""
+    return spec.tensor_parallel_size * spec.pipeline_parallel_size * spec.replicas
 
 
 def build_worker_pod(

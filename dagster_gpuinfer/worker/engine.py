@@ -118,6 +118,10 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     gives the raw engine the very same ones."""
     kwargs = spec.engine.to_vllm_kwargs()
     kwargs["tensor_parallel_size"] = spec.tensor_parallel_size
+    if spec.pipeline_parallel_size > 1:
+        kwargs["pipeline_parallel_size"] = spec.pipeline_parallel_size
+    if spec.nodes > 1:
+        kwargs.update(leader_kwargs(spec))
     if spec.task in POOLING_TASKS:
         kwargs["runner"] = "pooling"
     kwargs.setdefault(
@@ -145,6 +149,36 @@ def with_compact_json(spec: InferenceSpec, kwargs: dict[str, Any]) -> dict[str, 
         return kwargs
     compact = {**config, "backend": backend, "disable_any_whitespace": True}
     return {**kwargs, "structured_outputs_config": compact}
+
+
+# The leader's address and port, set by the pod group (k8s/group.py) in every pod of it.
+MASTER_ADDR_ENV = "GPUINFER_MASTER_ADDR"
+MASTER_PORT_ENV = "GPUINFER_MASTER_PORT"
+DEFAULT_MASTER_PORT = 29500
+
+
+def leader_kwargs(spec: InferenceSpec) -> dict[str, Any]:
+    """vLLM's multi-node arguments of the leader (node rank 0) of an engine across
+    `spec.nodes` pods; the followers run `worker/follower.py` with the same address.
+
+    Raises:
+        SpecError: the leader's address is not in the environment (not run by a pod group).
+    """
+    master_addr = os.environ.get(MASTER_ADDR_ENV)
+    if not master_addr:
+        raise SpecError(
+            f"the spec spans nodes={spec.nodes} pods but {MASTER_ADDR_ENV} is not set: the "
+            "leader of a pod group needs the address its followers reach it at. Launch "
+            "multi-node specs through the k8s launcher (k8s.group builds the group), or set "
+            f"{MASTER_ADDR_ENV} and {MASTER_PORT_ENV} and start the followers yourself"
+        )
+    return {
+        "nnodes": spec.nodes,
+        "node_rank": 0,
+        "master_addr": master_addr,
+        "master_port": int(os.environ.get(MASTER_PORT_ENV, DEFAULT_MASTER_PORT)),
+        "distributed_executor_backend": "mp",
+    }
 
 
 def prefix_order(token_ids: list[list[int]]) -> list[int]:

@@ -67,11 +67,11 @@ ACCEPTED: dict[str, tuple[str, set[str]]] = {
             "No liveness probe: batch pods (workers, the warmer's pause container) serve "
             "nothing to probe; activeDeadlineSeconds and the launcher's monitoring bound them."
         ),
-        {"pods/", "model-cache/warmer-daemonset.yaml"},
+        {"pods/", "model-cache/warmer-daemonset.yaml", "multinode/worker-group-2x8.yaml"},
     ),
     "CKV_K8S_9": (
         "No readiness probe: batch pods take no traffic.",
-        {"pods/", "model-cache/warmer-daemonset.yaml"},
+        {"pods/", "model-cache/warmer-daemonset.yaml", "multinode/worker-group-2x8.yaml"},
     ),
     "CKV_DOCKER_2": (
         "No HEALTHCHECK: Kubernetes ignores Dockerfile HEALTHCHECK; the images run batch jobs.",
@@ -151,6 +151,36 @@ def worker_pods() -> dict[str, dict[str, Any]]:
         identity = RunIdentity(run_id="0" * 8 + "-gate-" + name, asset_key="completions")
         pods[name] = build_worker_pod(spec, k8s_launcher_config(environ), identity)
     return pods
+
+
+def worker_group_objects() -> list[dict[str, Any]]:
+    """One engine across two 8-GPU nodes (tensor_parallel_size=8, pipeline_parallel_size=2,
+    nodes=2) with the Helm values: the Service, the leader and the follower (k8s.group).
+    deploy/multinode/worker-group-2x8.yaml is this, checked in for readers."""
+    sys.path.insert(0, str(REPO))
+    from dagster_gpuinfer.k8s.group import GroupConfig, build_worker_group
+    from dagster_gpuinfer.k8s.pod import RunIdentity
+    from dagster_gpuinfer.spec import InferenceSpec
+    from resources.k8s import k8s_launcher_config
+
+    values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
+    deployment = values["dagster-user-deployments"]["deployments"][0]
+    env = {item["name"]: item["value"] for item in deployment["env"]}
+    spec = InferenceSpec.model_validate(
+        {
+            "model": "/models/Llama-3.1-405B-Instruct-FP8",
+            "task": "generate",
+            "input": {"uri": "s3://gpuinfer-data/inputs/{partition_key}.jsonl"},
+            "output": {"root": "s3://gpuinfer-data/outputs", "asset_name": "completions"},
+            "partition_keys": ["prompts-000"],
+            "tensor_parallel_size": 8,
+            "pipeline_parallel_size": 2,
+            "nodes": 2,
+        }
+    )
+    identity = RunIdentity(run_id="0" * 8 + "-gate-multinode", asset_key="completions")
+    group = build_worker_group(spec, k8s_launcher_config(env), identity, GroupConfig())
+    return [group.service, *group.pods]
 
 
 def accepted(check_id: str, file_path: str) -> bool:
@@ -281,6 +311,8 @@ def main() -> int:
         pod_dir = Path(tmp)
         for name, pod in worker_pods().items():
             (pod_dir / f"{name}.yaml").write_text(yaml.safe_dump(pod, sort_keys=False))
+        group = worker_group_objects()
+        (pod_dir / "multinode-2x8.yaml").write_text(yaml.safe_dump_all(group, sort_keys=False))
         # Scanned beside the pods, so checkov sees the NetworkPolicies that select them.
         policies = DEPLOY / "network" / "network-policies.yaml"
         (pod_dir / policies.name).write_text(policies.read_text())
