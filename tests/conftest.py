@@ -45,14 +45,7 @@ def instance() -> Iterator[dg.DagsterInstance]:
 # A real S3 wire protocol on 127.0.0.1 (moto's server, as dagster-aws tests use): boto3,
 # pyarrow and the worker subprocess all talk HTTP to it; nothing is patched.
 
-S3_TEST_ENV = {
-    "AWS_ACCESS_KEY_ID": "gpuinfer-test-key",
-    "AWS_SECRET_ACCESS_KEY": "gpuinfer-test-secret",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_REGION": "us-east-1",
-    # No instance-metadata lookups: credentials come from the environment above.
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
+from s3_test_env import S3_TEST_ENV  # noqa: E402  (test modules import it from there)
 
 
 @dataclass

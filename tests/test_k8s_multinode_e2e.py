@@ -34,8 +34,8 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import S3_TEST_ENV
 from pod_executor import PodExecutor, executor_resource
+from s3_test_env import S3_TEST_ENV
 
 from dagster_gpuinfer import InputSpec, Manifest, inference_assets
 from dagster_gpuinfer.k8s.group import ROLE_LABEL, GroupConfig

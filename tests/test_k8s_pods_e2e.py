@@ -31,8 +31,8 @@ import dagster as dg
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import S3_TEST_ENV
 from pod_executor import PodExecutor, PodPlan, executor_resource
+from s3_test_env import S3_TEST_ENV
 
 from dagster_gpuinfer import EngineArgs, InputSpec, Manifest, inference_assets
 from dagster_gpuinfer.k8s.pod import WORKER_CONTAINER

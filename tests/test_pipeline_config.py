@@ -63,16 +63,29 @@ def _factory(**settings: Any) -> dict[str, Any]:
     ).spec
 
 
+# Settings whose other value is valid only beside another setting (the spec checks them
+# together): nodes=2 splits tensor_parallel_size x pipeline_parallel_size ranks over 2 pods.
+COMPANIONS: dict[str, dict[str, Any]] = {"nodes": {"tensor_parallel_size": 2}}
+
+
+def _yaml_lines(settings: dict[str, Any]) -> str:
+    return "".join(
+        f"{key}: {str(value).lower() if isinstance(value, bool) else value}\n"
+        for key, value in settings.items()
+    )
+
+
 @pytest.mark.parametrize("name", sorted(pipeline_fields()))
 def test_every_pipeline_setting_is_settable_in_factory_yaml_and_run_config(name):
     value = _other_value(pipeline_fields()[name])
-    assert _factory(**{name: value})[name] == value
+    companions = COMPANIONS.get(name, {})
+    assert _factory(**companions, **{name: value})[name] == value
 
-    yaml_text = BASE_YAML + f"{name}: {str(value).lower() if isinstance(value, bool) else value}\n"
+    yaml_text = BASE_YAML + _yaml_lines({**companions, name: value})
     component = InferencePipelineComponent.resolve_from_yaml(yaml_text)
     assert component.build_pipeline().spec[name] == value
 
-    raw = _factory()
+    raw = _factory(**companions)
     assert InferenceRunConfig(**{name: value}).apply(raw)[name] == value
 
 
