@@ -138,6 +138,7 @@ def pipeline_spec(
     engine: Any,
     sampling: Any,
     settings: Mapping[str, Any],
+    limits: Any = None,
 ) -> dict[str, Any]:
     """The raw spec of a pipeline (before a run adds its partitions), as JSON-ready dicts.
 
@@ -166,6 +167,8 @@ def pipeline_spec(
     for setting, value in settings.items():
         if setting in ALWAYS_NAMED or value != known[setting].default:
             raw_spec[setting] = value
+    if limits is not None:  # a nested model, like engine and sampling
+        raw_spec["limits"] = as_dict(limits)
     return raw_spec
 
 
@@ -319,6 +322,7 @@ def inference_assets(
         output={"root": output_root, "asset_name": name, "format": output_format},
         engine=engine,
         sampling=sampling,
+        limits=limits,
         settings={
             "tensor_parallel_size": tensor_parallel_size,
             "replicas": replicas,
@@ -330,22 +334,51 @@ def inference_assets(
             **spec_fields,
         },
     )
-    if limits is not None:  # a nested model, like engine and sampling
-        raw_spec["limits"] = (
-            limits.model_dump(mode="json") if hasattr(limits, "model_dump") else dict(limits)
-        )
     validate_spec(raw_spec, where=f"asset {name!r}")
 
     prefix = [key_prefix] if isinstance(key_prefix, str) else list(key_prefix or [])
-    output_key = dg.AssetKey([*prefix, name])
+    input_spec = _input_asset_spec(
+        name=name,
+        prefix=prefix,
+        input_asset_key=input_asset_key,
+        partitions_def=partitions_def,
+        group_name=group_name,
+        input_uri=raw_spec["input"]["uri"],
+    )
+    output_asset = _output_asset(
+        raw_spec,
+        output_key=dg.AssetKey([*prefix, name]),
+        input_spec=input_spec,
+        partitions_def=partitions_def,
+        backfill_policy=backfill_policy,
+        retry_policy=retry_policy,
+        pool=pool,
+        op_tags=op_tags,
+        group_name=group_name,
+        resource_key=resource_key,
+        description=description,
+        max_error_rate=max_error_rate,
+        max_invalid_output_rate=max_invalid_output_rate,
+    )
+    return InferencePipeline(input_asset=input_spec, output_asset=output_asset, spec=raw_spec)
+
+
+def _input_asset_spec(
+    *,
+    name: str,
+    prefix: list[str],
+    input_asset_key: str | Sequence[str] | dg.AssetKey | None,
+    partitions_def: dg.PartitionsDefinition,
+    group_name: str | None,
+    input_uri: str,
+) -> dg.AssetSpec:
+    """The input shards of pipeline `name` as an external asset, one file per partition."""
     input_key = (
         dg.AssetKey.from_coercible(input_asset_key)
         if input_asset_key is not None
         else dg.AssetKey([*prefix, f"{name}_input"])
     )
-    generates = task in ("generate", "chat")
-    input_uri = raw_spec["input"]["uri"]
-    input_spec = dg.AssetSpec(
+    return dg.AssetSpec(
         key=input_key,
         partitions_def=partitions_def,
         group_name=group_name,
@@ -353,6 +386,29 @@ def inference_assets(
         metadata={"uri_template": input_uri},
         kinds={"parquet"} if input_uri.endswith(".parquet") else {"json"},
     )
+
+
+def _output_asset(
+    raw_spec: dict[str, Any],
+    *,
+    output_key: dg.AssetKey,
+    input_spec: dg.AssetSpec,
+    partitions_def: dg.PartitionsDefinition,
+    backfill_policy: dg.BackfillPolicy | None,
+    retry_policy: dg.RetryPolicy | None,
+    pool: str | None,
+    op_tags: Mapping[str, Any] | None,
+    group_name: str | None,
+    resource_key: str,
+    description: str | None,
+    max_error_rate: float,
+    max_invalid_output_rate: float,
+) -> dg.AssetsDefinition:
+    """The inference output asset of a pipeline whose raw spec is `raw_spec`."""
+    name, model, task = output_key.path[-1], raw_spec["model"], raw_spec["task"]
+    generates = task in ("generate", "chat")
+    invalid_rate = max_invalid_output_rate if generates else None
+    output_format = raw_spec["output"]["format"]
 
     @dg.asset(
         key=output_key,
@@ -365,16 +421,14 @@ def inference_assets(
         group_name=group_name,
         required_resource_keys={resource_key},
         check_specs=check_specs(
-            output_key,
-            max_error_rate=max_error_rate,
-            max_invalid_output_rate=max_invalid_output_rate if generates else None,
+            output_key, max_error_rate=max_error_rate, max_invalid_output_rate=invalid_rate
         ),
         kinds={"vllm", output_format if output_format == "parquet" else "json"},
-        description=description or f"{task} with {model} over {input_key.to_user_string()}",
+        description=description or f"{task} with {model} over {input_spec.key.to_user_string()}",
         metadata={
             "model": model,
             "task": task,
-            "output_root": output_root,
+            "output_root": raw_spec["output"]["root"],
             # read by dagster_gpuinfer.estimate (CLI and backfill_estimate_sensor)
             "gpuinfer/spec": dg.MetadataValue.json(raw_spec),
         },
@@ -386,7 +440,7 @@ def inference_assets(
             name=name,
             resource_key=resource_key,
             max_error_rate=max_error_rate,
-            max_invalid_output_rate=max_invalid_output_rate if generates else None,
+            max_invalid_output_rate=invalid_rate,
         )
 
-    return InferencePipeline(input_asset=input_spec, output_asset=_inference_asset, spec=raw_spec)
+    return _inference_asset

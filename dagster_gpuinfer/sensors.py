@@ -108,14 +108,7 @@ def arrival_sensor(
         ValueError: the pipeline's partitions are not dynamic, or its input uri cannot be
             watched.
     """
-    partitions_def = pipeline.output_asset.partitions_def
-    if not isinstance(partitions_def, dg.DynamicPartitionsDefinition) or not partitions_def.name:
-        raise ValueError(
-            f"arrival_sensor needs a pipeline partitioned by a named "
-            f"dg.DynamicPartitionsDefinition; {pipeline.output_asset.key.to_user_string()} has "
-            f"{type(partitions_def).__name__}. Use partitions_def="
-            "dg.DynamicPartitionsDefinition(name=...) in inference_assets"
-        )
+    partitions_def = _dynamic_partitions_of(pipeline)
     if max_new_files_per_tick < 1 or max_files_listed_per_tick < 1:
         raise ValueError("max_new_files_per_tick and max_files_listed_per_tick must be positive")
     input_spec = InputSpec.model_validate(pipeline.spec["input"])
@@ -125,31 +118,6 @@ def arrival_sensor(
     sensor_name = name or f"{output_key.to_python_identifier()}_arrivals"
     tags = {ARRIVAL_SENSOR_TAG: sensor_name, **(run_tags or {})}
     required = {resource_key} | ({s3_resource_key} if s3_resource_key else set())
-
-    def make_lister(context: dg.SensorEvaluationContext) -> PrefixListing:
-        if not s3_resource_key:
-            options = storage or getattr(context.resources, resource_key).storage_options()
-            return PrefixListing(watched.prefix, options)
-        # An S3Resource bound by `required_resource_keys` arrives as the resource or as its
-        # boto3 client: list with that client, read footers with its endpoint and keys.
-        s3 = getattr(context.resources, s3_resource_key)
-        if hasattr(type(s3), "get_client"):
-            settings = gpu_settings_from_s3_resource(s3)
-            options = StorageOptions(
-                endpoint_url=settings["s3_endpoint_url"],
-                region=settings["s3_region"],
-                allow_http=settings["s3_allow_http"],
-            )
-            return PrefixListing(
-                watched.prefix, options, client=s3.get_client(), credentials=settings["env"]
-            )
-        endpoint = s3.meta.endpoint_url
-        options = StorageOptions(
-            endpoint_url=None if endpoint.endswith(".amazonaws.com") else endpoint,
-            region=s3.meta.region_name,
-            allow_http=endpoint.startswith("http://"),
-        )
-        return PrefixListing(watched.prefix, options, client=s3)
 
     @dg.sensor(
         name=sensor_name,
@@ -168,7 +136,7 @@ def arrival_sensor(
         known = registered_file_keys(
             context.instance.get_dynamic_partitions(partitions_def.name)  # type: ignore[arg-type]
         )
-        lister = make_lister(context)
+        lister = _prefix_lister(context, watched.prefix, storage, resource_key, s3_resource_key)
         scan = scan_arrivals(
             lister,
             watched,
@@ -179,40 +147,16 @@ def arrival_sensor(
             keys_arrive_in_order=keys_arrive_in_order,
         )
         keys = plan_partition_keys(scan.new_files, watched, input_format, split, lister)
-        next_cursor = json.dumps(
-            {
-                "v": CURSOR_VERSION,
-                "start_after": scan.next_start_after,
-                "passes": cursor["passes"] + int(scan.reached_end),
-            }
-        )
+        next_cursor = _next_cursor(cursor, scan)
         for file_name, reason in scan.rejected:
             context.log.warning(f"skipped {watched.prefix}{file_name}: {reason}")
-        summary = (
-            f"listed {scan.listed} file(s) after {cursor['start_after']!r} in "
-            f"{time.perf_counter() - started:.2f}s: {len(scan.new_files)} new, "
-            f"{len(keys)} partition(s)"
-            + (
-                ""
-                if scan.reached_end
-                else f"; the next tick goes on after {scan.next_start_after!r}"
-            )
-        )
+        summary = _scan_summary(scan, cursor["start_after"], time.perf_counter() - started, keys)
         context.log.info(summary)
         if not keys:
             return dg.SensorResult(skip_reason=summary, cursor=next_cursor)
-        if launch == "backfill":
-            run_requests = [backfill_request(output_key, partitions_def, keys, tags)]
-        else:
-            run_requests = [
-                dg.RunRequest(
-                    run_key=f"{sensor_name}:{key}",
-                    partition_key=key,
-                    asset_selection=[output_key],
-                    tags=tags,
-                )
-                for key in keys
-            ]
+        run_requests = _arrival_requests(
+            launch, sensor_name, output_key, partitions_def, keys, tags
+        )
         return dg.SensorResult(
             run_requests=run_requests,
             dynamic_partitions_requests=[partitions_def.build_add_request(keys)],
@@ -220,6 +164,91 @@ def arrival_sensor(
         )
 
     return _arrival_sensor
+
+
+def _dynamic_partitions_of(pipeline: InferencePipeline) -> dg.DynamicPartitionsDefinition:
+    """The pipeline's named dynamic partitions, which an arrival sensor adds to."""
+    partitions_def = pipeline.output_asset.partitions_def
+    if not isinstance(partitions_def, dg.DynamicPartitionsDefinition) or not partitions_def.name:
+        raise ValueError(
+            f"arrival_sensor needs a pipeline partitioned by a named "
+            f"dg.DynamicPartitionsDefinition; {pipeline.output_asset.key.to_user_string()} has "
+            f"{type(partitions_def).__name__}. Use partitions_def="
+            "dg.DynamicPartitionsDefinition(name=...) in inference_assets"
+        )
+    return partitions_def
+
+
+def _prefix_lister(
+    context: dg.SensorEvaluationContext,
+    prefix: str,
+    storage: StorageOptions | None,
+    resource_key: str,
+    s3_resource_key: str | None,
+) -> PrefixListing:
+    """The listing of the watched prefix, through the S3 resource when one is named."""
+    if not s3_resource_key:
+        options = storage or getattr(context.resources, resource_key).storage_options()
+        return PrefixListing(prefix, options)
+    # An S3Resource bound by `required_resource_keys` arrives as the resource or as its
+    # boto3 client: list with that client, read footers with its endpoint and keys.
+    s3 = getattr(context.resources, s3_resource_key)
+    if hasattr(type(s3), "get_client"):
+        settings = gpu_settings_from_s3_resource(s3)
+        options = StorageOptions(
+            endpoint_url=settings["s3_endpoint_url"],
+            region=settings["s3_region"],
+            allow_http=settings["s3_allow_http"],
+        )
+        return PrefixListing(prefix, options, client=s3.get_client(), credentials=settings["env"])
+    endpoint = s3.meta.endpoint_url
+    options = StorageOptions(
+        endpoint_url=None if endpoint.endswith(".amazonaws.com") else endpoint,
+        region=s3.meta.region_name,
+        allow_http=endpoint.startswith("http://"),
+    )
+    return PrefixListing(prefix, options, client=s3)
+
+
+def _next_cursor(cursor: Mapping[str, Any], scan: Any) -> str:
+    return json.dumps(
+        {
+            "v": CURSOR_VERSION,
+            "start_after": scan.next_start_after,
+            "passes": cursor["passes"] + int(scan.reached_end),
+        }
+    )
+
+
+def _arrival_requests(
+    launch: str,
+    sensor_name: str,
+    output_key: dg.AssetKey,
+    partitions_def: dg.DynamicPartitionsDefinition,
+    keys: list[str],
+    tags: Mapping[str, str],
+) -> list[Any]:
+    """One backfill of the new partitions, or one run per partition."""
+    if launch == "backfill":
+        return [backfill_request(output_key, partitions_def, keys, tags)]
+    return [
+        dg.RunRequest(
+            run_key=f"{sensor_name}:{key}",
+            partition_key=key,
+            asset_selection=[output_key],
+            tags=tags,
+        )
+        for key in keys
+    ]
+
+
+def _scan_summary(scan: Any, start_after: Any, seconds: float, keys: list[str]) -> str:
+    """One line on what a tick listed and found."""
+    more = "" if scan.reached_end else f"; the next tick goes on after {scan.next_start_after!r}"
+    return (
+        f"listed {scan.listed} file(s) after {start_after!r} in {seconds:.2f}s: "
+        f"{len(scan.new_files)} new, {len(keys)} partition(s){more}"
+    )
 
 
 def backfill_request(
