@@ -153,27 +153,8 @@ def exit_now(code: int, *, grace_seconds: float = 5.0) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    try:
-        import psutil  # vLLM's dependency: present wherever an engine ran
-    except ImportError:
-        psutil = None  # type: ignore[assignment]
-    if psutil is not None:
-        # The resource tracker stays: it unlinks leaked shared memory when it sees us exit.
-        from multiprocessing import resource_tracker
-
-        tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-        children = [c for c in psutil.Process().children(recursive=True) if c.pid != tracker]
-        for child in children:
-            try:
-                child.terminate()
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(children, timeout=grace_seconds)
-        for child in alive:
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
+    # The resource tracker stays: it unlinks leaked shared memory when it sees us exit.
+    lifecycle.kill_children(grace_seconds)
     os._exit(code)
 
 
