@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import numpy as np
@@ -218,6 +219,16 @@ def poll(stack: Stack, batch_id: str, until, *, timeout: float = 600, on_value=N
     raise AssertionError(f"batch {batch_id} did not get there in {timeout} s\n{stack.logs()}")
 
 
+def finished_run(instance: dg.DagsterInstance, batch_id: str, timeout: float = 120) -> Any:
+    """The run tagged with `batch_id`, once it has finished (bounded wait)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        [run] = instance.get_runs(filters=dg.RunsFilter(tags={"gpuinfer/batch_id": batch_id}))
+        if run.is_finished or time.monotonic() > deadline:
+            return run
+        time.sleep(0.5)
+
+
 def test_embeddings_batch_rises_to_completed_across_a_service_restart(stack, minilm_dir):
     rows = 1200
     data, texts = embedding_lines(rows, prefix="e")
@@ -262,8 +273,9 @@ def test_embeddings_batch_rises_to_completed_across_a_service_restart(stack, min
     ours = np.array([by_id[f"e-{i}"] for i in range(64)], dtype=np.float32)
     assert np.allclose(ours, reference_embeddings(minilm_dir, texts[:64]), atol=2e-3)
 
-    instance = stack.instance()
-    [run] = instance.get_runs(filters=dg.RunsFilter(tags={"gpuinfer/batch_id": batch.id}))
+    # The batch is completed once its partition is committed (the manifest); the run that
+    # committed it ends a moment later (engine shutdown, the step's events): wait for it.
+    run = finished_run(stack.instance(), batch.id)
     assert run.status == dg.DagsterRunStatus.SUCCESS
     assert (run.tags["gpuinfer/tenant"], run.tags["gpuinfer/kueue_queue"]) == ("acme", "acme-gpu")
     assert run.tags["dagster/partition"] == batch.id
@@ -285,9 +297,7 @@ def test_cancel_mid_run_terminates_the_run_and_keeps_partial_output(stack):
     ids = jsonl_ids(sdk.files.content(done.output_file_id).read())
     assert len(ids) == len(set(ids)) == done.request_counts.completed
     assert 0 < len(ids) < rows and set(ids) <= {f"c-{i}" for i in range(rows)}
-    instance = stack.instance()
-    [run] = instance.get_runs(filters=dg.RunsFilter(tags={"gpuinfer/batch_id": batch.id}))
-    assert run.status == dg.DagsterRunStatus.CANCELED
+    assert finished_run(stack.instance(), batch.id).status == dg.DagsterRunStatus.CANCELED
 
 
 @pytest.mark.slow
