@@ -1183,3 +1183,33 @@ def executor_resource(executor: PodExecutor, **resource_fields: Any) -> Any:
             return executor.client()
 
     return ExecutorClusterResource(launcher="k8s", **resource_fields)
+
+
+@contextlib.contextmanager
+def s3_on_pod_network(bucket: str) -> Iterator[tuple[PodExecutor, str, Any]]:
+    """A pod executor and a loopback S3 server (moto) that its pods reach at the pod
+    network's gateway, with `bucket` created: `(executor, endpoint_url, boto3 client)`.
+
+    The pods get the S3 credentials from the fake Secret `gpuinfer-s3` (envFrom in the
+    launcher's config); this process gets them in its environment for the test's duration.
+    """
+    import boto3
+    import pytest
+    from moto.server import ThreadedMotoServer
+    from s3_test_env import S3_TEST_ENV
+
+    executor = PodExecutor(secrets={"gpuinfer-s3": dict(S3_TEST_ENV)})
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in S3_TEST_ENV.items():
+            patch.setenv(name, value)
+        server = ThreadedMotoServer(ip_address=executor.gateway, port=0, verbose=False)
+        server.start()
+        try:
+            host, port = server.get_host_and_port()
+            endpoint = f"http://{host}:{port}"
+            client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+            client.create_bucket(Bucket=bucket)
+            yield executor, endpoint, client
+        finally:
+            server.stop()
+            executor.close()

@@ -34,8 +34,7 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from pod_executor import PodExecutor, executor_resource
-from s3_test_env import S3_TEST_ENV
+from pod_executor import PodExecutor, executor_resource, s3_on_pod_network
 
 from dagster_gpuinfer import InputSpec, Manifest, inference_assets
 from dagster_gpuinfer.k8s.group import ROLE_LABEL, GroupConfig
@@ -128,39 +127,23 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[Cluster]:
-    import boto3
-    from moto.server import ThreadedMotoServer
-
     cache = tmp_path_factory.mktemp("model-cache")
     make_peaked_llama(cache / MODEL)
     for path in [cache, *cache.rglob("*")]:  # the pods run as UID 1000; pytest dirs are 0700
         path.chmod(0o755 if path.is_dir() else 0o644)
-    executor = PodExecutor(secrets={"gpuinfer-s3": dict(S3_TEST_ENV)})
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in S3_TEST_ENV.items():
-            patch.setenv(name, value)
-        server = ThreadedMotoServer(ip_address=executor.gateway, port=0, verbose=False)
-        server.start()
-        try:
-            host, port = server.get_host_and_port()
-            endpoint = f"http://{host}:{port}"
-            client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-            bucket = "gpuinfer-multinode"
-            client.create_bucket(Bucket=bucket)
-            for key in PARTITIONS.get_partition_keys():
-                table = pa.table(
-                    {
-                        "id": [f"{key}-{i}" for i in range(ROWS)],
-                        "text": [f"row {i} of {key}: tell me about {i * 7}" for i in range(ROWS)],
-                    }
-                )
-                sink = io.BytesIO()
-                pq.write_table(table, sink)
-                client.put_object(Bucket=bucket, Key=f"in/{key}.parquet", Body=sink.getvalue())
-            yield Cluster(executor, endpoint, client, bucket, str(cache))
-        finally:
-            server.stop()
-            executor.close()
+    bucket = "gpuinfer-multinode"
+    with s3_on_pod_network(bucket) as (executor, endpoint, client):
+        for key in PARTITIONS.get_partition_keys():
+            table = pa.table(
+                {
+                    "id": [f"{key}-{i}" for i in range(ROWS)],
+                    "text": [f"row {i} of {key}: tell me about {i * 7}" for i in range(ROWS)],
+                }
+            )
+            sink = io.BytesIO()
+            pq.write_table(table, sink)
+            client.put_object(Bucket=bucket, Key=f"in/{key}.parquet", Body=sink.getvalue())
+        yield Cluster(executor, endpoint, client, bucket, str(cache))
 
 
 def pipeline(cluster: Cluster, name: str, max_tokens: int = 12, **parallel: Any) -> Any:

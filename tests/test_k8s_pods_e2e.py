@@ -31,8 +31,7 @@ import dagster as dg
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from pod_executor import PodExecutor, PodPlan, executor_resource
-from s3_test_env import S3_TEST_ENV
+from pod_executor import PodExecutor, PodPlan, executor_resource, s3_on_pod_network
 
 from dagster_gpuinfer import EngineArgs, InputSpec, Manifest, inference_assets
 from dagster_gpuinfer.k8s.pod import WORKER_CONTAINER
@@ -116,41 +115,25 @@ def load_reference_pipelines(env: dict[str, str]) -> Any:
 
 @pytest.fixture(scope="module")
 def cluster(minilm_dir) -> Iterator[Cluster]:
-    import boto3
-    from moto.server import ThreadedMotoServer
-
     from assets.paths import input_root
 
-    executor = PodExecutor(secrets={"gpuinfer-s3": dict(S3_TEST_ENV)})
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in S3_TEST_ENV.items():
-            patch.setenv(name, value)
-        server = ThreadedMotoServer(ip_address=executor.gateway, port=0, verbose=False)
-        server.start()
-        try:
-            host, port = server.get_host_and_port()
-            endpoint = f"http://{host}:{port}"
-            client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-            bucket = "gpuinfer-cluster"
-            client.create_bucket(Bucket=bucket)
-            docs = Path(input_root()) / "docs"
-            for shard in sorted(docs.glob("docs-*.parquet")):
-                client.upload_file(str(shard), bucket, f"inputs/docs/{shard.name}")
-            cache = str(Path(minilm_dir).parent)
-            env = {
-                "GPUINFER_EMBED_MODEL": f"/models/{Path(minilm_dir).name}",
-                "GPUINFER_INPUT_ROOT": f"s3://{bucket}/inputs",
-                "GPUINFER_OUTPUT_ROOT": f"s3://{bucket}/outputs",
-            }
-            pipelines = load_reference_pipelines(env)
-            # Failures that must reach a pod: outputs no other case commits to.
-            failing = load_reference_pipelines(
-                {**env, "GPUINFER_OUTPUT_ROOT": f"s3://{bucket}/failing-outputs"}
-            )
-            yield Cluster(executor, endpoint, client, bucket, pipelines, cache, failing)
-        finally:
-            server.stop()
-            executor.close()
+    bucket = "gpuinfer-cluster"
+    with s3_on_pod_network(bucket) as (executor, endpoint, client):
+        docs = Path(input_root()) / "docs"
+        for shard in sorted(docs.glob("docs-*.parquet")):
+            client.upload_file(str(shard), bucket, f"inputs/docs/{shard.name}")
+        cache = str(Path(minilm_dir).parent)
+        env = {
+            "GPUINFER_EMBED_MODEL": f"/models/{Path(minilm_dir).name}",
+            "GPUINFER_INPUT_ROOT": f"s3://{bucket}/inputs",
+            "GPUINFER_OUTPUT_ROOT": f"s3://{bucket}/outputs",
+        }
+        pipelines = load_reference_pipelines(env)
+        # Failures that must reach a pod: outputs no other case commits to.
+        failing = load_reference_pipelines(
+            {**env, "GPUINFER_OUTPUT_ROOT": f"s3://{bucket}/failing-outputs"}
+        )
+        yield Cluster(executor, endpoint, client, bucket, pipelines, cache, failing)
 
 
 def run(
