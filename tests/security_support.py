@@ -91,3 +91,76 @@ def worker_spec() -> InferenceSpec:
             "partition_keys": ["p"],
         }
     )
+
+
+# --------------------------------------------------------------------------- admission policies
+
+
+class CelAdmissionPolicy:
+    """A ValidatingAdmissionPolicy of deploy/admission evaluated with cel-python as the API
+    server does: its match conditions (if any), then the variables in order, then every
+    validation; an expression that errors rejects the request (failurePolicy: Fail)."""
+
+    def __init__(self, path: Path) -> None:
+        import celpy
+
+        docs = load_all(path)
+        self.policy = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy")
+        self.binding = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding")
+        self.env = celpy.Environment()
+
+    def _evaluate(self, expression: str, activation: dict[str, Any]) -> Any:
+        return self.env.program(self.env.compile(expression)).evaluate(activation)
+
+    def _checked(self, expression: str, activation: dict[str, Any]) -> Any:
+        value = self._evaluate(expression, activation)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    def admit(self, pod: dict[str, Any], request: dict[str, Any]) -> list[str]:
+        """Messages of the failed validations for `pod` in `request` (e.g. `userInfo`,
+        `namespace`, `operation`); empty when the pod is admitted."""
+        import celpy
+
+        activation: dict[str, Any] = {
+            "object": celpy.json_to_cel(pod),
+            "request": celpy.json_to_cel(request),
+        }
+        for condition in self.policy["spec"].get("matchConditions", []):
+            if not bool(self._evaluate(condition["expression"], activation)):
+                return []  # the policy does not apply to this request
+        variables: dict[str, Any] = {}
+        for variable in self.policy["spec"].get("variables", []):
+            activation["variables"] = celpy.json_to_cel(variables)
+            variables[variable["name"]] = _cel_to_json(
+                self._checked(variable["expression"], activation)
+            )
+        activation["variables"] = celpy.json_to_cel(variables)
+        failures = []
+        for validation in self.policy["spec"]["validations"]:
+            try:
+                allowed = bool(self._checked(validation["expression"], activation))
+            except Exception as exc:  # noqa: BLE001 - an evaluation error fails closed
+                failures.append(f"{validation['message'].strip()} (error: {exc})")
+                continue
+            if not allowed:
+                failures.append(validation["message"].strip())
+        return failures
+
+
+def _cel_to_json(value: Any) -> Any:
+    """A CEL value as plain JSON, to bind a variable for the next expressions."""
+    import celpy
+
+    if isinstance(value, celpy.celtypes.BoolType):
+        return bool(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _cel_to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_cel_to_json(v) for v in value]
+    if isinstance(value, int):
+        return int(value)
+    return value

@@ -8,83 +8,28 @@ from __future__ import annotations
 
 from typing import Any
 
-import celpy
 import pytest
 from security_support import (
     DEPLOY,
     LAUNCHER,
+    CelAdmissionPolicy,
     hostpath_worker_pod,
     kit_objects,
-    load_all,
     worker_pod,
 )
 
 # --------------------------------------------------------------------------- admission policy
 
 
-class AdmissionPolicy:
-    """deploy/admission/hostpath-worker-policy.yaml evaluated as the API server does: match
-    conditions, then the variables in order, then every validation; an expression that
-    errors rejects the request (failurePolicy: Fail)."""
+class AdmissionPolicy(CelAdmissionPolicy):
+    """deploy/admission/hostpath-worker-policy.yaml; requests come from `username`."""
 
     def __init__(self) -> None:
-        docs = load_all(DEPLOY / "admission" / "hostpath-worker-policy.yaml")
-        self.policy = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy")
-        self.binding = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding")
-        self.env = celpy.Environment()
+        super().__init__(DEPLOY / "admission" / "hostpath-worker-policy.yaml")
 
-    def _evaluate(self, expression: str, activation: dict[str, Any]) -> Any:
-        program = self.env.program(self.env.compile(expression))
-        return program.evaluate(activation)
-
-    def admit(self, pod: dict[str, Any], username: str = LAUNCHER) -> list[str]:
+    def admit(self, pod: dict[str, Any], username: str = LAUNCHER) -> list[str]:  # type: ignore[override]
         """Messages of the failed validations; empty when the pod is admitted."""
-        request = {"userInfo": {"username": username}, "operation": "CREATE"}
-        activation: dict[str, Any] = {
-            "object": celpy.json_to_cel(pod),
-            "request": celpy.json_to_cel(request),
-        }
-        for condition in self.policy["spec"]["matchConditions"]:
-            if not bool(self._evaluate(condition["expression"], activation)):
-                return []  # the policy does not apply to this request
-        variables: dict[str, Any] = {}
-        for variable in self.policy["spec"]["variables"]:
-            activation["variables"] = celpy.json_to_cel(variables)
-            variables[variable["name"]] = _to_json(
-                self._evaluate(variable["expression"], activation)
-            )
-        activation["variables"] = celpy.json_to_cel(variables)
-        failures = []
-        for validation in self.policy["spec"]["validations"]:
-            try:
-                allowed = self._evaluate(validation["expression"], activation)
-                if isinstance(allowed, Exception):
-                    raise allowed
-            except Exception as exc:  # noqa: BLE001 - an evaluation error fails closed
-                failures.append(f"{validation['message'].strip()} (error: {exc})")
-                continue
-            if allowed is not True and not (
-                isinstance(allowed, celpy.celtypes.BoolType) and allowed
-            ):
-                failures.append(validation["message"].strip())
-        return failures
-
-
-def _to_json(value: Any) -> Any:
-    """A CEL value as plain JSON, to bind a variable for the next expressions."""
-    if isinstance(value, Exception):
-        raise value
-    if isinstance(value, celpy.celtypes.BoolType):
-        return bool(value)
-    if isinstance(value, str):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _to_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_to_json(v) for v in value]
-    if isinstance(value, int):
-        return int(value)
-    return value
+        return super().admit(pod, {"userInfo": {"username": username}, "operation": "CREATE"})
 
 
 @pytest.fixture(scope="module")

@@ -6,22 +6,15 @@ would: variables in order, then every validation; an expression that errors reje
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
-import celpy
 import pytest
 import yaml
+from security_support import DEPLOY, CelAdmissionPolicy, load_all
 
 from dagster_gpuinfer import InferenceSpec
 from dagster_gpuinfer.k8s.pod import RunIdentity, build_worker_pod
 from resources.k8s import k8s_launcher_config
-
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
-
-
-def load(path: Path) -> list[dict[str, Any]]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
 def kit() -> list[dict[str, Any]]:
@@ -29,7 +22,7 @@ def kit() -> list[dict[str, Any]]:
         doc
         for path in DEPLOY.rglob("*.yaml")
         if "local" not in path.relative_to(DEPLOY).parts and path.parent.name != "helm"
-        for doc in load(path)
+        for doc in load_all(path)
         if isinstance(doc, dict) and "kind" in doc
     ]
 
@@ -37,7 +30,7 @@ def kit() -> list[dict[str, Any]]:
 def worker_namespaces() -> list[str]:
     return [
         doc["metadata"]["name"]
-        for doc in load(DEPLOY / "namespaces.yaml")
+        for doc in load_all(DEPLOY / "namespaces.yaml")
         if doc["metadata"].get("labels", {}).get("gpuinfer.dagster.io/kueue") == "managed"
     ]
 
@@ -66,55 +59,14 @@ def test_every_worker_namespace_gets_its_policies_role_and_account(namespace):
     ]
 
 
-class SecretsPolicy:
+class SecretsPolicy(CelAdmissionPolicy):
+    """deploy/admission/worker-secrets-policy.yaml; requests name the pod's namespace."""
+
     def __init__(self) -> None:
-        docs = load(DEPLOY / "admission" / "worker-secrets-policy.yaml")
-        self.policy = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy")
-        self.binding = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding")
-        self.env = celpy.Environment()
+        super().__init__(DEPLOY / "admission" / "worker-secrets-policy.yaml")
 
-    def _evaluate(self, expression: str, activation: dict[str, Any]) -> Any:
-        value = self.env.program(self.env.compile(expression)).evaluate(activation)
-        if isinstance(value, Exception):
-            raise value
-        return value
-
-    def admit(self, pod: dict[str, Any], namespace: str) -> list[str]:
-        activation: dict[str, Any] = {
-            "object": celpy.json_to_cel(pod),
-            "request": celpy.json_to_cel({"namespace": namespace, "operation": "CREATE"}),
-        }
-        variables: dict[str, Any] = {}
-        for variable in self.policy["spec"]["variables"]:
-            activation["variables"] = celpy.json_to_cel(variables)
-            variables[variable["name"]] = _to_json(
-                self._evaluate(variable["expression"], activation)
-            )
-        activation["variables"] = celpy.json_to_cel(variables)
-        failures = []
-        for validation in self.policy["spec"]["validations"]:
-            try:
-                allowed = bool(self._evaluate(validation["expression"], activation))
-            except Exception as exc:  # noqa: BLE001 - an evaluation error fails closed
-                failures.append(f"{validation['message'].strip()} (error: {exc})")
-                continue
-            if not allowed:
-                failures.append(validation["message"].strip())
-        return failures
-
-
-def _to_json(value: Any) -> Any:
-    if isinstance(value, celpy.celtypes.BoolType):
-        return bool(value)
-    if isinstance(value, str):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _to_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_to_json(v) for v in value]
-    if isinstance(value, int):
-        return int(value)
-    return value
+    def admit(self, pod: dict[str, Any], namespace: str) -> list[str]:  # type: ignore[override]
+        return super().admit(pod, {"namespace": namespace, "operation": "CREATE"})
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +109,7 @@ def test_the_builders_pod_and_the_cache_warmers_are_admitted(policy, namespace):
     assert "hf-token" in refs  # the pod does read a Secret, by reference
     assert policy.admit(pod, namespace) == []
     for path in (DEPLOY / "model-cache").glob("warmer-*.yaml"):
-        for doc in load(path):
+        for doc in load_all(path):
             if doc["kind"] in ("Job", "DaemonSet"):
                 assert policy.admit(doc["spec"]["template"], "gpuinfer") == [], path.name
 
