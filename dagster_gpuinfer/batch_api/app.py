@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from dagster_gpuinfer.batch_api.service import ApiError, BatchService
-from dagster_gpuinfer.batch_api.store import Tenant
+from dagster_gpuinfer.batch_api.store import BATCH_TIMESTAMPS, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -30,20 +30,7 @@ _BATCH_FIELDS = (
     "output_file_id",
     "error_file_id",
     "model",
-    *(
-        f"{name}_at"
-        for name in (
-            "created",
-            "in_progress",
-            "expires",
-            "finalizing",
-            "completed",
-            "failed",
-            "expired",
-            "cancelling",
-            "cancelled",
-        )
-    ),
+    *(f"{name}_at" for name in BATCH_TIMESTAMPS),
 )
 
 

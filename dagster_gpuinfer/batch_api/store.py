@@ -42,6 +42,19 @@ KEYS = sa.Table(
     sa.Column("revoked_at", sa.Integer, nullable=True),
 )
 
+# The batch object's `*_at` fields (OpenAI's names), a column each.
+BATCH_TIMESTAMPS = (
+    "created",
+    "in_progress",
+    "expires",
+    "finalizing",
+    "completed",
+    "failed",
+    "expired",
+    "cancelling",
+    "cancelled",
+)
+
 FILES = sa.Table(
     f"{PREFIX}files",
     METADATA,
@@ -77,20 +90,7 @@ BATCHES = sa.Table(
     sa.Column("errors", sa.Text, nullable=True),
     sa.Column("finalizing_to", sa.String(16), nullable=True),
     sa.Column("run_id", sa.String(64), nullable=True),
-    *(
-        sa.Column(f"{name}_at", sa.Integer, nullable=True)
-        for name in (
-            "created",
-            "in_progress",
-            "expires",
-            "finalizing",
-            "completed",
-            "failed",
-            "expired",
-            "cancelling",
-            "cancelled",
-        )
-    ),
+    *(sa.Column(f"{name}_at", sa.Integer, nullable=True) for name in BATCH_TIMESTAMPS),
 )
 
 
