@@ -217,3 +217,79 @@ def make_minilm_classifier(dst: str | os.PathLike[str], *, num_labels: int, seed
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     card = {"what": f"MiniLM encoder + seeded {num_labels}-label head", "seed": seed}
     return _save_model(dst, model, tokenizer, card)
+
+
+# The tiny CLIP's image side: 64x64 pixels in 16x16 patches (16 patches + the class token).
+TINY_CLIP_IMAGE_SIZE = 64
+
+
+def make_tiny_clip(dst: str | os.PathLike[str], *, seed: int = 0) -> str:
+    """Write a random-weight `CLIPModel` (text and vision towers at hidden 128, 2 heads, 2
+    layers) with its processor to `dst`: a dual encoder vLLM's CPU build serves with
+    `runner="pooling"`, embedding images and texts in one 128-dimension space.
+
+    What vLLM needs of it (measured): head_dim 64 (CPU attention); `projection_dim` at least
+    the text hidden size (else `NotImplementedError`); a tokenizer whose id 0 is not a
+    special token (vLLM's CLIP processor uses id 0 as the image placeholder and asserts
+    that); the `CLIPImageProcessorPil` image processor (no torchvision here). The tokenizer
+    is a byte-level BPE trained here whose post-processor wraps a text in
+    `<|startoftext|> ... <|endoftext|>`, so the text tower pools at the end token as
+    transformers' `CLIPTextModel` does. Reuses `dst` when complete.
+
+    Returns:
+        The model directory.
+    """
+    dst = Path(dst)
+    if (dst / "config.json").exists() and (dst / "model.safetensors").exists():
+        return str(dst)
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
+    from transformers import PreTrainedTokenizerFast
+
+    start, end, pad = "<|startoftext|>", "<|endoftext|>", "<|pad|>"
+    trainer = ByteLevelBPETokenizer()
+    trainer.train_from_iterator(_byte_level_corpus(), vocab_size=1024, special_tokens=[])
+    trainer.add_special_tokens([start, end, pad])  # appended: id 0 stays a plain byte
+    backend = trainer._tokenizer
+    backend.post_processor = TemplateProcessing(
+        single=f"{start} $A {end}",
+        special_tokens=[(start, backend.token_to_id(start)), (end, backend.token_to_id(end))],
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=start,
+        eos_token=end,
+        pad_token=pad,
+        model_max_length=77,
+        clean_up_tokenization_spaces=False,
+    )
+    tower = {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "projection_dim": 128,  # vLLM sizes its input embeddings from the towers' own
+    }
+    config = CLIPConfig(
+        text_config={
+            **tower,
+            "vocab_size": len(tokenizer),
+            "max_position_embeddings": 77,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={**tower, "image_size": TINY_CLIP_IMAGE_SIZE, "patch_size": 16},
+        projection_dim=128,
+    )
+    torch.manual_seed(seed)
+    model = CLIPModel(config)
+    side = TINY_CLIP_IMAGE_SIZE
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+    )
+    processor = CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    card = {"what": "random-weight test CLIP (image and text towers)", "seed": seed}
+    return _save_model(dst, model, processor, card)

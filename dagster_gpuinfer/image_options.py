@@ -1,0 +1,85 @@
+"""How a pipeline's image inputs are read, checked and decoded (`InferenceSpec.images`).
+
+Both sides import this module (the spec carries it): pydantic and the standard library only.
+The worker's `worker/images.py` applies it; every limit here turns a bad image into a
+quarantined row with the limit named, never a failed shard.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class ImageOptions(BaseModel):
+    """Image columns, the URL policy and the decoding limits of a pipeline.
+
+    An image reference in a row is one of: encoded bytes (a Parquet binary column, or a
+    `{"bytes": ..., "path": ...}` struct as Hugging Face datasets write it); a `data:` URI; a
+    path relative to the shard's folder (local or S3); an absolute local path under one of
+    `local_roots`; an `s3://` URI (read with the pipeline's storage settings); an
+    `http(s)://` URL whose host is in `allowed_url_hosts` (none by default: a URL in a
+    user's data must not make the worker fetch internal addresses such as
+    `http://127.0.0.1/...` or a cloud metadata endpoint).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    column: str = Field(
+        "image",
+        description="Column of image inputs: encoded bytes, a bytes/path struct, or a URI.",
+    )
+    allowed_url_hosts: tuple[str, ...] = Field(
+        (),
+        description="Hosts (`name` or `name:port`, exact match) the worker may fetch "
+        "http(s) image URLs from. Empty: http(s) URLs are refused.",
+    )
+    local_roots: tuple[str, ...] = Field(
+        (),
+        description="Local folders absolute image paths may lie under. Relative paths "
+        "always resolve against the shard's own folder.",
+    )
+    max_image_bytes: int = Field(
+        32 << 20, ge=1, description="Bytes of one encoded image (quarantined as image_too_big)."
+    )
+    max_image_pixels: int = Field(
+        40_000_000,
+        ge=1,
+        description="Pixels (width x height) of one image, read from its header before "
+        "decoding: the decompression-bomb limit (quarantined as image_bomb).",
+    )
+    max_side: int | None = Field(
+        1024,
+        ge=1,
+        description="Longest side the model takes. A larger image is resized to fit "
+        "(oversize='resize', aspect kept) or quarantined (oversize='refuse').",
+    )
+    oversize: Literal["resize", "refuse"] = Field(
+        "resize", description="What a larger image than `max_side` gets."
+    )
+    max_images_per_request: int = Field(
+        1,
+        ge=1,
+        description="Images one request may carry, vLLM's `limit_mm_per_prompt` for images "
+        "(quarantined as too_many_images).",
+    )
+    fetch_timeout_seconds: float = Field(
+        10.0, gt=0, description="Timeout of one allowed http(s) image fetch."
+    )
+    decode_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Threads decoding images in the read-ahead. Default: the CPU cores.",
+    )
+
+    @field_validator("allowed_url_hosts")
+    @classmethod
+    def _lower_hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        for host in hosts:
+            if not host or "/" in host or "@" in host:
+                raise ValueError(
+                    f"allowed_url_hosts entry {host!r} is not a host name: give `name` or "
+                    "`name:port`, e.g. 'images.example.com'"
+                )
+        return tuple(host.lower() for host in hosts)

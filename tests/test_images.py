@@ -1,0 +1,301 @@
+"""Image inputs at the image-module level: sources, the URL policy, decoding, and a zoo of
+bad images, each of which must come back as its own fault (never an exception)."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import struct
+import threading
+import zlib
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from assets.images import draw_shape, encode
+from dagster_gpuinfer.image_options import ImageOptions
+from dagster_gpuinfer.spec import StorageOptions
+from dagster_gpuinfer.worker.images import (
+    DecodedImage,
+    ImageDecoder,
+    ImageFault,
+    ImageSource,
+    chat_image_parts,
+    decode_image,
+)
+
+PNG = encode(draw_shape("circle", "red", (80, 60), seed=1))
+JPEG = encode(draw_shape("square", "blue", (120, 90), seed=2), "JPEG", quality=90)
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims `width` x `height` and holds no pixels: a bomb's shape."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = b"IHDR" + ihdr
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + struct.pack(">I", len(ihdr))
+        + chunk
+        + struct.pack(">I", zlib.crc32(chunk))
+        + b"\0\0\0\0IEND\xaeB`\x82"
+    )
+
+
+def fault_of(decoder: ImageDecoder, ref, base_uri: str | None = None) -> str:
+    [result] = decoder.load_all([ref], base_uri)
+    assert isinstance(result, ImageFault), f"expected a fault for {ref!r:.80}, got {result}"
+    return result.error_type
+
+
+@pytest.fixture
+def decoder() -> Iterator[ImageDecoder]:
+    decoder = ImageDecoder(ImageOptions(max_side=256, decode_threads=2))
+    yield decoder
+    decoder.close()
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path == "/circle.png":
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(PNG)
+        elif self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", "http://169.254.169.254/latest/meta-data/")
+            self.end_headers()
+        else:
+            self.send_response(404)
+            self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def image_server() -> Iterator[str]:
+    """A real HTTP server on 127.0.0.1 serving one image, a redirect and 404s."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_binary_png_and_jpeg_decode_to_rgb(decoder):
+    png, jpeg = decoder.load_all([PNG, JPEG])
+    assert isinstance(png, DecodedImage) and png.image.mode == "RGB"
+    assert png.image.size == (80, 60) and png.encoded_bytes == len(PNG)
+    assert isinstance(jpeg, DecodedImage) and jpeg.image.size == (120, 90)
+
+
+def test_datasets_struct_and_data_uri(decoder):
+    uri = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    from_struct, from_uri = decoder.load_all([{"bytes": PNG, "path": "x.png"}, uri])
+    assert from_struct.image.tobytes() == from_uri.image.tobytes()
+
+
+def test_large_image_is_fitted_keeping_its_aspect(decoder):
+    big = encode(draw_shape("stripes", "green", (1000, 500)))
+    [result] = decoder.load_all([big])
+    assert result.image.size == (256, 128) and result.original_size == (1000, 500)
+
+
+def test_exif_orientation_is_applied(decoder):
+    image = draw_shape("triangle", "red", (100, 40))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to view
+    data = encode(image, "JPEG", exif=exif.tobytes())
+    [result] = decoder.load_all([data])
+    assert result.image.size == (40, 100)
+
+
+def test_transparency_over_white_and_grey_to_rgb(decoder):
+    clear = Image.new("RGBA", (10, 10), (0, 0, 0, 0))
+    grey = Image.new("L", (10, 10), 90)
+    a, b = decoder.load_all([encode(clear), encode(grey)])
+    assert a.image.mode == "RGB" and a.image.getpixel((5, 5)) == (255, 255, 255)
+    assert b.image.getpixel((5, 5)) == (90, 90, 90)
+
+
+# ---------------------------------------------------------------------------- the zoo
+
+
+def test_zoo_undecodable_truncated_bomb(decoder):
+    assert fault_of(decoder, b"definitely not an image") == "image_undecodable"
+    assert fault_of(decoder, JPEG[: len(JPEG) // 2]) == "image_truncated"
+    assert fault_of(decoder, PNG[: len(PNG) - 40]) in ("image_truncated", "image_undecodable")
+    # Pillow's own limit (twice MAX_IMAGE_PIXELS) and ours, both from the header alone.
+    assert fault_of(decoder, png_header_only(100_000, 100_000)) == "image_bomb"
+    small_limit = ImageDecoder(ImageOptions(max_image_pixels=1000))
+    assert fault_of(small_limit, png_header_only(100, 100)) == "image_bomb"
+
+
+def test_zoo_too_large_for_the_model_when_refused():
+    refusing = ImageDecoder(ImageOptions(max_side=64, oversize="refuse"))
+    assert fault_of(refusing, PNG) == "image_too_large"
+    assert isinstance(refusing.load_all([encode(Image.new("RGB", (64, 10)))])[0], DecodedImage)
+
+
+def test_zoo_too_many_bytes_and_empty(decoder):
+    tight = ImageDecoder(ImageOptions(max_image_bytes=100))
+    assert fault_of(tight, PNG) == "image_too_big"
+    assert fault_of(tight, "data:image/png;base64," + base64.b64encode(PNG).decode()) == (
+        "image_too_big"
+    )
+    assert fault_of(decoder, None) == "no_image"
+    assert fault_of(decoder, b"") == "no_image"
+    assert fault_of(decoder, 12) == "no_image"
+    assert fault_of(decoder, "data:image/png;base64,@@@") == "image_undecodable"
+
+
+def test_zoo_too_many_images_in_one_request():
+    decoder = ImageDecoder(ImageOptions(max_images_per_request=2))
+    one, three, bad = decoder.load_groups([[PNG], [PNG, PNG, PNG], [PNG, b"junk"]])
+    assert [i.image.size for i in one] == [(80, 60)]
+    assert isinstance(three, ImageFault) and three.error_type == "too_many_images"
+    assert "limit_mm_per_prompt" in three.message
+    assert isinstance(bad, ImageFault) and bad.error_type == "image_undecodable"
+
+
+def test_zoo_missing_file_and_paths_outside_the_shard(decoder, tmp_path):
+    shard = tmp_path / "shards" / "part-0.parquet"
+    (tmp_path / "shards" / "img").mkdir(parents=True)
+    (tmp_path / "shards" / "img" / "a.png").write_bytes(PNG)
+    (tmp_path / "secret.png").write_bytes(PNG)
+    ok, missing, escape = decoder.load_all(
+        ["img/a.png", "img/none.png", "../secret.png"], str(shard)
+    )
+    assert isinstance(ok, DecodedImage)
+    assert missing.error_type == "image_missing" and "img/none.png" in missing.message
+    assert escape.error_type == "image_url_refused"
+    assert fault_of(decoder, str(tmp_path / "secret.png")) == "image_url_refused"
+    assert fault_of(decoder, "file:///etc/passwd") == "image_url_refused"
+    rooted = ImageDecoder(ImageOptions(local_roots=(str(tmp_path),)))
+    assert isinstance(rooted.load_all([str(tmp_path / "secret.png")])[0], DecodedImage)
+
+
+def test_zoo_disallowed_schemes(decoder):
+    for ref in ("ftp://example.com/a.png", "gs://bucket/a.png", "javascript:alert(1)"):
+        assert fault_of(decoder, ref, "/data/shard.parquet") == "image_url_refused", ref
+
+
+def test_loopback_url_refused_unless_allow_listed(image_server):
+    url = f"http://{image_server}/circle.png"
+    default = ImageDecoder(ImageOptions())
+    fault = default.load_all([url])[0]
+    assert fault.error_type == "image_url_refused" and "allowed_url_hosts" in fault.message
+    assert fault_of(default, "http://127.0.0.1/latest/meta-data/") == "image_url_refused"
+    allowed = ImageDecoder(ImageOptions(allowed_url_hosts=(image_server,)))
+    fetched, gone, redirected = allowed.load_all(
+        [url, f"http://{image_server}/nope.png", f"http://{image_server}/moved"]
+    )
+    assert isinstance(fetched, DecodedImage) and fetched.image.size == (80, 60)
+    assert gone.error_type == "image_missing"
+    assert redirected.error_type == "image_fetch_failed"  # redirects are never followed
+
+
+def test_s3_image_and_missing_key(s3_server, decoder):
+    bucket = s3_server.new_bucket("images")
+    s3_server.client.put_object(Bucket=bucket, Key="shards/img/a.png", Body=PNG)
+    storage = StorageOptions(
+        endpoint_url=s3_server.endpoint_url, region=s3_server.region, allow_http=True
+    )
+    s3 = ImageDecoder(ImageOptions(), storage)
+    shard = f"s3://{bucket}/shards/part-0.parquet"
+    absolute, relative, missing = s3.load_all(
+        [f"s3://{bucket}/shards/img/a.png", "img/a.png", f"s3://{bucket}/shards/img/b.png"], shard
+    )
+    assert isinstance(absolute, DecodedImage) and isinstance(relative, DecodedImage)
+    assert missing.error_type == "image_missing" and "b.png" in missing.message
+
+
+def test_chat_image_parts_become_placeholders():
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what shape?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                {"type": "image_url", "image_url": "img/b.png"},
+            ],
+        },
+    ]
+    rendered, urls = chat_image_parts(messages)
+    assert urls == ["data:image/png;base64,AAAA", "img/b.png"]
+    assert rendered[1]["content"][1:] == [{"type": "image"}, {"type": "image"}]
+    assert rendered[0] == messages[0]
+    with pytest.raises(ImageFault):
+        chat_image_parts([{"role": "user", "content": [{"type": "image_url"}]}])
+
+
+def test_image_source_never_reads_refused_urls():
+    class Recording:
+        opened: list[str] = []
+
+        def open(self, url, timeout):
+            self.opened.append(url)
+            return io.BytesIO(PNG)
+
+    opener = Recording()
+    source = ImageSource(ImageOptions(allowed_url_hosts=("images.example.com",)), opener=opener)
+    assert source.read("https://images.example.com/a.png") == PNG
+    for url in ("http://127.0.0.1/a", "http://[::1]/a", "http://images.example.com.evil/a"):
+        with pytest.raises(ImageFault):
+            source.read(url)
+    assert opener.opened == ["https://images.example.com/a.png"]
+
+
+# ---------------------------------------------------------------------------- properties
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=4096))
+def test_any_bytes_give_an_image_or_a_fault(data):
+    result = decode_or_fault(data)
+    assert isinstance(result, DecodedImage | ImageFault)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, len(PNG) + len(JPEG) - 1))
+def test_any_truncation_or_corruption_gives_an_image_or_a_fault(cut):
+    source = PNG if cut < len(PNG) else JPEG
+    cut = cut % len(source)
+    for data in (source[:cut], source[:cut] + bytes([source[cut] ^ 0xFF]) + source[cut + 1 :]):
+        assert isinstance(decode_or_fault(data), DecodedImage | ImageFault)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 700),
+    st.integers(1, 700),
+    st.sampled_from(["RGB", "RGBA", "L", "P", "1", "CMYK"]),
+    st.sampled_from(["PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"]),
+)
+def test_any_valid_image_decodes_to_rgb_within_max_side(width, height, mode, image_format):
+    image = Image.new(mode, (width, height))
+    if image_format == "JPEG" and mode in ("RGBA", "P"):
+        image = image.convert("RGB")
+    try:
+        data = encode(image, image_format)
+    except OSError:  # a mode the format cannot store (CMYK as PNG, ...)
+        assume(False)
+    result = decode_image(data, ImageOptions(max_side=256))
+    assert result.image.mode == "RGB"
+    assert max(result.image.size) <= 256
+    assert result.original_size == (width, height)
+
+
+_DECODER = ImageDecoder(ImageOptions(max_side=256, max_image_pixels=4_000_000, decode_threads=1))
+
+
+def decode_or_fault(data: bytes):
+    return _DECODER.load_all([data])[0]
