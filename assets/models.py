@@ -245,8 +245,13 @@ def make_tiny_clip(dst: str | os.PathLike[str], *, seed: int = 0) -> str:
     import torch
     from tokenizers import ByteLevelBPETokenizer
     from tokenizers.processors import TemplateProcessing
-    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
-    from transformers import PreTrainedTokenizerFast
+    from transformers import (
+        CLIPConfig,
+        CLIPImageProcessorPil,
+        CLIPModel,
+        CLIPProcessor,
+        PreTrainedTokenizerFast,
+    )
 
     start, end, pad = "<|startoftext|>", "<|endoftext|>", "<|pad|>"
     trainer = ByteLevelBPETokenizer()
@@ -292,4 +297,95 @@ def make_tiny_clip(dst: str | os.PathLike[str], *, seed: int = 0) -> str:
     )
     processor = CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)
     card = {"what": "random-weight test CLIP (image and text towers)", "seed": seed}
+    return _save_model(dst, model, processor, card)
+
+
+# A chat template for the tiny BLIP-2: the text parts of the messages, then "Answer:".
+# vLLM's BLIP-2 processor puts the image's query tokens before the prompt, wherever the
+# image part was, so the template renders `{"type": "image"}` parts as nothing.
+TINY_BLIP2_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] + ' ' }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Answer:' }}{% endif %}"
+)
+
+
+def make_tiny_blip2(dst: str | os.PathLike[str], *, seed: int = 0) -> str:
+    """Write a random-weight BLIP-2 (ViT 128 / Q-Former 128 / OPT 128, 2 heads each, 8 query
+    tokens) with its processor to `dst`: a generation VLM vLLM's CPU build runs here
+    (measured: `LLM.generate` with an image, 8 image tokens before the prompt).
+
+    LLaVA, Qwen2-VL, PaliGemma, Gemma3, InternVL and LLaVA-NeXT need torchvision in vLLM
+    0.32 and do not load here; BLIP-2's path needs only `BlipImageProcessorPil`. The
+    tokenizer is the byte-level BPE of the other tiny models plus `<image>` (added by
+    `Blip2Processor`), with a chat template over the messages' text parts. Reuses `dst`.
+
+    Returns:
+        The model directory.
+    """
+    dst = Path(dst)
+    if (dst / "config.json").exists() and (dst / "model.safetensors").exists():
+        return str(dst)
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import (
+        Blip2Config,
+        Blip2ForConditionalGeneration,
+        Blip2Processor,
+        BlipImageProcessorPil,
+        PreTrainedTokenizerFast,
+    )
+
+    trainer = ByteLevelBPETokenizer()
+    trainer.train_from_iterator(
+        _byte_level_corpus(), vocab_size=1024, special_tokens=["<s>", "</s>", "<pad>"]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=trainer._tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = TINY_BLIP2_CHAT_TEMPLATE
+    side = TINY_CLIP_IMAGE_SIZE
+    queries = 8
+    processor = Blip2Processor(
+        image_processor=BlipImageProcessorPil(size={"height": side, "width": side}),
+        tokenizer=tokenizer,
+        num_query_tokens=queries,
+    )
+    processor.chat_template = TINY_BLIP2_CHAT_TEMPLATE
+    tower = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2}
+    config = Blip2Config(
+        vision_config={**tower, "num_hidden_layers": 2, "image_size": side, "patch_size": 16},
+        qformer_config={
+            **tower,
+            "num_hidden_layers": 1,
+            "encoder_hidden_size": 128,
+            "vocab_size": len(tokenizer),
+        },
+        text_config={
+            "model_type": "opt",
+            "vocab_size": len(tokenizer),
+            "hidden_size": 128,
+            "ffn_dim": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "word_embed_proj_dim": 128,
+            "max_position_embeddings": 256,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        num_query_tokens=queries,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+    )
+    torch.manual_seed(seed)
+    model = Blip2ForConditionalGeneration(config)
+    card = {"what": "random-weight test BLIP-2 (ViT + Q-Former + OPT)", "seed": seed}
     return _save_model(dst, model, processor, card)

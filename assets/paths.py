@@ -47,3 +47,15 @@ def classifier_dir() -> str:
     """MiniLM with a seeded 3-label head (negative / neutral / positive) for `classify`."""
     default = data_dir() / "models" / "minilm-classifier"
     return os.environ.get("GPUINFER_CLASSIFY_MODEL", str(default))
+
+
+def image_model_dir() -> str:
+    """The tiny random CLIP (image and text towers) for `image_embeddings`."""
+    default = data_dir() / "models" / "tiny-clip"
+    return os.environ.get("GPUINFER_IMAGE_MODEL", str(default))
+
+
+def vision_language_model_dir() -> str:
+    """The tiny random BLIP-2, the generation VLM that runs on vLLM's CPU build here."""
+    default = data_dir() / "models" / "tiny-blip2"
+    return os.environ.get("GPUINFER_VLM_MODEL", str(default))

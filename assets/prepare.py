@@ -14,12 +14,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from assets.daily import DAILY_START, write_daily_notes
-from assets.models import make_minilm_classifier, make_tiny_llama, make_tiny_llama_bpe
+from assets.images import shape_rows
+from assets.models import (
+    make_minilm_classifier,
+    make_tiny_blip2,
+    make_tiny_clip,
+    make_tiny_llama,
+    make_tiny_llama_bpe,
+)
 from assets.paths import (
     cross_encoder_dir,
     data_dir,
     generation_model_dir,
+    image_model_dir,
     structured_model_dir,
+    vision_language_model_dir,
 )
 
 TOPICS = [
@@ -187,6 +196,50 @@ def write_rerank_shards(shards: int = 2, queries_per_shard: int = 12, seed: int 
     return written
 
 
+IMAGE_SHARDS = 3
+IMAGE_ROWS_PER_SHARD = 120
+
+
+def write_image_shards(
+    shards: int = IMAGE_SHARDS, rows_per_shard: int = IMAGE_ROWS_PER_SHARD, seed: int = 17
+) -> list[str]:
+    """Parquet shards of drawn shapes (PNG, JPEG and WebP, 48x48 to 1024x768) for
+    `image_embeddings`: each row is an image (`image`: encoded bytes, `text` null) or, one
+    row in five, a caption alone (`image` null, `text` "a red circle"), so image and text
+    rows of one partition land in one embedding space."""
+    out = data_dir() / "inputs" / "images"
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for shard in range(shards):
+        path = out / f"images-{shard:03d}.parquet"
+        if path.exists():
+            continue
+        rows = shape_rows(rows_per_shard, seed=seed + shard)
+        captions_only = [i % 5 == 4 for i in range(len(rows))]
+        table = pa.table(
+            {
+                "id": [row_id for row_id, _, _ in rows],
+                "image": pa.array(
+                    [
+                        None if c else data
+                        for c, (_, _, data) in zip(captions_only, rows, strict=True)
+                    ],
+                    pa.binary(),
+                ),
+                "text": pa.array(
+                    [
+                        caption if c else None
+                        for c, (_, caption, _) in zip(captions_only, rows, strict=True)
+                    ],
+                    pa.string(),
+                ),
+                "caption": [caption for _, caption, _ in rows],
+            }
+        )
+        written.append(_write_atomic(path, table))
+    return written
+
+
 def daily_note_days(today: date | None = None) -> list[str]:
     """Every day of `daily_note_embeddings` from its start to today (UTC), so every partition
     the UI offers, including today's once it ends, has its input file."""
@@ -205,12 +258,16 @@ def main() -> None:
     model = make_tiny_llama(generation_model_dir())
     structured = make_tiny_llama_bpe(structured_model_dir())
     cross_encoder = make_minilm_classifier(cross_encoder_dir(), num_labels=1)
+    images = write_image_shards()
+    clip = make_tiny_clip(image_model_dir())
+    blip2 = make_tiny_blip2(vision_language_model_dir())
     print(
         f"inputs under {data_dir() / 'inputs'} (existing ones kept): {len(docs)} doc shards, "
         f"{len(prompts)} prompt shards, {len(tickets)} ticket shards, {len(rerank)} rerank "
-        f"shards, {len(daily)} new daily note files ({days[0]} to {days[-1]})"
+        f"shards, {len(images)} image shards, {len(daily)} new daily note files "
+        f"({days[0]} to {days[-1]})"
     )
-    print(f"models: {model}, {structured}, {cross_encoder}")
+    print(f"models: {model}, {structured}, {cross_encoder}, {clip}, {blip2}")
 
 
 if __name__ == "__main__":
