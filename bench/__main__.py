@@ -9,7 +9,8 @@ longtail (long-tailed generation: platform at several chunk sizes vs raw vLLM vs
 batch`), replicas (one embed partition, 1 vs 2 engines), prefix (prefix-cache ordering),
 amortization (partitions per run), memory (worker RSS over a large shard), control-plane
 (Dagster-side work at dataset sizes, no model) and, only when asked for (`--only knobs`),
-knobs (embedding engine settings one by one).
+knobs (embedding engine settings one by one) and images (image embeddings: platform vs
+raw `LLM.embed` vs transformers, decode rate alone; `--only images`).
 
 Each section is a function of the `BenchContext` returning a dict, stored as is in
 results.json under its key (`RESULT_KEYS`) and rendered by `bench/report.py`.
@@ -49,8 +50,10 @@ SECTIONS = (
     "memory",
     "control-plane",
     "knobs",
+    "images",
 )
-DEFAULT_SECTIONS = SECTIONS[:-1]  # `knobs` (engine settings, one start each) only on request
+# `knobs` (engine settings, one start each) and `images` (image embeddings) only on request
+DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in ("knobs", "images"))
 RESULT_KEYS = {
     "throughput": "throughput",
     "longtail": "longtail",
@@ -60,6 +63,7 @@ RESULT_KEYS = {
     "memory": "memory",
     "control-plane": "control_plane",
     "knobs": "knobs",
+    "images": "images",
 }
 # section -> the function that runs it (throughput runs once per task, apart)
 RUNNERS = {
@@ -69,6 +73,7 @@ RUNNERS = {
     "amortization": "bench.amortization:run_amortization",
     "memory": "bench.memory:run_memory",
     "knobs": "bench.knobs:run_knobs",
+    "images": "bench.images:run_images",
     "control-plane": "bench.control_plane:run_control_plane",
 }
 log = logging.getLogger("bench")

@@ -39,6 +39,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         ("amortization", _amortization),
         ("memory", _memory),
         ("knobs", _knobs),
+        ("images", _images),
         ("control_plane", _control_plane),
     ):
         if section in results:
@@ -396,6 +397,33 @@ def _knobs(knobs: dict[str, Any]) -> list[str]:
             f"{_fmt(v['over_transformers_fp32'])} | {v['engine_seconds']:.1f} |"
         )
     return lines + [""]
+
+
+def _images(images: dict[str, Any]) -> list[str]:
+    decode = images["decode"]
+    lines = [
+        "## Image embeddings (`--only images`)",
+        "",
+        f"{images['rows']} drawn images in mixed sizes and formats "
+        f"({images['encoded_bytes'] / 1e6:.1f} MB encoded), tiny random CLIP, load average "
+        f"{images.get('load_average')} at the end.",
+        "",
+        "| contestant | images/s |",
+        "|---|---|",
+    ]
+    lines += [f"| {name} | {_fmt(v, 1)} |" for name, v in images["images_per_s"].items()]
+    lines.append(
+        f"| decode alone ({decode['threads']} threads) | {_fmt(decode['images_per_s'], 1)} |"
+    )
+    lines += ["", "| ratio | value |", "|---|---|"]
+    lines += [f"| {name} | {_fmt(v)} |" for name, v in images["ratios"].items()]
+    sizes = ", ".join(f"{k}: {v}" for k, v in decode["images_per_s_by_size"].items())
+    return lines + [
+        "",
+        f"Decode by original size (images/s): {sizes}; {decode['encoded_mb_per_s']} encoded "
+        f"MB/s. The run is bound by: {images['bound_by']}.",
+        "",
+    ]
 
 
 def _control_plane(cp: dict[str, Any]) -> list[str]:
