@@ -1,4 +1,4 @@
-"""How a pipeline's image inputs are read, checked and decoded (`InferenceSpec.images`).
+"""How a pipeline's image inputs are read, checked and decoded (`InputSpec.images`).
 
 Both sides import this module (the spec carries it): pydantic and the standard library only.
 The worker's `worker/images.py` applies it; every limit here turns a bad image into a
@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class ImageOptions(BaseModel):
-    """Image columns, the URL policy and the decoding limits of a pipeline.
+    """The URL policy and the decoding limits of a pipeline's image inputs.
 
     An image reference in a row is one of: encoded bytes (a Parquet binary column, or a
     `{"bytes": ..., "path": ...}` struct as Hugging Face datasets write it); a `data:` URI; a
@@ -26,10 +26,6 @@ class ImageOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    column: str = Field(
-        "image",
-        description="Column of image inputs: encoded bytes, a bytes/path struct, or a URI.",
-    )
     allowed_url_hosts: tuple[str, ...] = Field(
         (),
         description="Hosts (`name` or `name:port`, exact match) the worker may fetch "

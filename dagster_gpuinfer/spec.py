@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from dagster_gpuinfer.image_options import ImageOptions
 from dagster_gpuinfer.secrets import find_secrets_in_options, secret_in_options_message
 
 Task = Literal["embed", "generate", "chat", "score", "classify"]
@@ -355,6 +356,16 @@ class InputSpec(_Strict):
             "OpenAI batch input always takes them from each line's `body`."
         ),
     )
+    image_column: str = Field(
+        "image",
+        description="For image tasks: the column of images (encoded bytes, a bytes/path "
+        "struct, a URI, or a list of them); a row whose image is null is a text row.",
+    )
+    images: ImageOptions = Field(
+        default_factory=ImageOptions,
+        description="Image inputs: allowed URL hosts and local roots, pixel/byte/side limits, "
+        "images per request, decoding threads.",
+    )
 
     @field_validator("uri")
     @classmethod
@@ -608,6 +619,11 @@ class InferenceSpec(_Strict):
         payload = self.model_dump(mode="json", exclude=set(self.SCHEDULING_ONLY))
         if self.limits == RowLimits():  # the defaults: hashes of earlier specs stay valid
             payload.pop("limits")
+        for name in ("image_column", "images"):  # image fields at their defaults: likewise
+            if getattr(self.input, name) == InputSpec.model_fields[name].get_default(
+                call_default_factory=True
+            ):
+                payload["input"].pop(name)
         for name in EngineArgs.PERFORMANCE_ONLY:
             payload["engine"].pop(name, None)
         payload["model"] = os.path.normpath(self.model) if _looks_local(self.model) else self.model
