@@ -16,6 +16,7 @@ from dagster_gpuinfer.checks import ERROR_RATE, ROWS_BALANCED, VALID_OUTPUT, che
 from dagster_gpuinfer.metadata import partition_metadata, run_metadata
 from dagster_gpuinfer.resource import GpuInferenceResource, InferenceRunResult, validate_spec
 from dagster_gpuinfer.spec import (
+    GENERATION_TASKS,
     EngineArgs,
     InferenceSpec,
     InputSpec,
@@ -406,7 +407,7 @@ def _output_asset(
 ) -> dg.AssetsDefinition:
     """The inference output asset of a pipeline whose raw spec is `raw_spec`."""
     name, model, task = output_key.path[-1], raw_spec["model"], raw_spec["task"]
-    generates = task in ("generate", "chat")
+    generates = task in GENERATION_TASKS
     invalid_rate = max_invalid_output_rate if generates else None
     output_format = raw_spec["output"]["format"]
 

@@ -35,6 +35,21 @@ def partition_rates(manifest: Manifest) -> dict[str, Any]:
     }
 
 
+def image_metadata(manifest: Manifest) -> dict[str, Any]:
+    """Image tasks: the partition's images and encoded image bytes/s (over its inference
+    time, which includes decoding in the read-ahead); nothing for text-only partitions."""
+    if not manifest.images:
+        return {}
+    seconds = manifest.inference_seconds
+    return {
+        "images": manifest.images,
+        "image_bytes": manifest.image_bytes,
+        "image_bytes_per_second": round(manifest.image_bytes / seconds, 1)
+        if seconds > 0
+        else NOT_AVAILABLE,
+    }
+
+
 def partition_metadata(
     spec: InferenceSpec, manifest: Manifest, *, computed: bool
 ) -> dict[str, Any]:
@@ -48,6 +63,7 @@ def partition_metadata(
         "prompt_tokens": manifest.prompt_tokens,
         "generated_tokens": manifest.generated_tokens,
         **partition_rates(manifest),
+        **image_metadata(manifest),
         "engine_seconds": round(manifest.engine_seconds, 3),
         "active_seconds": round(manifest.active_seconds, 3),
         "inference_seconds": round(manifest.inference_seconds, 3),

@@ -385,6 +385,9 @@ class RowCounts(BaseModel):
     rows_invalid_output: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    # Image tasks: images the rows carried and their encoded bytes (quarantined rows' too).
+    images: int = 0
+    image_bytes: int = 0
 
     @classmethod
     def total(cls, counts: Iterable[RowCounts]) -> RowCounts:

@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from dagster_gpuinfer.out_of_memory import memory_problem
-from dagster_gpuinfer.spec import POOLING_TASKS, InferenceSpec
+from dagster_gpuinfer.spec import EMBEDDING_TASKS, IMAGE_TASKS, POOLING_TASKS, InferenceSpec
 from dagster_gpuinfer.worker.completions import choices_of
 from dagster_gpuinfer.worker.errors import SpecError
+from dagster_gpuinfer.worker.image_tasks import vllm_prompt
 from dagster_gpuinfer.worker.lifecycle import EngineWatch, engine_processes_started_by
 from dagster_gpuinfer.worker.metrics import current_metrics
 
@@ -69,7 +70,7 @@ class ChunkResult:
             requests: Each row's `request_params.RowRequest` (its `top_logprobs`); None: no
                 row asked for logprobs.
         """
-        if task == "embed":
+        if task in EMBEDDING_TASKS:
             if outputs:
                 embeddings = np.stack(
                     [np.asarray(o.outputs.data, dtype=np.float32) for o in outputs]
@@ -124,6 +125,10 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
         kwargs.update(leader_kwargs(spec))
     if spec.task in POOLING_TASKS:
         kwargs["runner"] = "pooling"
+    if spec.task in IMAGE_TASKS:  # images per request: vLLM's limit, the same as ours
+        kwargs.setdefault(
+            "limit_mm_per_prompt", {"image": spec.input.images.max_images_per_request}
+        )
     kwargs.setdefault(
         "disable_log_stats", False
     )  # vLLM's own Prometheus metrics: worker/metrics.py
@@ -244,7 +249,7 @@ class InferenceEngine:
         # score and classify run whole chunks through `LLM.score` / `LLM.classify`
         # (`pooling_tasks`); embed, generate and chat stream requests through `submit`.
         self.default_params: Any = None
-        if spec.task == "embed":
+        if spec.task in EMBEDDING_TASKS:
             self.default_params = PoolingParams(task="embed")
         elif spec.task not in POOLING_TASKS:
             from dagster_gpuinfer.worker.request_params import ParameterError
@@ -278,7 +283,13 @@ class InferenceEngine:
         """Sequences submitted and not yet finished (a request with `n` > 1 counts n)."""
         return self._sequences
 
-    def submit(self, request_id: str, token_ids: list[int], params: Any = None) -> None:
+    def submit(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: Any = None,
+        images: list[Any] | None = None,
+    ) -> None:
         """Add one pre-tokenized request to the engine.
 
         Args:
@@ -286,13 +297,14 @@ class InferenceEngine:
             token_ids: The prompt's token ids (the worker tokenized it once, to validate).
             params: This request's `vllm.SamplingParams` (generate, chat) or
                 `vllm.PoolingParams` (embed); None takes the spec's.
+            images: The row's decoded images (image tasks), sent as `multi_modal_data`.
         """
         if params is None:
             params = self.default_params
-        elif self.spec.task != "embed":
+        elif self.spec.task not in EMBEDDING_TASKS:
             params.output_kind = self._final_only
         try:
-            self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
+            self.llm.llm_engine.add_request(request_id, vllm_prompt(token_ids, images), params)
         except Exception as exc:
             if type(exc).__name__ == "EngineDeadError":
                 raise
@@ -330,7 +342,7 @@ class InferenceEngine:
         started = time.perf_counter()
         order = (
             prefix_order(token_ids)
-            if group_prefixes and self.spec.task != "embed"
+            if group_prefixes and self.spec.task not in EMBEDDING_TASKS
             else list(range(len(token_ids)))
         )
         outputs: list[Any] = [None] * len(token_ids)

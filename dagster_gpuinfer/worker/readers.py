@@ -83,6 +83,7 @@ class RawChunk:
     errors: list[RowError] = field(default_factory=list)
     rows_in: int = 0
     params: dict[int, Any] = field(default_factory=dict)
+    shard_uri: str | None = None  # the shard's file: image paths relative to it resolve there
 
 
 class ShardReader:
@@ -97,8 +98,15 @@ class ShardReader:
         self.fs, self.path = filesystem_for(self.uri, spec.storage)
         self.source = display_uri(self.fs, self.path) + (self.range.suffix() if self.range else "")
         self.payload_column = (
-            spec.input.messages_column if spec.task == "chat" else spec.input.text_column
+            spec.input.messages_column
+            if spec.task in ("chat", "vision_chat")
+            else spec.input.text_column
         )
+        # images: image_embed / vision_generate rows are (image, text): the image column is
+        # required, the text column read when the shard has it (`_image_payloads`).
+        self.image_pairs = spec.task in ("image_embed", "vision_generate")
+        if self.image_pairs:
+            self.payload_column = spec.input.image_column
 
     # ------------------------------------------------------------------ preflight
 
@@ -137,15 +145,20 @@ class ShardReader:
             columns.append(self.spec.input.text_pair_column)
         if self.spec.input.params_column:
             columns.append(self.spec.input.params_column)
+        if self.spec.task == "vision_generate":
+            columns.append(self.spec.input.text_column)
         if self.spec.input.id_column:
             columns.insert(0, self.spec.input.id_column)
         return columns
 
     def _missing_column_error(self, missing: list[str], present: list[str]) -> ShardError:
+        payload = {"chat": "messages", "vision_chat": "messages"}.get(self.spec.task, "text")
+        if self.image_pairs:
+            payload = "image" if self.spec.task == "image_embed" else "image_column / input.text"
         return ShardError(
             f"shard {self.source} has no column {', '.join(repr(m) for m in missing)} "
             f"(columns: {', '.join(present) or 'none'}). Set input.id_column / "
-            f"input.{'messages' if self.spec.task == 'chat' else 'text'}_column"
+            f"input.{payload}_column"
             f"{' / input.text_pair_column' if self.spec.task == 'score' else ''}"
             f"{' / input.params_column' if self.spec.input.params_column else ''} to the "
             "right names",
@@ -202,6 +215,9 @@ class ShardReader:
         columns = self._required_columns()
         with self.fs.open_input_file(self.path) as handle:
             parquet = pq.ParquetFile(handle)
+            text = self.spec.input.text_column
+            if self.image_pairs and text not in columns and text in parquet.schema_arrow.names:
+                columns.append(text)  # image_embed: text rows beside image rows
             pending: list[pa.RecordBatch] = []
             pending_rows = 0
             index = 0
@@ -257,6 +273,14 @@ class ShardReader:
         self, index: int, first_row: int, table: pa.Table, id_column: str | None
     ) -> RawChunk:
         payloads = table.column(self.payload_column).to_pylist()
+        if self.image_pairs:
+            text = self.spec.input.text_column
+            texts = (
+                table.column(text).to_pylist()
+                if text in table.column_names
+                else [None] * len(payloads)
+            )
+            payloads = list(zip(payloads, texts, strict=True))
         if self.spec.task == "score":
             pairs = table.column(self.spec.input.text_pair_column).to_pylist()
             payloads = list(zip(payloads, pairs, strict=True))
@@ -265,7 +289,9 @@ class ShardReader:
         else:
             ids = [self._default_id(first_row + i) for i in range(table.num_rows)]
         rows = [(first_row + i, ids[i], payloads[i]) for i in range(table.num_rows)]
-        chunk = RawChunk(index=index, source=self.source, rows=rows, rows_in=len(rows))
+        chunk = RawChunk(
+            index=index, source=self.source, rows=rows, rows_in=len(rows), shard_uri=self.uri
+        )
         params_column = self.spec.input.params_column
         if params_column:
             for i, value in enumerate(table.column(params_column).to_pylist()):
@@ -351,14 +377,14 @@ class ShardReader:
                 yield line
 
     def _jsonl_chunks(self, chunk_size: int) -> Iterator[RawChunk]:
-        chunk = RawChunk(index=0, source=self.source)
+        chunk = RawChunk(index=0, source=self.source, shard_uri=self.uri)
         # Row numbers count from the file's first line, except in a byte range, where they
         # count from the range's first line (the source names the range).
         first_row = self.range.start if self.range and self.range.unit == "rows" else 0
         for row, line in enumerate(self._lines(), start=first_row):
             if chunk.rows_in == chunk_size:
                 yield chunk
-                chunk = RawChunk(index=chunk.index + 1, source=self.source)
+                chunk = RawChunk(index=chunk.index + 1, source=self.source, shard_uri=self.uri)
             chunk.rows_in += 1
             try:
                 parsed = self._parse_line(row, line)
@@ -444,6 +470,8 @@ class ShardReader:
         id_column = self.spec.input.id_column
         row_id = self._default_id(row) if id_column is None else record.get(id_column)
         payload = record.get(self.payload_column)
+        if self.image_pairs:
+            payload = (payload, record.get(self.spec.input.text_column))
         if self.spec.task == "score":
             payload = (payload, record.get(self.spec.input.text_pair_column))
         params_column = self.spec.input.params_column
@@ -501,6 +529,8 @@ class ShardReader:
                 f"{', '.join(OPENAI_ENDPOINTS)}; the row was quarantined",
             )
         task, body_field = endpoint
+        if task == "chat" and self.spec.task == "vision_chat":  # image_url parts in messages
+            task = "vision_chat"
         if task != self.spec.task:
             return RowError(
                 row_id,

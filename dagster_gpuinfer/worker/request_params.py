@@ -81,6 +81,9 @@ REQUEST_KEYS: dict[str, frozenset[str]] = {
     "embed": EMBEDDING_KEYS,
     "score": SCORE_KEYS,
     "classify": frozenset(),
+    "image_embed": EMBEDDING_KEYS,
+    "vision_generate": GENERATION_KEYS,
+    "vision_chat": GENERATION_KEYS,
 }
 
 
@@ -263,7 +266,7 @@ class RequestBuilder:
                     key,
                     f"parameter {key!r} is not supported{hint}",
                 )
-        if self.task == "embed":
+        if self.task in ("embed", "image_embed"):
             _typed(EmbeddingParams, params)
             return RowRequest()
         if self.task == "score":

@@ -158,6 +158,8 @@ def write_chunk(
         rows_invalid_output=invalid_outputs,
         prompt_tokens=sum(result.prompt_tokens or ()),
         generated_tokens=sum(result.generated_tokens or ()),
+        images=valid.image_count,
+        image_bytes=valid.image_bytes,
         inference_seconds=result.seconds,
         engine_seconds=result.seconds if engine_seconds is None else engine_seconds,
         started_at=finished_at - result.seconds,

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dagster_gpuinfer.spec import POOLING_TASKS, InferenceSpec
+from dagster_gpuinfer.spec import EMBEDDING_TASKS, POOLING_TASKS, InferenceSpec
 from dagster_gpuinfer.storage import ChunkMarker
 from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine, RequestRejected
 from dagster_gpuinfer.worker.engine_time import EngineTimeShares
@@ -135,6 +135,8 @@ def serve_chunks(
         check_ids=False,
         requests=engine.requests,
         limits=spec.limits,
+        images=spec.input.images,
+        storage=spec.storage,
     )
     stopping = threading.Event()
 
@@ -231,7 +233,7 @@ class _RequestWindow:
         self.window = engine.window
         self.finished = finished
         self.metrics = current_metrics()
-        self.group = spec.group_prefixes and spec.task != "embed"
+        self.group = spec.group_prefixes and spec.task not in EMBEDDING_TASKS
         self.engine_time = EngineTimeShares(
             pooling=spec.task in POOLING_TASKS, max_running=engine.max_num_seqs
         )
@@ -292,8 +294,12 @@ class _RequestWindow:
         self.sequence += 1
         if item.first_submitted is None:
             item.first_submitted = time.perf_counter()
+        images = item.valid.images[position] if item.valid.images else None
+        extra = {"images": images} if images else {}  # image tasks only
         try:
-            self.engine.submit(request_id, item.valid.token_ids[position], item.params(position))
+            self.engine.submit(
+                request_id, item.valid.token_ids[position], item.params(position), **extra
+            )
         except RequestRejected as exc:  # that row is quarantined, the rest go on
             item.rejected[position] = str(exc)
             self._settled(item)

@@ -17,8 +17,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dagster_gpuinfer.spec import POOLING_TASKS, RowLimits
+from dagster_gpuinfer.image_options import ImageOptions
+from dagster_gpuinfer.spec import IMAGE_TASKS, POOLING_TASKS, RowLimits, StorageOptions
 from dagster_gpuinfer.worker.errors import RowError, cap_message
+from dagster_gpuinfer.worker.image_tasks import decode_candidates, image_candidate, render_chat
 from dagster_gpuinfer.worker.pooling_tasks import ScorePairs, parse_score_payload
 from dagster_gpuinfer.worker.readers import RawChunk, json_depth_exceeds
 from dagster_gpuinfer.worker.request_params import (
@@ -50,6 +52,11 @@ class ValidChunk:
     spans: list[int] = field(default_factory=list)
     pairs: list[ScorePairs] = field(default_factory=list)
     pair_tokens: list[int] = field(default_factory=list)
+    # Image tasks: each prompt's decoded images (beside `token_ids`), the images and encoded
+    # bytes the chunk's rows read (quarantined rows' included).
+    images: list[list[Any]] = field(default_factory=list)
+    image_count: int = 0
+    image_bytes: int = 0
 
     def without_prompts(
         self, failed: dict[int, str], outputs: list[Any], source: str
@@ -57,7 +64,12 @@ class ValidChunk:
         """This chunk and its outputs without the rows any of whose prompts (positions in
         `token_ids`) failed at submit; those rows join the errors with the reason given."""
         spans = self.spans or [1] * len(self.ids)
-        kept = ValidChunk(index=self.index, errors=list(self.errors))
+        kept = ValidChunk(
+            index=self.index,
+            errors=list(self.errors),
+            image_count=self.image_count,
+            image_bytes=self.image_bytes,
+        )
         kept_outputs: list[Any] = []
         start = 0
         for i, span in enumerate(spans):
@@ -83,6 +95,8 @@ class ValidChunk:
             if self.spans:
                 kept.spans.append(span)
             kept.token_ids.extend(self.token_ids[p] for p in positions)
+            if self.images:
+                kept.images.extend(self.images[p] for p in positions)
             kept_outputs.extend(outputs[p] for p in positions)
         return kept, kept_outputs
 
@@ -100,6 +114,7 @@ class _Candidate:
     request: RowRequest
     prompts: list[str | list[int]]  # text to tokenize, or token ids already
     pairs: ScorePairs | None = None
+    images: list[Any] | None = None  # image tasks: references, then decoded images
 
 
 class RowValidator:
@@ -118,6 +133,8 @@ class RowValidator:
             without one, rows run the engine's defaults and a row with parameters is checked
             against an empty set of defaults.
         limits: the pipeline's `RowLimits` (prompt characters, parameter depth).
+        images: image tasks: the pipeline's `ImageOptions` (URL policy, limits, threads).
+        storage: image tasks: the storage options `s3://` images are read with.
     """
 
     def __init__(
@@ -130,8 +147,15 @@ class RowValidator:
         check_ids: bool = True,
         requests: RequestBuilder | None = None,
         limits: RowLimits | None = None,
+        images: ImageOptions | None = None,
+        storage: StorageOptions | None = None,
     ) -> None:
         self.task = task
+        self.decoder = None
+        if task in IMAGE_TASKS:  # images are decoded here, in the read-ahead's pool
+            from dagster_gpuinfer.worker.images import ImageDecoder
+
+            self.decoder = ImageDecoder(images or ImageOptions(), storage)
         self.limits = limits or (requests.limits if requests is not None else RowLimits())
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -158,6 +182,8 @@ class RowValidator:
                 candidates.append(candidate)
         if not candidates:
             return out
+        if self.decoder is not None:
+            candidates = self._decode_images(chunk, candidates, out)
         if self.task == "chat":
             candidates = self._render(chunk.source, candidates, out.errors)
         if self.task == "score":
@@ -174,6 +200,40 @@ class RowValidator:
             return out
         self._tokenize_candidates(chunk.source, candidates, out)
         return out
+
+    def _decode_images(
+        self, chunk: RawChunk, candidates: list[_Candidate], out: ValidChunk
+    ) -> list[_Candidate]:
+        """Image tasks: every candidate's images decoded together (the others quarantined);
+        vision_chat rows rendered through the chat template."""
+        with_images = [c for c in candidates if c.images]
+        out.image_count += sum(len(c.images or ()) for c in with_images)
+        kept, errors, encoded = decode_candidates(
+            self.decoder, chunk.source, chunk.shard_uri, with_images
+        )
+        out.errors.extend(errors)
+        out.image_bytes += encoded
+        decoded = {id(c) for c in kept}
+        candidates = [c for c in candidates if not c.images or id(c) in decoded]
+        if self.task != "vision_chat":
+            return candidates
+        rendered = []
+        for candidate in candidates:
+            try:
+                candidate.prompts = [render_chat(self.tokenizer, candidate.prompts[0])]
+                rendered.append(candidate)
+            except Exception as exc:  # the template rejected it; quarantine the row
+                out.errors.append(
+                    RowError(
+                        candidate.row_id,
+                        chunk.source,
+                        candidate.row,
+                        "invalid_messages",
+                        f"{chunk.source} row {candidate.row} (id {candidate.row_id}): the "
+                        f"model's chat template rejected it ({exc}); the row was quarantined",
+                    )
+                )
+        return rendered
 
     def _admit(
         self, chunk: RawChunk, row: int, row_id: str | None, payload: Any, errors: list[RowError]
@@ -266,6 +326,8 @@ class RowValidator:
             out.requests.append(candidate.request)
             out.spans.append(len(token_lists))
             out.token_ids.extend(token_lists)
+            if self.decoder is not None:
+                out.images.extend([candidate.images or []] * len(token_lists))
 
     def _length_problem(self, candidate: _Candidate) -> tuple[str, str] | None:
         """`prompt_too_long` when a prompt (a chat: its contents together; a score row: a
@@ -314,7 +376,7 @@ class RowValidator:
             error = id_error(source, row, row_id, self.seen_ids)
             if error is not None:
                 return error
-        if self.task in ("chat", "score"):
+        if self.task in ("chat", "score") or self.task in IMAGE_TASKS:
             return None  # checked while rendering the chat template / parsing the pairs
         if payload is None or (isinstance(payload, (str, list)) and not _has_content(payload)):
             return RowError(
@@ -332,6 +394,11 @@ class RowValidator:
         """The row's prompts, or (error type, message) when its input has the wrong shape."""
         if self.task == "chat":
             return _Candidate(row, row_id, request, [payload]), ("", "")
+        if self.task in IMAGE_TASKS:
+            prompt, refs, problem = image_candidate(self.task, payload)
+            if prompt is None:
+                return None, problem
+            return _Candidate(row, row_id, request, [prompt], images=refs), ("", "")
         if self.task == "score":
             pairs, problem = parse_score_payload(payload)
             if pairs is None:
@@ -431,7 +498,7 @@ class RowValidator:
         if not prompts:
             return []
         # Chat templates already hold the special tokens, so add none (as vLLM's chat does).
-        add_special = self.task != "chat"
+        add_special = self.task not in ("chat", "vision_chat")
         encoded = self.tokenizer(prompts, add_special_tokens=add_special)
         return [list(ids) for ids in encoded["input_ids"]]
 

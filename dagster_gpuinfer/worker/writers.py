@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.spec import EMBEDDING_TASKS, InferenceSpec
 from dagster_gpuinfer.storage import ERRORS_SCHEMA
 from dagster_gpuinfer.worker import openai_batch as oa
 from dagster_gpuinfer.worker.completions import CHOICE_TYPE, completion_logprobs
@@ -77,7 +77,7 @@ def embedding_schema(dim: int, *, several_inputs: bool = False) -> pa.Schema:
 def output_table(spec: InferenceSpec, valid: Any, result: Any) -> pa.Table:
     """The output rows of one validated chunk (`validate.ValidChunk`) and its results."""
     task, ids = spec.task, valid.ids
-    if task == "embed":
+    if task in EMBEDDING_TASKS:
         return _embedding_table(
             ids, valid.spans, result, several=spec.input.resolved_format() == "openai_batch"
         )
@@ -205,7 +205,7 @@ def _response_body(
     task: str, model: str, rid: str, created: int, row: dict[str, Any], valid: Any, position: int
 ) -> dict[str, Any]:
     prompt_tokens = row["prompt_tokens"]
-    if task == "embed":
+    if task in EMBEDDING_TASKS:
         vectors = row.get("embeddings") or [row["embedding"]]
         return oa.EmbeddingList(
             model=model,

@@ -1,0 +1,153 @@
+"""The image tasks' own steps: which rows carry images, decoding them ahead of the engine,
+and the prompts that carry them to vLLM.
+
+- `image_embed` (a CLIP/SigLIP-style dual encoder on vLLM's pooling runner): a row whose
+  image (`input.image_column`) is set embeds the image; a row whose image is null embeds its
+  text (`input.text_column`); both land in the model's one embedding space. A row with both
+  is refused (these models embed one or the other per request: split it into two rows).
+- `vision_generate` (a vision-language model on the generate runner): each row's image (or
+  list of images) and its prompt text; sampled like `generate`.
+- `vision_chat`: OpenAI chat messages whose `content` parts carry `image_url`s; the parts
+  become the template's image placeholders, the URLs are read under the same URL policy.
+
+The validator (`validate.RowValidator`) calls `image_candidate` for each row, then
+`decode_candidates` for the chunk: the chunk's images are read and decoded together in the
+decoder's pool, in the worker's read-ahead thread, and a row whose image fails gets its own
+quarantine record (`worker/images.py` names each fate). `vllm_prompt` builds the request
+the engine takes: token ids plus `multi_modal_data`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from dagster_gpuinfer.spec import IMAGE_TASKS as IMAGE_TASKS
+from dagster_gpuinfer.worker.errors import RowError
+from dagster_gpuinfer.worker.images import ImageDecoder, ImageFault, chat_image_parts
+
+
+def image_candidate(task: str, payload: Any) -> tuple[str | None, list[Any], tuple[str, str]]:
+    """A row's prompt text and image references, or (None, [], (error type, message)).
+
+    `payload` is `(image value, text value)` for image_embed and vision_generate (the
+    reader's two columns) and a messages value for vision_chat.
+    """
+    if task == "vision_chat":
+        return _chat_candidate(payload)
+    image, text = payload if isinstance(payload, tuple) else (payload, None)
+    refs = _refs(image)
+    has_text = isinstance(text, str) and bool(text.strip())
+    if task == "image_embed":
+        if refs and has_text:
+            return (
+                None,
+                [],
+                (
+                    "image_and_text",
+                    "the row has both an image and a text; an image-embedding model embeds one "
+                    "per request: put the text in a row of its own",
+                ),
+            )
+        if refs:
+            return "", refs, ("", "")
+        if has_text:
+            return text, [], ("", "")
+        if text is not None and not isinstance(text, str):
+            return None, [], ("wrong_type", f"the text is a {type(text).__name__}")
+        return None, [], ("no_image", "the row has neither an image nor a text")
+    if not refs:
+        return None, [], ("no_image", "the row has no image (null or empty)")
+    if text is not None and not isinstance(text, str):
+        return None, [], ("wrong_type", f"the prompt is a {type(text).__name__}, not a string")
+    return text or "", refs, ("", "")
+
+
+def _refs(image: Any) -> list[Any]:
+    """The image references of a row's image value (one, a list, or none)."""
+    if image is None:
+        return []
+    if isinstance(image, list | tuple):
+        return [ref for ref in image if ref is not None]
+    if isinstance(image, str | bytes | bytearray) and len(image) == 0:
+        return []
+    return [image]
+
+
+def _chat_candidate(payload: Any) -> tuple[str | None, list[Any], tuple[str, str]]:
+    """vision_chat: the messages (their JSON, image parts as placeholders) and their URLs."""
+    if isinstance(payload, str):
+        try:
+            payload = json.loads(payload)
+        except ValueError:
+            return None, [], ("invalid_messages", "messages are not valid JSON")
+    if not isinstance(payload, list) or not payload:
+        return None, [], ("invalid_messages", "expected a non-empty list of messages")
+    try:
+        messages, urls = chat_image_parts(payload)
+    except ImageFault as fault:
+        return None, [], (fault.error_type, fault.message)
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        parts_ok = isinstance(content, list) and all(
+            isinstance(p, dict)
+            and (
+                p.get("type") == "image"
+                or (p.get("type") == "text" and isinstance(p.get("text"), str))
+            )
+            for p in content
+        )
+        if not isinstance(message, dict) or not (isinstance(content, str) or parts_ok):
+            return (
+                None,
+                [],
+                (
+                    "invalid_messages",
+                    f"message {i}: content must be a string or a list of text / image_url parts",
+                ),
+            )
+    return json.dumps(messages), urls, ("", "")
+
+
+def decode_candidates(
+    decoder: ImageDecoder, source: str, base_uri: str | None, candidates: list[Any]
+) -> tuple[list[Any], list[RowError], int]:
+    """Decode every candidate's images together; the candidates whose images all decoded
+    (their `images` set to the decoded images), the errors of the others, and the encoded
+    bytes read."""
+    groups = [candidate.images for candidate in candidates]
+    loaded = decoder.load_groups(groups, base_uri)
+    kept, errors, encoded = [], [], 0
+    for candidate, result in zip(candidates, loaded, strict=True):
+        if isinstance(result, ImageFault):
+            errors.append(
+                RowError(
+                    candidate.row_id,
+                    source,
+                    candidate.row,
+                    result.error_type,
+                    f"{source} row {candidate.row} (id {candidate.row_id}): {result.message}; "
+                    "the row was quarantined",
+                )
+            )
+            continue
+        encoded += sum(image.encoded_bytes for image in result)
+        candidate.images = [image.image for image in result]
+        kept.append(candidate)
+    return kept, errors, encoded
+
+
+def render_chat(tokenizer: Any, messages_json: str) -> str:
+    """A vision_chat row's messages through the model's chat template (image parts are
+    `{"type": "image"}` placeholders the template renders)."""
+    return tokenizer.apply_chat_template(
+        json.loads(messages_json), tokenize=False, add_generation_prompt=True
+    )
+
+
+def vllm_prompt(token_ids: list[int], images: list[Any] | None) -> dict[str, Any]:
+    """The prompt vLLM's engine takes: token ids, plus the decoded images when there are."""
+    prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+    if images:
+        prompt["multi_modal_data"] = {"image": images[0] if len(images) == 1 else images}
+    return prompt
