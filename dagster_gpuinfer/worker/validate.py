@@ -550,6 +550,7 @@ def screen_ids(chunk: RawChunk, seen_ids: set[str]) -> RawChunk:
         errors=errors,
         rows_in=chunk.rows_in,
         params=chunk.params,
+        shard_uri=chunk.shard_uri,
     )
 
 
