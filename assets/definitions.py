@@ -1,5 +1,5 @@
 """The reference code location: document embeddings, prompt completions, structured
-extraction to JSON and passage reranking with vLLM.
+extraction to JSON, passage reranking, image embeddings and image captions with vLLM.
 
 `dagster dev -w workspace.yaml` loads this module. Models and data come from `make demo`
 (or `python -m assets.prepare`); environment variables point the pipelines elsewhere:
@@ -16,6 +16,12 @@ import dagster as dg
 from assets.batch_pipelines import batch_api
 from assets.daily import daily_embeddings_job, daily_embeddings_schedule, daily_note_embeddings
 from assets.downstream import embedding_stats_asset
+from assets.image_pipelines import (
+    caption_images_job,
+    embed_images_job,
+    image_captions,
+    image_embeddings,
+)
 from assets.paths import embedding_model_dir, generation_model_dir, input_root, output_root
 from assets.request_pipelines import (
     extract_tickets_job,
@@ -87,6 +93,8 @@ PIPELINES = {
     "prompt_completions": prompt_completions,
     "ticket_fields": ticket_fields,
     "passage_rerank": passage_rerank,
+    "image_embeddings": image_embeddings,
+    "image_captions": image_captions,
 }
 
 embed_docs_job = dg.define_asset_job(
@@ -103,6 +111,8 @@ JOBS = {
     "prompt_completions": complete_prompts_job,
     "ticket_fields": extract_tickets_job,
     "passage_rerank": rerank_job,
+    "image_embeddings": embed_images_job,
+    "image_captions": caption_images_job,
 }
 
 # Per-partition polars statistics of the embeddings, materialized by the automation daemon
@@ -117,6 +127,8 @@ defs = dg.Definitions.merge(
             *daily_note_embeddings.assets,
             *ticket_fields.assets,
             *passage_rerank.assets,
+            *image_embeddings.assets,
+            image_captions.output_asset,  # reads image_embeddings' input shards
             doc_embedding_stats,
         ],
         jobs=[
@@ -125,6 +137,8 @@ defs = dg.Definitions.merge(
             daily_embeddings_job,
             extract_tickets_job,
             rerank_job,
+            embed_images_job,
+            caption_images_job,
         ],
         schedules=[daily_embeddings_schedule],
         # What backfilling the missing partitions costs, on each output asset's page.

@@ -271,7 +271,8 @@ def inference_assets(
     Args:
         name: The output asset's name (also its folder under `output_root`).
         model: A model directory (or hub id) vLLM can load.
-        task: `embed`, `generate`, `chat`, `score` or `classify`.
+        task: `embed`, `generate`, `chat`, `score`, `classify`, `image_embed`,
+            `vision_generate` or `vision_chat`.
         input: Where shards are: `InputSpec(uri="data/{partition_key}.parquet", ...)`.
         output_root: Local directory or `s3://bucket/prefix` for outputs.
         partitions_def: One partition per shard; shared by input and output assets.

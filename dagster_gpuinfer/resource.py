@@ -61,7 +61,8 @@ def validate_spec(raw: Mapping[str, Any], *, where: str) -> InferenceSpec:
 
     Raises:
         InvalidInferenceSpec: naming each bad field, e.g. `task: Input should be 'embed',
-            'generate', 'chat', 'score' or 'classify' (got 'summarize')`.
+            'generate', 'chat', 'score', 'classify', 'image_embed', 'vision_generate' or
+            'vision_chat' (got 'summarize')`.
     """
     try:
         return InferenceSpec.model_validate(raw)

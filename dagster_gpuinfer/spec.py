@@ -476,7 +476,9 @@ class InferenceSpec(_Strict):
 
     model: str = Field(description="Model directory (local or in the model cache) or hub id.")
     task: Task = Field(
-        description="embed (pooling models), generate, chat, score (pairs) or classify."
+        description="embed (pooling models), generate, chat, score (pairs), classify, "
+        "image_embed (image or text rows), vision_generate (image + prompt) or vision_chat "
+        "(messages with image_url parts)."
     )
     engine: EngineArgs = Field(default_factory=EngineArgs)
     sampling: SamplingParams = Field(default_factory=SamplingParams)

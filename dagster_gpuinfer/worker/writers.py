@@ -267,7 +267,7 @@ def _generation_body(
     choices = row.get("choices") or [
         {"index": 0, "text": row["text"], "finish_reason": row["finish_reason"], "logprobs": None}
     ]
-    if task == "chat":
+    if task in ("chat", "vision_chat"):
         return oa.ChatCompletion(
             id=f"chatcmpl-{rid}",
             created=created,
