@@ -21,6 +21,7 @@ _EXPORTS = {
     "InvalidInferenceSpec": "dagster_gpuinfer.resource",
     "InferenceSpec": "dagster_gpuinfer.spec",
     "InputSpec": "dagster_gpuinfer.spec",
+    "ImageOptions": "dagster_gpuinfer.image_options",
     "OutputSpec": "dagster_gpuinfer.spec",
     "EngineArgs": "dagster_gpuinfer.spec",
     "SamplingParams": "dagster_gpuinfer.spec",
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     )
     from dagster_gpuinfer.estimate import backfill_estimate_sensor as backfill_estimate_sensor
     from dagster_gpuinfer.estimate import estimate_backfill as estimate_backfill
+    from dagster_gpuinfer.image_options import ImageOptions as ImageOptions
     from dagster_gpuinfer.k8s.pod import K8sLauncherConfig as K8sLauncherConfig
     from dagster_gpuinfer.k8s.pod import ModelCache as ModelCache
     from dagster_gpuinfer.k8s.pod import PodSecurity as PodSecurity
