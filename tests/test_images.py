@@ -299,3 +299,68 @@ _DECODER = ImageDecoder(ImageOptions(max_side=256, max_image_pixels=4_000_000, d
 
 def decode_or_fault(data: bytes):
     return _DECODER.load_all([data])[0]
+
+
+# ---------------------------------------------------------------------------- the validator
+
+_ROW_KINDS = {
+    "image": (PNG, None),
+    "jpeg": (JPEG, None),
+    "text": (None, "a red circle"),
+    "junk": (b"junk", None),
+    "truncated": (JPEG[: len(JPEG) // 2], None),
+    "both": (PNG, "a caption"),
+    "neither": (None, None),
+    "empty_text": (None, "   "),
+    "two": ([PNG, JPEG], None),
+    "refused": ("http://127.0.0.1/x.png", None),
+}
+
+
+@pytest.fixture(scope="module")
+def clip_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from assets.models import make_tiny_clip
+
+    return AutoTokenizer.from_pretrained(make_tiny_clip(tmp_path_factory.mktemp("clip") / "m"))
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(st.sampled_from(sorted(_ROW_KINDS)), min_size=1, max_size=12))
+def test_every_image_embed_row_is_a_prompt_or_its_own_error(clip_tokenizer, kinds):
+    from dagster_gpuinfer.worker.readers import RawChunk
+    from dagster_gpuinfer.worker.validate import RowValidator
+
+    rows = [(i, f"r{i}-{kind}", _ROW_KINDS[kind]) for i, kind in enumerate(kinds)]
+    validator = RowValidator(
+        task="image_embed", tokenizer=clip_tokenizer, max_model_len=77, check_ids=False
+    )
+    out = validator.validate(RawChunk(index=0, source="s.parquet", rows=rows, rows_in=len(rows)))
+    errored = {e.id: e.error_type for e in out.errors}
+    assert len(out.ids) + len(errored) == len(rows)  # every row in exactly one place
+    assert set(out.ids).isdisjoint(errored)
+    assert len(out.images) == len(out.token_ids) == len(out.ids)
+    for row_id, images in zip(out.ids, out.images, strict=True):
+        kind = row_id.split("-", 1)[1]
+        assert kind in ("image", "jpeg", "text")
+        assert (len(images) == 1) == (kind != "text")
+    expected = {
+        "junk": "image_undecodable",
+        "truncated": "image_truncated",
+        "both": "image_and_text",
+        "neither": "no_image",
+        "empty_text": "no_image",
+        "two": "too_many_images",
+        "refused": "image_url_refused",
+    }
+    for row_id, error_type in errored.items():
+        assert error_type == expected[row_id.split("-", 1)[1]]
+    assert out.image_count == sum(len(_refs_of(k)) for k in kinds if k not in ("both", "two"))
+
+
+def _refs_of(kind: str) -> list:
+    image = _ROW_KINDS[kind][0]
+    return [] if image is None else image if isinstance(image, list) else [image]
