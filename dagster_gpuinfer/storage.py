@@ -680,15 +680,14 @@ def _chunk_markers_of_any_spec(fs: pafs.FileSystem, partition_path: str) -> list
 
 def partition_progress(
     output: OutputSpec, partition_key: str, storage: StorageOptions | None = None
-) -> tuple[bool, int, int]:
-    """`(committed, rows_out, rows_errored)` of a partition: from its manifest once committed,
-    else summed over the chunk markers written so far (rises while a worker runs)."""
+) -> tuple[bool, RowCounts]:
+    """`(committed, counts)` of a partition: its manifest's counts once committed, else the
+    sum of the chunk markers written so far (rises while a worker runs)."""
     fs, path = filesystem_for(partition_dir(output, partition_key), storage)
     manifest = read_manifest(fs, path)
     if manifest is not None:
-        return True, manifest.rows_out, manifest.rows_errored
-    markers = _chunk_markers_of_any_spec(fs, path)
-    return False, sum(m.rows_out for m in markers), sum(m.rows_errored for m in markers)
+        return True, manifest.counts()
+    return False, RowCounts.total(_chunk_markers_of_any_spec(fs, path))
 
 
 def read_openai_batch_files(
