@@ -378,7 +378,7 @@ def test_sensor_requests_one_run_per_batch_tagged_with_tenant_and_queue(service,
 
 
 def test_run_queue_tag_sets_the_worker_pods_kueue_queue():
-    from dagster_gpuinfer.k8s.pod import K8sLauncherConfig, WorkerPlacement
+    from dagster_gpuinfer.k8s.config import K8sLauncherConfig, WorkerPlacement
     from dagster_gpuinfer.resource import RUN_QUEUE_TAG, config_for_run_queue
 
     assert RUN_QUEUE_TAG == QUEUE_TAG

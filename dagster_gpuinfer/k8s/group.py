@@ -51,15 +51,9 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from dagster_gpuinfer.k8s.pod import (
-    LABEL_PREFIX,
-    K8sLauncherConfig,
-    PodSpecError,
-    RunIdentity,
-    build_worker_pod,
-    dns_label,
-    worker_pod_name,
-)
+from dagster_gpuinfer.k8s.config import LABEL_PREFIX, K8sLauncherConfig, PodSpecError
+from dagster_gpuinfer.k8s.names import RunIdentity, dns_label, worker_pod_name
+from dagster_gpuinfer.k8s.pod import build_worker_pod
 from dagster_gpuinfer.spec import POOLING_TASKS, InferenceSpec
 from dagster_gpuinfer.worker.follower import FOLLOWER_MODULE
 

@@ -36,10 +36,11 @@ from dagster_gpuinfer.k8s.client import (
     read_log_tail,
     read_pod,
 )
+from dagster_gpuinfer.k8s.config import K8sLauncherConfig, PodSpecError
 from dagster_gpuinfer.k8s.failures import PodFailure, WorkerPodFailed, last_error_lines
 from dagster_gpuinfer.k8s.group import GroupConfig, WorkerGroup, build_worker_group
 from dagster_gpuinfer.k8s.metrics_port import with_metrics_port
-from dagster_gpuinfer.k8s.pod import K8sLauncherConfig, PodSpecError, RunIdentity
+from dagster_gpuinfer.k8s.names import RunIdentity
 from dagster_gpuinfer.k8s.timing import start_timing_message
 from dagster_gpuinfer.spec import InferenceSpec
 
