@@ -16,11 +16,13 @@ from typing import Any
 import numpy as np
 
 from dagster_gpuinfer.out_of_memory import memory_problem
-from dagster_gpuinfer.spec import POOLING_TASKS, InferenceSpec
+from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.task_table import task_facts
 from dagster_gpuinfer.worker.completions import choices_of
 from dagster_gpuinfer.worker.errors import SpecError
 from dagster_gpuinfer.worker.lifecycle import EngineWatch, engine_processes_started_by
 from dagster_gpuinfer.worker.metrics import current_metrics
+from dagster_gpuinfer.worker.tasks import worker_task
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 
@@ -61,7 +63,7 @@ class ChunkResult:
         """The columns of a chunk from vLLM's finished outputs, in input order.
 
         Args:
-            task: The spec's task.
+            task: The spec's task: pooling tasks give embeddings, the others choices.
             outputs: `RequestOutput` per row for generate and chat; `PoolingRequestOutput`
                 per prompt for embed (a row whose input is a list has several, see
                 `ValidChunk.spans`).
@@ -69,7 +71,7 @@ class ChunkResult:
             requests: Each row's `request_params.RowRequest` (its `top_logprobs`); None: no
                 row asked for logprobs.
         """
-        if task == "embed":
+        if task_facts(task).pooling:
             if outputs:
                 embeddings = np.stack(
                     [np.asarray(o.outputs.data, dtype=np.float32) for o in outputs]
@@ -122,8 +124,8 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
         kwargs["pipeline_parallel_size"] = spec.pipeline_parallel_size
     if spec.nodes > 1:
         kwargs.update(leader_kwargs(spec))
-    if spec.task in POOLING_TASKS:
-        kwargs["runner"] = "pooling"
+    if task_facts(spec.task).pooling:
+        kwargs["runner"] = task_facts(spec.task).runner
     kwargs.setdefault(
         "disable_log_stats", False
     )  # vLLM's own Prometheus metrics: worker/metrics.py
@@ -137,7 +139,7 @@ def with_compact_json(spec: InferenceSpec, kwargs: dict[str, Any]) -> dict[str, 
     xgrammar or guidance backend, so the default is xgrammar (a row asking for what xgrammar
     cannot do is refused for that row at parameter time). Opt out with engine.extra
     `structured_outputs_config={"disable_any_whitespace": False}` (or another backend)."""
-    if spec.task in POOLING_TASKS:
+    if task_facts(spec.task).pooling:
         return kwargs
     config = kwargs.get("structured_outputs_config")
     if config is None:
@@ -210,10 +212,11 @@ class InferenceEngine:
     def __init__(self, spec: InferenceSpec) -> None:
         check_model_dir(spec)
         started = time.perf_counter()  # the build counts vllm's import (seconds, once)
-        from vllm import LLM, PoolingParams
+        from vllm import LLM
         from vllm.sampling_params import RequestOutputKind
 
         self.spec = spec
+        self.task = worker_task(spec.task)
         kwargs = with_compact_json(spec, engine_kwargs(spec))
         model = os.path.expanduser(spec.model.removeprefix("file://"))
         try:
@@ -241,21 +244,9 @@ class InferenceEngine:
             spec.max_requests_in_flight or self.WINDOW_PER_MAX_NUM_SEQS * self.max_num_seqs
         )
         self.requests = request_builder(spec, self.llm)
-        # score and classify run whole chunks through `LLM.score` / `LLM.classify`
-        # (`pooling_tasks`); embed, generate and chat stream requests through `submit`.
-        self.default_params: Any = None
-        if spec.task == "embed":
-            self.default_params = PoolingParams(task="embed")
-        elif spec.task not in POOLING_TASKS:
-            from dagster_gpuinfer.worker.request_params import ParameterError
-
-            try:
-                self.default_params = self.requests.build(None).sampling
-            except ParameterError as exc:
-                self.shutdown()
-                raise SpecError(f"the pipeline's sampling parameters: {exc}") from None
-            # Only the finished output of each request comes back (as in `LLM.generate`).
-            self.default_params.output_kind = RequestOutputKind.FINAL_ONLY
+        # Tasks that stream (`facts.streams`) submit requests with these defaults; score and
+        # classify run whole chunks through `LLM.score` / `LLM.classify` (`run_chunk`).
+        self.default_params: Any = self.task.default_params(self)
         self._final_only = RequestOutputKind.FINAL_ONLY
         # Sequences in flight by request: a row asking for `n` completions is n sequences to
         # the engine's batch, so the window counts them, not rows.
@@ -289,7 +280,7 @@ class InferenceEngine:
         """
         if params is None:
             params = self.default_params
-        elif self.spec.task != "embed":
+        elif self.task.facts.samples:
             params.output_kind = self._final_only
         try:
             self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
@@ -330,7 +321,7 @@ class InferenceEngine:
         started = time.perf_counter()
         order = (
             prefix_order(token_ids)
-            if group_prefixes and self.spec.task != "embed"
+            if group_prefixes and self.task.facts.groups_prefixes
             else list(range(len(token_ids)))
         )
         outputs: list[Any] = [None] * len(token_ids)
@@ -383,7 +374,7 @@ def request_builder(spec: InferenceSpec, llm: Any) -> Any:
             tokenizer,
         )
 
-    defaults = spec.sampling.to_vllm_kwargs() if spec.task not in POOLING_TASKS else {}
+    defaults = spec.sampling.to_vllm_kwargs() if task_facts(spec.task).samples else {}
     return RequestBuilder(task=spec.task, defaults=defaults, verify=verify, limits=spec.limits)
 
 

@@ -36,6 +36,7 @@ from dagster_gpuinfer.storage import display_uri, filesystem_for
 from dagster_gpuinfer.worker.errors import RowError, ShardError, cap_message
 from dagster_gpuinfer.worker.openai_batch import ENDPOINTS as OPENAI_ENDPOINTS
 from dagster_gpuinfer.worker.openai_batch import BatchRequestLine
+from dagster_gpuinfer.worker.tasks import worker_task
 
 # Body fields that carry a score/rerank request's input (the rest are parameters).
 SCORE_BODY_FIELDS = frozenset(
@@ -96,9 +97,9 @@ class ShardReader:
         self.range = spec.input.shard_range(partition_key)
         self.fs, self.path = filesystem_for(self.uri, spec.storage)
         self.source = display_uri(self.fs, self.path) + (self.range.suffix() if self.range else "")
-        self.payload_column = (
-            spec.input.messages_column if spec.task == "chat" else spec.input.text_column
-        )
+        self.task = worker_task(spec.task)
+        # The columns carrying the payload; several (score: text and pair) zip into tuples.
+        self.payload_columns = self.task.payload_columns(spec.input)
 
     # ------------------------------------------------------------------ preflight
 
@@ -132,9 +133,7 @@ class ShardReader:
             self._preflight_jsonl()
 
     def _required_columns(self) -> list[str]:
-        columns = [self.payload_column]
-        if self.spec.task == "score":
-            columns.append(self.spec.input.text_pair_column)
+        columns = list(self.payload_columns)
         if self.spec.input.params_column:
             columns.append(self.spec.input.params_column)
         if self.spec.input.id_column:
@@ -145,8 +144,7 @@ class ShardReader:
         return ShardError(
             f"shard {self.source} has no column {', '.join(repr(m) for m in missing)} "
             f"(columns: {', '.join(present) or 'none'}). Set input.id_column / "
-            f"input.{'messages' if self.spec.task == 'chat' else 'text'}_column"
-            f"{' / input.text_pair_column' if self.spec.task == 'score' else ''}"
+            f"{' / '.join(f'input.{setting}' for setting in self.task.payload_settings)}"
             f"{' / input.params_column' if self.spec.input.params_column else ''} to the "
             "right names",
             partition_key=self.partition_key,
@@ -256,10 +254,8 @@ class ShardReader:
     def _parquet_chunk(
         self, index: int, first_row: int, table: pa.Table, id_column: str | None
     ) -> RawChunk:
-        payloads = table.column(self.payload_column).to_pylist()
-        if self.spec.task == "score":
-            pairs = table.column(self.spec.input.text_pair_column).to_pylist()
-            payloads = list(zip(payloads, pairs, strict=True))
+        columns = [table.column(name).to_pylist() for name in self.payload_columns]
+        payloads = columns[0] if len(columns) == 1 else list(zip(*columns, strict=True))
         if id_column:
             ids = [None if v is None else str(v) for v in table.column(id_column).to_pylist()]
         else:
@@ -443,9 +439,8 @@ class ShardReader:
             return self._parse_openai_request(row, record)
         id_column = self.spec.input.id_column
         row_id = self._default_id(row) if id_column is None else record.get(id_column)
-        payload = record.get(self.payload_column)
-        if self.spec.task == "score":
-            payload = (payload, record.get(self.spec.input.text_pair_column))
+        values = tuple(record.get(name) for name in self.payload_columns)
+        payload = values[0] if len(values) == 1 else values
         params_column = self.spec.input.params_column
         params = record.get(params_column) if params_column else None
         return (row, None if row_id is None else str(row_id), payload, params)
@@ -500,31 +495,38 @@ class ShardReader:
                 f"{self.source} line {row + 1}: url {url!r} is not supported; use one of "
                 f"{', '.join(OPENAI_ENDPOINTS)}; the row was quarantined",
             )
-        task, body_field = endpoint
-        if task != self.spec.task:
+        if url not in self.task.facts.endpoints:
             return RowError(
                 row_id,
                 self.source,
                 row,
                 "unsupported_url",
-                f"{self.source} line {row + 1}: url {url} asks for task {task!r} but this "
-                f"pipeline runs {self.spec.task!r}; the row was quarantined",
+                f"{self.source} line {row + 1}: url {url} asks for task {endpoint[0]!r} but "
+                f"this pipeline runs {self.spec.task!r}; the row was quarantined",
             )
-        if task == "score":
-            if not isinstance(body, dict) or not SCORE_BODY_FIELDS & set(body):
-                return RowError(
-                    row_id,
-                    self.source,
-                    row,
-                    "invalid_request",
-                    f"{self.source} line {row + 1}: body has neither text_1/text_2 (score) nor "
-                    "query/documents (rerank); the row was quarantined",
-                )
-            payload = {k: v for k, v in body.items() if k in SCORE_BODY_FIELDS}
-            if url.endswith("rerank") and "query" not in payload:
-                payload["query"] = None
-            params = {k: v for k, v in body.items() if k not in SCORE_BODY_FIELDS}
-            return (row, row_id, payload, params)
+        return self.task.openai_request(self, row, row_id, url, body)
+
+    def score_request(self, row: int, row_id: str, url: str, body: Any) -> Any:
+        """A score or rerank line's pairs (`pooling_tasks.parse_score_payload` reads them)
+        and its parameters, or the `RowError` of a body with no pairs."""
+        if not isinstance(body, dict) or not SCORE_BODY_FIELDS & set(body):
+            return RowError(
+                row_id,
+                self.source,
+                row,
+                "invalid_request",
+                f"{self.source} line {row + 1}: body has neither text_1/text_2 (score) nor "
+                "query/documents (rerank); the row was quarantined",
+            )
+        payload = {k: v for k, v in body.items() if k in SCORE_BODY_FIELDS}
+        if url.endswith("rerank") and "query" not in payload:
+            payload["query"] = None
+        params = {k: v for k, v in body.items() if k not in SCORE_BODY_FIELDS}
+        return (row, row_id, payload, params)
+
+    def body_field_request(self, row: int, row_id: str, body: Any, body_field: str) -> Any:
+        """A line's input (its body's `body_field`) and the rest of the body as parameters,
+        or the `RowError` of a body without it."""
         if not isinstance(body, dict) or body_field not in body:
             return RowError(
                 row_id,

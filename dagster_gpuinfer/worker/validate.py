@@ -17,9 +17,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dagster_gpuinfer.spec import POOLING_TASKS, RowLimits
+from dagster_gpuinfer.spec import RowLimits
 from dagster_gpuinfer.worker.errors import RowError, cap_message
-from dagster_gpuinfer.worker.pooling_tasks import ScorePairs, parse_score_payload
+from dagster_gpuinfer.worker.pooling_tasks import ScorePairs
 from dagster_gpuinfer.worker.readers import RawChunk, json_depth_exceeds
 from dagster_gpuinfer.worker.request_params import (
     ParameterError,
@@ -27,6 +27,7 @@ from dagster_gpuinfer.worker.request_params import (
     RowRequest,
     parse_params_value,
 )
+from dagster_gpuinfer.worker.tasks import worker_task
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -131,7 +132,7 @@ class RowValidator:
         requests: RequestBuilder | None = None,
         limits: RowLimits | None = None,
     ) -> None:
-        self.task = task
+        self.task = worker_task(task)
         self.limits = limits or (requests.limits if requests is not None else RowLimits())
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -139,7 +140,7 @@ class RowValidator:
         self.check_ids = check_ids
         self.requests = requests
         # Generation needs room for at least one new token.
-        self.max_prompt_tokens = max_model_len if task in POOLING_TASKS else max_model_len - 1
+        self.max_prompt_tokens = max_model_len if self.task.facts.pooling else max_model_len - 1
 
     def validate(self, chunk: RawChunk) -> ValidChunk:
         out = ValidChunk(index=chunk.index, errors=list(chunk.errors))
@@ -158,21 +159,8 @@ class RowValidator:
                 candidates.append(candidate)
         if not candidates:
             return out
-        if self.task == "chat":
-            candidates = self._render(chunk.source, candidates, out.errors)
-        if self.task == "score":
-            try:
-                self._tokenize_pairs(chunk.source, candidates, out)
-            except Exception:  # one pair broke the batch: each row alone, the bad one out
-                for candidate in candidates:
-                    try:
-                        self._tokenize_pairs(chunk.source, [candidate], out)
-                    except Exception as exc:
-                        out.errors.append(
-                            unexpected_row_error(chunk.source, candidate.row, candidate.row_id, exc)
-                        )
-            return out
-        self._tokenize_candidates(chunk.source, candidates, out)
+        candidates = self.task.prepare(self, chunk.source, candidates, out.errors)
+        self.task.admit(self, chunk.source, candidates, out)
         return out
 
     def _admit(
@@ -200,7 +188,7 @@ class RowValidator:
                 )
             )
             return None
-        candidate, problem = self._candidate(row, row_id, payload, request)
+        candidate, problem = self.task.candidate(self, row, row_id, payload, request)
         if candidate is not None:
             problem = self._length_problem(candidate)
             if problem is not None:
@@ -218,7 +206,7 @@ class RowValidator:
             )
         return candidate
 
-    def _tokenize_candidates(
+    def tokenize_candidates(
         self, source: str, candidates: list[_Candidate], out: ValidChunk
     ) -> None:
         """Tokenize the candidates' text prompts (one batch; row by row when a row breaks the
@@ -271,16 +259,7 @@ class RowValidator:
         """`prompt_too_long` when a prompt (a chat: its contents together; a score row: a
         pair) has more characters than `limits.max_prompt_chars`, before any tokenizing."""
         limit = self.limits.max_prompt_chars
-        if self.task == "chat":
-            chars = [_chat_chars(candidate.prompts[0])]
-        elif candidate.pairs is not None:
-            chars = [
-                len(q) + len(d)
-                for q, d in zip(candidate.pairs.queries, candidate.pairs.documents, strict=True)
-            ]
-        else:
-            chars = [len(p) for p in candidate.prompts if isinstance(p, str)]
-        longest = max(chars, default=0)
+        longest = max(self.task.prompt_chars(self, candidate), default=0)
         if longest <= limit:
             return None
         return "prompt_too_long", (
@@ -288,11 +267,24 @@ class RowValidator:
             "tokenizing); shorten the input or raise the pipeline's limits.max_prompt_chars"
         )
 
+    def text_chars(self, candidate: _Candidate) -> list[int]:
+        """Characters of each text prompt of the row (a score row: of each pair)."""
+        if candidate.pairs is not None:
+            return [
+                len(q) + len(d)
+                for q, d in zip(candidate.pairs.queries, candidate.pairs.documents, strict=True)
+            ]
+        return [len(p) for p in candidate.prompts if isinstance(p, str)]
+
+    def chat_chars(self, candidate: _Candidate) -> list[int]:
+        """A chat's message contents together."""
+        return [_chat_chars(candidate.prompts[0])]
+
     def _request(self, params: Any) -> RowRequest:
         if params is None and self.requests is None:
             return RowRequest()
         if self.requests is None:
-            self.requests = RequestBuilder(task=self.task, defaults={}, limits=self.limits)
+            self.requests = RequestBuilder(task=self.task.name, defaults={}, limits=self.limits)
         try:
             values = parse_params_value(params)
         except RecursionError:
@@ -314,8 +306,8 @@ class RowValidator:
             error = id_error(source, row, row_id, self.seen_ids)
             if error is not None:
                 return error
-        if self.task in ("chat", "score"):
-            return None  # checked while rendering the chat template / parsing the pairs
+        if not self.task.checks_empty_text:
+            return None  # checked later (a chat's template, a score row's pairs)
         if payload is None or (isinstance(payload, (str, list)) and not _has_content(payload)):
             return RowError(
                 row_id,
@@ -326,33 +318,43 @@ class RowValidator:
             )
         return None
 
-    def _candidate(
-        self, row: int, row_id: str, payload: Any, request: RowRequest
+    def text_candidate(
+        self,
+        row: int,
+        row_id: str,
+        payload: Any,
+        request: RowRequest,
+        *,
+        token_ids: bool,
+        lists: bool,
+        expected: str,
     ) -> tuple[_Candidate | None, tuple[str, str]]:
-        """The row's prompts, or (error type, message) when its input has the wrong shape."""
-        if self.task == "chat":
-            return _Candidate(row, row_id, request, [payload]), ("", "")
-        if self.task == "score":
-            pairs, problem = parse_score_payload(payload)
-            if pairs is None:
-                return None, ("wrong_type", problem or "not a score request")
-            return _Candidate(row, row_id, request, [], pairs=pairs), ("", "")
+        """The row's prompts, or (error type, message) when its input has the wrong shape:
+        a string; token ids when `token_ids`; a list of either when `lists`."""
         if isinstance(payload, str):
             return _Candidate(row, row_id, request, [payload]), ("", "")
-        if self.task in ("embed", "generate") and _is_token_ids(payload):
+        if token_ids and _is_token_ids(payload):
             return self._checked_tokens(row, row_id, request, [payload])
-        if self.task == "embed" and isinstance(payload, list):
+        if lists and isinstance(payload, list):
             if all(isinstance(p, str) for p in payload):
                 if not all(p.strip() for p in payload):
                     return None, ("empty_input", "an input of the list is empty")
                 return _Candidate(row, row_id, request, list(payload)), ("", "")
             if all(_is_token_ids(p) for p in payload):
                 return self._checked_tokens(row, row_id, request, list(payload))
-        expected = {
-            "embed": "a string, a list of strings, token ids or a list of token id lists",
-            "generate": "a string or token ids",
-        }.get(self.task, "a string")
         return None, ("wrong_type", f"expected {expected}, got {_describe(payload)}")
+
+    def whole_candidate(
+        self, row: int, row_id: str, payload: Any, request: RowRequest
+    ) -> _Candidate:
+        """The payload as the row's one prompt, checked later (a chat's messages)."""
+        return _Candidate(row, row_id, request, [payload])
+
+    def pairs_candidate(
+        self, row: int, row_id: str, request: RowRequest, pairs: ScorePairs
+    ) -> _Candidate:
+        """A score row: its (query, document) pairs."""
+        return _Candidate(row, row_id, request, [], pairs=pairs)
 
     def _checked_tokens(
         self, row: int, row_id: str, request: RowRequest, prompts: list[list[int]]
@@ -367,7 +369,7 @@ class RowValidator:
                 )
         return _Candidate(row, row_id, request, [list(p) for p in prompts]), ("", "")
 
-    def _render(
+    def render_chats(
         self, source: str, candidates: list[_Candidate], errors: list[RowError]
     ) -> list[_Candidate]:
         """Chat rows through the model's chat template; the rows that render."""
@@ -396,6 +398,22 @@ class RowValidator:
                 )
             )
         return kept
+
+    def tokenize_pairs_rowwise(
+        self, source: str, candidates: list[_Candidate], out: ValidChunk
+    ) -> None:
+        """Score rows: the pairs of the chunk in one batch; when a pair breaks it, each row
+        alone, the bad one out."""
+        try:
+            self._tokenize_pairs(source, candidates, out)
+        except Exception:
+            for candidate in candidates:
+                try:
+                    self._tokenize_pairs(source, [candidate], out)
+                except Exception as exc:
+                    out.errors.append(
+                        unexpected_row_error(source, candidate.row, candidate.row_id, exc)
+                    )
 
     def _tokenize_pairs(self, source: str, candidates: list[_Candidate], out: ValidChunk) -> None:
         """Score rows: count each pair's tokens as the cross-encoder will see them."""
@@ -431,7 +449,7 @@ class RowValidator:
         if not prompts:
             return []
         # Chat templates already hold the special tokens, so add none (as vLLM's chat does).
-        add_special = self.task != "chat"
+        add_special = self.task.add_special_tokens
         encoded = self.tokenizer(prompts, add_special_tokens=add_special)
         return [list(ids) for ids in encoded["input_ids"]]
 
