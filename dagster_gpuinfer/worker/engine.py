@@ -183,16 +183,6 @@ def leader_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     }
 
 
-def prefix_order(token_ids: list[list[int]]) -> list[int]:
-    """Row positions sorted by their token ids, so rows sharing a prompt prefix are adjacent.
-
-    Sorting token-id lists lexicographically puts every group of prompts with a common
-    header (system prompt, few-shot examples) next to each other, longest shared prefixes
-    closest, which is the order in which vLLM's prefix cache serves them best.
-    """
-    return sorted(range(len(token_ids)), key=token_ids.__getitem__)
-
-
 class InferenceEngine:
     """A vLLM engine configured from the spec, fed one request at a time.
 
@@ -303,43 +293,6 @@ class InferenceEngine:
                 self._sequences -= self._in_flight.pop(output.request_id, 0)
                 finished.append((output.request_id, output))
         return finished
-
-    def run(
-        self,
-        token_ids: list[list[int]],
-        requests: list[Any] | None = None,
-        *,
-        group_prefixes: bool = True,
-    ) -> ChunkResult:
-        """Run the task (embed, generate, chat) over pre-tokenized prompts until all are
-        done; results in the same order. One barrier for the whole list: the worker streams
-        instead; the benchmark uses this to compare row orders.
-
-        `requests[i]` (a `request_params.RowRequest`) carries row i's own sampling parameters
-        and logprobs; without them every row runs the pipeline's defaults.
-        """
-        started = time.perf_counter()
-        order = (
-            prefix_order(token_ids)
-            if group_prefixes and self.task.facts.groups_prefixes
-            else list(range(len(token_ids)))
-        )
-        outputs: list[Any] = [None] * len(token_ids)
-        pending = iter(order)
-        done = 0
-        while done < len(token_ids):
-            while self.in_flight < self.window:
-                position = next(pending, None)
-                if position is None:
-                    break
-                params = requests[position].sampling if requests is not None else None
-                self.submit(f"run-{position}", token_ids[position], params)
-            for request_id, output in self.step():
-                outputs[int(request_id.removeprefix("run-"))] = output
-                done += 1
-        return ChunkResult.from_outputs(
-            self.spec.task, outputs, time.perf_counter() - started, requests
-        )
 
     def shutdown(self) -> None:
         """Stop the engine's processes now; left to garbage collection they can hang at exit.

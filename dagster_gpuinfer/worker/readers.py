@@ -359,14 +359,13 @@ class ShardReader:
             try:
                 parsed = self._parse_line(row, line)
             except Exception as exc:  # the row boundary: nothing in one line fails the shard
-                parsed = RowError(
+                parsed = RowError.quarantined(
                     None,
                     self.source,
                     row,
                     "invalid_request",
                     f"{self.source} line {row + 1}: could not be read "
-                    f"({type(exc).__name__}: {cap_message(str(exc), 200)}); the row was "
-                    "quarantined",
+                    f"({type(exc).__name__}: {cap_message(str(exc), 200)})",
                 )
             if isinstance(parsed, RowError):
                 chunk.errors.append(parsed)
@@ -381,25 +380,24 @@ class ShardReader:
     def _parse_line(self, row: int, line: bytes) -> tuple[Any, ...] | RowError:
         limits = self.spec.limits
         if len(line) > limits.max_line_bytes:
-            return RowError(
+            return RowError.quarantined(
                 self._custom_id_near_start(line),
                 self.source,
                 row,
                 "line_too_long",
                 f"{self.source} line {row + 1}: more than "
                 f"limits.max_line_bytes={limits.max_line_bytes} bytes; shorten the line or raise "
-                "the pipeline's limits.max_line_bytes; the row was quarantined",
+                "the pipeline's limits.max_line_bytes",
             )
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as exc:
-            return RowError(
+            return RowError.quarantined(
                 None,
                 self.source,
                 row,
                 "invalid_utf8",
-                f"{self.source} line {row + 1}: not valid UTF-8 ({exc.reason} at byte "
-                f"{exc.start}); the row was quarantined",
+                f"{self.source} line {row + 1}: not valid UTF-8 ({exc.reason} at byte {exc.start})",
             )
         try:
             record = json.loads(text)
@@ -407,33 +405,32 @@ class ShardReader:
             record = None
             too_deep = True
         except ValueError as exc:
-            return RowError(
+            return RowError.quarantined(
                 None,
                 self.source,
                 row,
                 "invalid_json",
-                f"{self.source} line {row + 1}: not valid JSON ({exc}); the row was quarantined",
+                f"{self.source} line {row + 1}: not valid JSON ({exc})",
             )
         else:
             too_deep = json_depth_exceeds(record, limits.max_json_depth)
         if too_deep:
-            return RowError(
+            return RowError.quarantined(
                 self._custom_id_near_start(line),
                 self.source,
                 row,
                 "too_deep",
                 f"{self.source} line {row + 1}: JSON nested deeper than "
                 f"limits.max_json_depth={limits.max_json_depth} levels; flatten it or raise "
-                "the pipeline's limits.max_json_depth; the row was quarantined",
+                "the pipeline's limits.max_json_depth",
             )
         if not isinstance(record, dict):
-            return RowError(
+            return RowError.quarantined(
                 None,
                 self.source,
                 row,
                 "invalid_json",
-                f"{self.source} line {row + 1}: a JSON {type(record).__name__}, not an object; "
-                "the row was quarantined",
+                f"{self.source} line {row + 1}: a JSON {type(record).__name__}, not an object",
             )
         if self.format == "openai_batch":
             return self._parse_openai_request(row, record)
@@ -464,45 +461,45 @@ class ShardReader:
         url = record.get("url")
         body = record.get("body")
         if row_id is None:
-            return RowError(
+            return RowError.quarantined(
                 None,
                 self.source,
                 row,
                 "missing_id",
                 f"{self.source} line {row + 1}: no custom_id; every OpenAI batch line needs a "
-                "non-empty custom_id; the row was quarantined",
+                "non-empty custom_id",
             )
         try:
             BatchRequestLine.model_validate(record)
         except ValidationError as exc:
             error = exc.errors(include_input=False)[0]
             where = ".".join(str(p) for p in error["loc"]) or "line"
-            return RowError(
+            return RowError.quarantined(
                 row_id,
                 self.source,
                 row,
                 "invalid_request",
                 f"{self.source} line {row + 1}: not an OpenAI batch request line: {where}: "
-                f"{error['msg']}; the row was quarantined",
+                f"{error['msg']}",
             )
         endpoint = OPENAI_ENDPOINTS.get(url) if isinstance(url, str) else None
         if endpoint is None:
-            return RowError(
+            return RowError.quarantined(
                 row_id,
                 self.source,
                 row,
                 "unsupported_url",
                 f"{self.source} line {row + 1}: url {url!r} is not supported; use one of "
-                f"{', '.join(OPENAI_ENDPOINTS)}; the row was quarantined",
+                f"{', '.join(OPENAI_ENDPOINTS)}",
             )
         if url not in self.task.facts.endpoints:
-            return RowError(
+            return RowError.quarantined(
                 row_id,
                 self.source,
                 row,
                 "unsupported_url",
                 f"{self.source} line {row + 1}: url {url} asks for task {endpoint[0]!r} but "
-                f"this pipeline runs {self.spec.task!r}; the row was quarantined",
+                f"this pipeline runs {self.spec.task!r}",
             )
         return self.task.openai_request(self, row, row_id, url, body)
 
@@ -510,13 +507,13 @@ class ShardReader:
         """A score or rerank line's pairs (`pooling_tasks.parse_score_payload` reads them)
         and its parameters, or the `RowError` of a body with no pairs."""
         if not isinstance(body, dict) or not SCORE_BODY_FIELDS & set(body):
-            return RowError(
+            return RowError.quarantined(
                 row_id,
                 self.source,
                 row,
                 "invalid_request",
                 f"{self.source} line {row + 1}: body has neither text_1/text_2 (score) nor "
-                "query/documents (rerank); the row was quarantined",
+                "query/documents (rerank)",
             )
         payload = {k: v for k, v in body.items() if k in SCORE_BODY_FIELDS}
         if url.endswith("rerank") and "query" not in payload:
@@ -528,13 +525,12 @@ class ShardReader:
         """A line's input (its body's `body_field`) and the rest of the body as parameters,
         or the `RowError` of a body without it."""
         if not isinstance(body, dict) or body_field not in body:
-            return RowError(
+            return RowError.quarantined(
                 row_id,
                 self.source,
                 row,
                 "invalid_request",
-                f"{self.source} line {row + 1}: body has no {body_field!r}; the row was "
-                "quarantined",
+                f"{self.source} line {row + 1}: body has no {body_field!r}",
             )
         params = {k: v for k, v in body.items() if k != body_field}
         return (row, row_id, body[body_field], params)

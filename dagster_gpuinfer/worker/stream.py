@@ -132,7 +132,6 @@ def serve_chunks(
         task=spec.task,
         tokenizer=engine.tokenizer,
         max_model_len=engine.max_model_len,
-        check_ids=False,
         requests=engine.requests,
         limits=spec.limits,
     )

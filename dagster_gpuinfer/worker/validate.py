@@ -67,13 +67,12 @@ class ValidChunk:
             reason = next((failed[p] for p in positions if p in failed), None)
             if reason is not None:
                 kept.errors.append(
-                    RowError(
+                    RowError.quarantined(
                         self.ids[i],
                         source,
                         self.rows[i],
                         "rejected_by_engine",
-                        f"{source} row {self.rows[i]} (id {self.ids[i]}): {reason}; the row "
-                        "was quarantined",
+                        f"{source} row {self.rows[i]} (id {self.ids[i]}): {reason}",
                     )
                 )
                 continue
@@ -86,12 +85,6 @@ class ValidChunk:
             kept.token_ids.extend(self.token_ids[p] for p in positions)
             kept_outputs.extend(outputs[p] for p in positions)
         return kept, kept_outputs
-
-    def sampling_params(self) -> list[Any] | None:
-        """Each row's vLLM `SamplingParams` (None: every row runs the engine's defaults)."""
-        if not self.requests or all(r.sampling is None for r in self.requests):
-            return None
-        return [r.sampling for r in self.requests]
 
 
 @dataclass
@@ -106,15 +99,14 @@ class _Candidate:
 class RowValidator:
     """Validates and tokenizes the rows of a shard, chunk by chunk.
 
+    Ids are not checked here: the worker screens them with `screen_ids` where the shard is
+    read, in shard order, so that engines serving chunks of one shard in any order agree on
+    the first occurrence of an id.
+
     Args:
         task: embed, generate, chat, score or classify.
         tokenizer: the engine's (Hugging Face) tokenizer.
         max_model_len: the engine's context length.
-        seen_ids: ids already taken in this shard (from committed chunks on resume); the
-            first occurrence of an id wins, later ones are quarantined.
-        check_ids: False when the chunks were already screened by `screen_ids` (the
-            streaming worker screens ids where the shard is read, in shard order, so that
-            engines serving chunks of one shard in any order agree on the first occurrence).
         requests: builds each row's request from its parameters (see `request_params`);
             without one, rows run the engine's defaults and a row with parameters is checked
             against an empty set of defaults.
@@ -127,8 +119,6 @@ class RowValidator:
         task: str,
         tokenizer: Any,
         max_model_len: int,
-        seen_ids: set[str] | None = None,
-        check_ids: bool = True,
         requests: RequestBuilder | None = None,
         limits: RowLimits | None = None,
     ) -> None:
@@ -136,18 +126,12 @@ class RowValidator:
         self.limits = limits or (requests.limits if requests is not None else RowLimits())
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.seen_ids: set[str] = seen_ids if seen_ids is not None else set()
-        self.check_ids = check_ids
         self.requests = requests
         # Generation needs room for at least one new token.
         self.max_prompt_tokens = max_model_len if self.task.facts.pooling else max_model_len - 1
 
     def validate(self, chunk: RawChunk) -> ValidChunk:
         out = ValidChunk(index=chunk.index, errors=list(chunk.errors))
-        if self.check_ids:
-            for error in chunk.errors:
-                if error.id is not None:
-                    self.seen_ids.add(error.id)
         candidates: list[_Candidate] = []
         for row, row_id, payload in chunk.rows:
             try:
@@ -171,20 +155,18 @@ class RowValidator:
         if error is not None:
             errors.append(error)
             return None
-        assert row_id is not None
-        if self.check_ids:
-            self.seen_ids.add(row_id)
+        assert row_id is not None  # screened by `screen_ids`
         where = f"{chunk.source} row {row} (id {row_id})"
         try:
             request = self._request(chunk.params.get(row))
         except ParameterError as exc:
             errors.append(
-                RowError(
+                RowError.quarantined(
                     row_id,
                     chunk.source,
                     row,
                     exc.error_type,
-                    f"{where}: {exc}; the row was quarantined",
+                    f"{where}: {exc}",
                 )
             )
             return None
@@ -196,12 +178,12 @@ class RowValidator:
         if candidate is None:
             error_type, message = problem
             errors.append(
-                RowError(
+                RowError.quarantined(
                     row_id,
                     chunk.source,
                     row,
                     error_type,
-                    f"{where}: {message}; the row was quarantined",
+                    f"{where}: {message}",
                 )
             )
         return candidate
@@ -236,7 +218,7 @@ class RowValidator:
             if len(longest) > self.max_prompt_tokens:
                 element = f" (input {token_lists.index(longest)})" if len(token_lists) > 1 else ""
                 out.errors.append(
-                    RowError(
+                    RowError.quarantined(
                         candidate.row_id,
                         source,
                         candidate.row,
@@ -244,7 +226,7 @@ class RowValidator:
                         f"{source} row {candidate.row} (id {candidate.row_id}){element}: "
                         f"{len(longest)} prompt tokens, more than the {self.max_prompt_tokens} "
                         f"this engine takes (max_model_len={self.max_model_len}); shorten the "
-                        "input or raise engine.max_model_len; the row was quarantined",
+                        "input or raise engine.max_model_len",
                         prompt_tokens=len(longest),
                     )
                 )
@@ -302,19 +284,15 @@ class RowValidator:
         self, source: str, row: int, row_id: str | None, payload: Any
     ) -> RowError | None:
         where = f"{source} row {row}"
-        if self.check_ids:
-            error = id_error(source, row, row_id, self.seen_ids)
-            if error is not None:
-                return error
         if not self.task.checks_empty_text:
             return None  # checked later (a chat's template, a score row's pairs)
         if payload is None or (isinstance(payload, (str, list)) and not _has_content(payload)):
-            return RowError(
+            return RowError.quarantined(
                 row_id,
                 source,
                 row,
                 "empty_input",
-                f"{where} (id {row_id}): the text is null or empty; the row was quarantined",
+                f"{where} (id {row_id}): the text is null or empty",
             )
         return None
 
@@ -388,13 +366,13 @@ class RowValidator:
                 except Exception as exc:  # the template rejected it; quarantine the row
                     problem = f"the model's chat template rejected it ({exc})"
             errors.append(
-                RowError(
+                RowError.quarantined(
                     candidate.row_id,
                     source,
                     candidate.row,
                     "invalid_messages",
                     f"{source} row {candidate.row} (id {candidate.row_id}): messages are not a "
-                    f"valid chat: {problem}; the row was quarantined",
+                    f"valid chat: {problem}",
                 )
             )
         return kept
@@ -425,15 +403,14 @@ class RowValidator:
             counts = [next(lengths) for _ in candidate.pairs.queries]
             if max(counts) > self.max_prompt_tokens:
                 out.errors.append(
-                    RowError(
+                    RowError.quarantined(
                         candidate.row_id,
                         source,
                         candidate.row,
                         "prompt_too_long",
                         f"{source} row {candidate.row} (id {candidate.row_id}): a pair of "
                         f"{max(counts)} tokens, more than the {self.max_prompt_tokens} this "
-                        f"engine takes (max_model_len={self.max_model_len}); the row was "
-                        "quarantined",
+                        f"engine takes (max_model_len={self.max_model_len})",
                         prompt_tokens=max(counts),
                     )
                 )
@@ -458,12 +435,12 @@ def id_error(source: str, row: int, row_id: str | None, seen_ids: set[str]) -> R
     """The reason a row's id cannot be used (missing, or taken earlier in the shard), or None."""
     where = f"{source} row {row}"
     if row_id is None or row_id == "":
-        return RowError(
+        return RowError.quarantined(
             None,
             source,
             row,
             "missing_id",
-            f"{where}: the id is null or empty; every row needs an id; the row was quarantined",
+            f"{where}: the id is null or empty; every row needs an id",
         )
     if row_id in seen_ids:
         return RowError(
@@ -506,13 +483,13 @@ def screen_ids(chunk: RawChunk, seen_ids: set[str]) -> RawChunk:
 
 def unexpected_row_error(source: str, row: int, row_id: str | None, exc: BaseException) -> RowError:
     """A row that broke a check in a way no rule foresaw: quarantined, with what broke."""
-    return RowError(
+    return RowError.quarantined(
         row_id,
         source,
         row,
         "unprocessable_row",
         f"{source} row {row} (id {row_id}): could not be processed ({type(exc).__name__}: "
-        f"{cap_message(str(exc), 300)}); the row was quarantined",
+        f"{cap_message(str(exc), 300)})",
     )
 
 
