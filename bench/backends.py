@@ -501,15 +501,15 @@ class EngineBackend:
         import uuid
 
         from dagster_gpuinfer.storage import read_partition
+        from dagster_gpuinfer.worker.commit import PartitionOutput, PartitionTimes, commit_chunks
         from dagster_gpuinfer.worker.readers import RawChunk
-        from dagster_gpuinfer.worker.shard import PartitionTimes, ShardLocation, commit_chunks
         from dagster_gpuinfer.worker.stream import WorkChunk, serve_chunks
 
         spec = self.spec.model_copy(
             update={"chunk_size": chunk_size, "group_prefixes": group_prefixes}
         )
         key = f"stream-{uuid.uuid4().hex[:6]}"
-        where = ShardLocation.of(spec, key)
+        where = PartitionOutput.of(spec, key)
         work: queue.Queue[Any] = queue.Queue()
         for index, start in enumerate(range(0, len(texts), chunk_size)):
             rows = [

@@ -352,11 +352,11 @@ def test_a_losing_racer_touches_no_file_the_winner_owns(tmp_path):
         verify_manifest,
         write_file_entry,
     )
-    from dagster_gpuinfer.worker.shard import ShardLocation
+    from dagster_gpuinfer.worker.commit import PartitionOutput
     from dagster_gpuinfer.worker.writers import errors_table
 
     spec = openai_spec(tmp_path)
-    where = ShardLocation.of(spec, "p")
+    where = PartitionOutput.of(spec, "p")
     fs, path = where.fs, where.path
     fs.create_dir(path)
 

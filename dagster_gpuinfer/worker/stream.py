@@ -38,11 +38,11 @@ from typing import Any
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import ChunkMarker
 from dagster_gpuinfer.task_table import task_facts
+from dagster_gpuinfer.worker.commit import PartitionOutput, write_chunk
 from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine, RequestRejected
 from dagster_gpuinfer.worker.engine_time import EngineTimeShares
 from dagster_gpuinfer.worker.metrics import current_metrics
 from dagster_gpuinfer.worker.readers import RawChunk
-from dagster_gpuinfer.worker.shard import ShardLocation, write_chunk
 from dagster_gpuinfer.worker.validate import RowValidator, ValidChunk
 
 log = logging.getLogger("dagster_gpuinfer.worker")
@@ -179,13 +179,13 @@ def _write_finished(
     replica: int,
 ) -> None:
     """The writer thread: each finished chunk's part file, errors and marker, in turn."""
-    locations: dict[str, ShardLocation] = {}
+    locations: dict[str, PartitionOutput] = {}
     while True:
         item = finished.get()
         if item is None:
             return
         key = item.work.partition_key
-        where = locations.get(key) or locations.setdefault(key, ShardLocation.of(spec, key))
+        where = locations.get(key) or locations.setdefault(key, PartitionOutput.of(spec, key))
         result, valid = item.result, item.valid
         if result is None:
             outputs = item.outputs
