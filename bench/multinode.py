@@ -10,7 +10,8 @@ The same generation partition through the real worker, timed by the worker's own
   address on a bridge (`bench/netns_nodes.py`), so the ranks' collectives go over TCP
   (gloo) as between two nodes.
 
-Writes `bench/results/multinode.json` (rows/s of each and their ratio). On loopback the
+Writes `bench/results/multinode.json` (rows/s of each, their ratio, how many greedy outputs
+of the two runs are equal, the load average at start). On loopback the
 "interconnect" is a veth pair through the kernel; between real nodes it is the NIC
 (NCCL over TCP at 10-100 Gb/s, or RDMA/InfiniBand at 200-400 Gb/s per GPU), with far more
 data per step (a real model's hidden size, 8 GPUs per node): TP across nodes pays an
