@@ -26,9 +26,9 @@ and the retry (a new group) must commit every row exactly once.
 
 Both cases are `slow` (`make test-cluster` and `make test-all` run them): each runs two
 engine starts, at least one of them across pods: the equality case took 403 s wall (155
-CPU seconds) on two cores at load 7-9, the kill case 473 s: past what `make test` can give
-a case. The group's builder and lifecycle are in `make test` (test_k8s_group.py,
-test_k8s_group_launch.py, test_follower.py: no engine).
+CPU seconds) on two cores at load 7-9, the kill case 329 s (175 CPU seconds): past what
+`make test` can give a case. The group's builder and lifecycle are in `make test`
+(test_k8s_group.py, test_k8s_group_launch.py, test_follower.py: no engine).
 """
 
 from __future__ import annotations
