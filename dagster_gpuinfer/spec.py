@@ -21,24 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from dagster_gpuinfer.image_options import ImageOptions
 from dagster_gpuinfer.secrets import find_secrets_in_options, secret_in_options_message
+from dagster_gpuinfer.task_table import Task, task_facts
 
-Task = Literal[
-    "embed",
-    "generate",
-    "chat",
-    "score",
-    "classify",
-    "image_embed",
-    "vision_generate",
-    "vision_chat",
-]
-# Tasks served by vLLM's pooling runner (no sampling).
-POOLING_TASKS: frozenset[str] = frozenset({"embed", "score", "classify", "image_embed"})
-# Tasks whose rows carry images (worker/image_tasks.py).
-IMAGE_TASKS: frozenset[str] = frozenset({"image_embed", "vision_generate", "vision_chat"})
-# Tasks that embed (one vector per prompt) and tasks that generate text.
-EMBEDDING_TASKS: frozenset[str] = frozenset({"embed", "image_embed"})
-GENERATION_TASKS: frozenset[str] = frozenset({"generate", "chat", "vision_generate", "vision_chat"})
 InputFormat = Literal["parquet", "jsonl", "openai_batch"]
 OutputFormat = Literal["parquet", "openai_batch"]
 
@@ -582,7 +566,7 @@ class InferenceSpec(_Strict):
                     "split by rows (`@rows=<start>-<end>`), byte ranges are for JSONL"
                 )
         self._check_nodes()
-        if self.task in POOLING_TASKS and self.sampling != SamplingParams():
+        if task_facts(self.task).pooling and self.sampling != SamplingParams():
             raise ValueError(f"sampling parameters are set but task {self.task!r} does not sample")
         if self.sampling.n > self.limits.max_n:
             raise ValueError(

@@ -10,10 +10,11 @@ and the prompts that carry them to vLLM.
 - `vision_chat`: OpenAI chat messages whose `content` parts carry `image_url`s; the parts
   become the template's image placeholders, the URLs are read under the same URL policy.
 
-The validator (`validate.RowValidator`) calls `image_candidate` for each row, then
-`decode_candidates` for the chunk: the chunk's images are read and decoded together in the
-decoder's pool, in the worker's read-ahead thread, and a row whose image fails gets its own
-quarantine record (`worker/images.py` names each fate). `vllm_prompt` builds the request
+They are entries of the task table (`worker/tasks.py`: `ImageEmbedTask`,
+`VisionGenerateTask`, `VisionChatTask`); the validator calls `image_candidate` for each row,
+then `admit_image_rows` for the chunk: the chunk's images are read and decoded together in
+the decoder's pool, in the worker's read-ahead thread, and a row whose image fails gets its
+own quarantine record (`worker/images.py` names each fate). `vllm_prompt` builds the request
 the engine takes: token ids plus `multi_modal_data`.
 """
 
@@ -22,40 +23,49 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dagster_gpuinfer.spec import IMAGE_TASKS as IMAGE_TASKS
 from dagster_gpuinfer.worker.errors import RowError
-from dagster_gpuinfer.worker.images import ImageDecoder, ImageFault, chat_image_parts
+from dagster_gpuinfer.worker.images import ImageFault, chat_image_parts
 
 
-def image_candidate(task: str, payload: Any) -> tuple[str | None, list[Any], tuple[str, str]]:
-    """A row's prompt text and image references, or (None, [], (error type, message)).
+def image_candidate(
+    validator: Any, read_payload: Any, row: int, row_id: str, payload: Any, request: Any
+) -> tuple[Any, tuple[str, str]]:
+    """The row as a candidate (its prompt text and image references, from the task's
+    `read_payload`), or (None, (error type, message))."""
+    prompt, refs, problem = read_payload(payload)
+    if prompt is None:
+        return None, problem
+    return validator.image_row_candidate(row, row_id, request, prompt, refs), ("", "")
 
-    `payload` is `(image value, text value)` for image_embed and vision_generate (the
-    reader's two columns) and a messages value for vision_chat.
-    """
-    if task == "vision_chat":
-        return _chat_candidate(payload)
+
+def embed_payload(payload: Any) -> tuple[str | None, list[Any], tuple[str, str]]:
+    """image_embed: `(image, text)`; an image row (prompt "") or a text row, not both."""
     image, text = payload if isinstance(payload, tuple) else (payload, None)
     refs = _refs(image)
     has_text = isinstance(text, str) and bool(text.strip())
-    if task == "image_embed":
-        if refs and has_text:
-            return (
-                None,
-                [],
-                (
-                    "image_and_text",
-                    "the row has both an image and a text; an image-embedding model embeds one "
-                    "per request: put the text in a row of its own",
-                ),
-            )
-        if refs:
-            return "", refs, ("", "")
-        if has_text:
-            return text, [], ("", "")
-        if text is not None and not isinstance(text, str):
-            return None, [], ("wrong_type", f"the text is a {type(text).__name__}")
-        return None, [], ("no_image", "the row has neither an image nor a text")
+    if refs and has_text:
+        return (
+            None,
+            [],
+            (
+                "image_and_text",
+                "the row has both an image and a text; an image-embedding model embeds one "
+                "per request: put the text in a row of its own",
+            ),
+        )
+    if refs:
+        return "", refs, ("", "")
+    if has_text:
+        return text, [], ("", "")
+    if text is not None and not isinstance(text, str):
+        return None, [], ("wrong_type", f"the text is a {type(text).__name__}")
+    return None, [], ("no_image", "the row has neither an image nor a text")
+
+
+def vision_payload(payload: Any) -> tuple[str | None, list[Any], tuple[str, str]]:
+    """vision_generate: `(image or images, prompt)`; the image is required."""
+    image, text = payload if isinstance(payload, tuple) else (payload, None)
+    refs = _refs(image)
     if not refs:
         return None, [], ("no_image", "the row has no image (null or empty)")
     if text is not None and not isinstance(text, str):
@@ -74,7 +84,7 @@ def _refs(image: Any) -> list[Any]:
     return [image]
 
 
-def _chat_candidate(payload: Any) -> tuple[str | None, list[Any], tuple[str, str]]:
+def chat_payload(payload: Any) -> tuple[str | None, list[Any], tuple[str, str]]:
     """vision_chat: the messages (their JSON, image parts as placeholders) and their URLs."""
     if isinstance(payload, str):
         try:
@@ -109,32 +119,48 @@ def _chat_candidate(payload: Any) -> tuple[str | None, list[Any], tuple[str, str
     return json.dumps(messages), urls, ("", "")
 
 
-def decode_candidates(
-    decoder: ImageDecoder, source: str, base_uri: str | None, candidates: list[Any]
-) -> tuple[list[Any], list[RowError], int]:
-    """Decode every candidate's images together; the candidates whose images all decoded
-    (their `images` set to the decoded images), the errors of the others, and the encoded
-    bytes read."""
-    groups = [candidate.images for candidate in candidates]
-    loaded = decoder.load_groups(groups, base_uri)
-    kept, errors, encoded = [], [], 0
-    for candidate, result in zip(candidates, loaded, strict=True):
+def admit_image_rows(
+    validator: Any, source: str, candidates: list[Any], out: Any, *, render: bool = False
+) -> None:
+    """Read and decode every candidate's images together (in the validator's pool; the
+    rows whose images fail are quarantined, each with its own fate), render vision_chat
+    rows through the chat template, then tokenize and admit the rest into `out` (each
+    prompt beside its images)."""
+    with_images = [c for c in candidates if c.images]
+    out.image_count += sum(len(c.images) for c in with_images)
+    loaded = validator.image_decoder().load_groups(
+        [c.images for c in with_images], validator.shard_uri
+    )
+    failed: set[int] = set()
+    for candidate, result in zip(with_images, loaded, strict=True):
         if isinstance(result, ImageFault):
-            errors.append(
-                RowError(
-                    candidate.row_id,
-                    source,
-                    candidate.row,
-                    result.error_type,
-                    f"{source} row {candidate.row} (id {candidate.row_id}): {result.message}; "
-                    "the row was quarantined",
-                )
-            )
+            failed.add(id(candidate))
+            out.errors.append(_row_error(source, candidate, result.error_type, result.message))
             continue
-        encoded += sum(image.encoded_bytes for image in result)
+        out.image_bytes += sum(image.encoded_bytes for image in result)
         candidate.images = [image.image for image in result]
-        kept.append(candidate)
-    return kept, errors, encoded
+    kept = [c for c in candidates if id(c) not in failed]
+    if render:  # vision_chat: the messages through the chat template
+        rendered = []
+        for candidate in kept:
+            try:
+                candidate.prompts = [render_chat(validator.tokenizer, candidate.prompts[0])]
+                rendered.append(candidate)
+            except Exception as exc:  # the template rejected it; quarantine the row
+                problem = f"the model's chat template rejected it ({exc})"
+                out.errors.append(_row_error(source, candidate, "invalid_messages", problem))
+        kept = rendered
+    validator.tokenize_candidates(source, kept, out)
+
+
+def _row_error(source: str, candidate: Any, error_type: str, message: str) -> RowError:
+    return RowError.quarantined(
+        candidate.row_id,
+        source,
+        candidate.row,
+        error_type,
+        f"{source} row {candidate.row} (id {candidate.row_id}): {message}",
+    )
 
 
 def render_chat(tokenizer: Any, messages_json: str) -> str:

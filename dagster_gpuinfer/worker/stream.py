@@ -20,7 +20,7 @@ an embeddings row whose input is a list submits one request per element.
 
 Tasks `score` and `classify` take another path through the same threads: the engine thread
 runs each prepared chunk through one `LLM.score` / `LLM.classify` call
-(`pooling_tasks.run_pooling_chunk`), since vLLM's offline scoring pairs and tokenizes inside
+(`tasks.WorkerTask.run_chunk`), since vLLM's offline scoring pairs and tokenizes inside
 that call; reading ahead, writing behind and committing are the same.
 """
 
@@ -35,14 +35,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dagster_gpuinfer.spec import EMBEDDING_TASKS, POOLING_TASKS, InferenceSpec
+from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import ChunkMarker
+from dagster_gpuinfer.task_table import task_facts
+from dagster_gpuinfer.worker.commit import PartitionOutput, write_chunk
 from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine, RequestRejected
 from dagster_gpuinfer.worker.engine_time import EngineTimeShares
 from dagster_gpuinfer.worker.metrics import current_metrics
-from dagster_gpuinfer.worker.pooling_tasks import run_pooling_chunk
 from dagster_gpuinfer.worker.readers import RawChunk
-from dagster_gpuinfer.worker.shard import ShardLocation, write_chunk
 from dagster_gpuinfer.worker.validate import RowValidator, ValidChunk
 
 log = logging.getLogger("dagster_gpuinfer.worker")
@@ -132,7 +132,6 @@ def serve_chunks(
         task=spec.task,
         tokenizer=engine.tokenizer,
         max_model_len=engine.max_model_len,
-        check_ids=False,
         requests=engine.requests,
         limits=spec.limits,
         images=spec.input.images,
@@ -157,7 +156,7 @@ def serve_chunks(
     for thread in threads:
         thread.start()
     try:
-        if spec.task in ("score", "classify"):
+        if not task_facts(spec.task).streams:
             return _serve_whole_chunks(engine, spec, prepared, finished, threads)
         loop = _RequestWindow(engine, spec, finished)
         while not loop.done:
@@ -182,13 +181,13 @@ def _write_finished(
     replica: int,
 ) -> None:
     """The writer thread: each finished chunk's part file, errors and marker, in turn."""
-    locations: dict[str, ShardLocation] = {}
+    locations: dict[str, PartitionOutput] = {}
     while True:
         item = finished.get()
         if item is None:
             return
         key = item.work.partition_key
-        where = locations.get(key) or locations.setdefault(key, ShardLocation.of(spec, key))
+        where = locations.get(key) or locations.setdefault(key, PartitionOutput.of(spec, key))
         result, valid = item.result, item.valid
         if result is None:
             outputs = item.outputs
@@ -233,9 +232,9 @@ class _RequestWindow:
         self.window = engine.window
         self.finished = finished
         self.metrics = current_metrics()
-        self.group = spec.group_prefixes and spec.task not in EMBEDDING_TASKS
+        self.group = spec.group_prefixes and task_facts(spec.task).groups_prefixes
         self.engine_time = EngineTimeShares(
-            pooling=spec.task in POOLING_TASKS, max_running=engine.max_num_seqs
+            pooling=task_facts(spec.task).pooling, max_running=engine.max_num_seqs
         )
         self.requests: dict[str, tuple[_ChunkInFlight, int]] = {}
         self.incoming: deque[tuple[_ChunkInFlight, int]] = deque()  # read ahead, not ordered
@@ -369,7 +368,7 @@ def _serve_whole_chunks(
         count = len(item.valid.ids)  # none: every row quarantined, empty columns
         metrics.requests_started(count)
         try:
-            item.result = run_pooling_chunk(engine, spec.task, item.valid)
+            item.result = engine.task.run_chunk(engine, item.valid)
         finally:
             metrics.requests_finished(count)
         rows += count
