@@ -465,9 +465,9 @@ class EngineBackend:
         return [list(ids) for ids in self.engine.tokenizer(texts)["input_ids"]]
 
     def run(self, token_ids: list[list[int]], *, group_prefixes: bool) -> dict[str, Any]:
-        """`InferenceEngine.run` over all rows (one barrier), grouped or in input order."""
+        """`run_barrier` over all rows (one barrier), grouped or in input order."""
         self.engine.llm.reset_prefix_cache()  # each run starts cold, whatever ran before
-        result = self.engine.run(token_ids, group_prefixes=group_prefixes)
+        result = run_barrier(self.engine, token_ids, group_prefixes=group_prefixes)
         return {
             "seconds": result.seconds,
             "rows": len(token_ids),
@@ -501,15 +501,15 @@ class EngineBackend:
         import uuid
 
         from dagster_gpuinfer.storage import read_partition
+        from dagster_gpuinfer.worker.commit import PartitionOutput, PartitionTimes, commit_chunks
         from dagster_gpuinfer.worker.readers import RawChunk
-        from dagster_gpuinfer.worker.shard import PartitionTimes, ShardLocation, commit_chunks
         from dagster_gpuinfer.worker.stream import WorkChunk, serve_chunks
 
         spec = self.spec.model_copy(
             update={"chunk_size": chunk_size, "group_prefixes": group_prefixes}
         )
         key = f"stream-{uuid.uuid4().hex[:6]}"
-        where = ShardLocation.of(spec, key)
+        where = PartitionOutput.of(spec, key)
         work: queue.Queue[Any] = queue.Queue()
         for index, start in enumerate(range(0, len(texts), chunk_size)):
             rows = [
@@ -556,3 +556,38 @@ class EngineBackend:
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+def prefix_order(token_ids: list[list[int]]) -> list[int]:
+    """Row positions sorted by their token ids, so rows sharing a prompt prefix are adjacent.
+
+    Sorting token-id lists lexicographically puts every group of prompts with a common
+    header (system prompt, few-shot examples) next to each other, longest shared prefixes
+    closest, which is the order in which vLLM's prefix cache serves them best.
+    """
+    return sorted(range(len(token_ids)), key=token_ids.__getitem__)
+
+
+def run_barrier(engine: Any, token_ids: list[list[int]], *, group_prefixes: bool = True) -> Any:
+    """Run the engine's task (embed, generate, chat) over pre-tokenized prompts until all are
+    done (one barrier for the whole list, unlike the worker's streaming loop); results in
+    input order, as the worker's `ChunkResult`. The benchmark compares row orders with it.
+    Moved here from `InferenceEngine.run`: only the benchmark calls it."""
+    from dagster_gpuinfer.worker.engine import ChunkResult
+
+    started = time.perf_counter()
+    grouped = group_prefixes and engine.task.facts.groups_prefixes
+    order = prefix_order(token_ids) if grouped else list(range(len(token_ids)))
+    outputs: list[Any] = [None] * len(token_ids)
+    pending = iter(order)
+    done = 0
+    while done < len(token_ids):
+        while engine.in_flight < engine.window:
+            position = next(pending, None)
+            if position is None:
+                break
+            engine.submit(f"run-{position}", token_ids[position])
+        for request_id, output in engine.step():
+            outputs[int(request_id.removeprefix("run-"))] = output
+            done += 1
+    return ChunkResult.from_outputs(engine.spec.task, outputs, time.perf_counter() - started)

@@ -10,7 +10,8 @@ The same generation partition through the real worker, timed by the worker's own
   address on a bridge (`bench/netns_nodes.py`), so the ranks' collectives go over TCP
   (gloo) as between two nodes.
 
-Writes `bench/results/multinode.json` (rows/s of each and their ratio). On loopback the
+Writes `bench/results/multinode.json` (rows/s of each, their ratio, how many greedy outputs
+of the two runs are equal, the load average at start). On loopback the
 "interconnect" is a veth pair through the kernel; between real nodes it is the NIC
 (NCCL over TCP at 10-100 Gb/s, or RDMA/InfiniBand at 200-400 Gb/s per GPU), with far more
 data per step (a real model's hidden size, 8 GPUs per node): TP across nodes pays an
@@ -136,6 +137,18 @@ def two_pods(spec: Path, model: str, port: int = 29517) -> dict[str, Any]:
                 os.killpg(f.pid, signal.SIGKILL)
 
 
+def _texts(root: Path, nodes: int) -> dict[str, str]:
+    """The committed partition's generated text by row id (one pod's or two pods' run)."""
+    import pyarrow.parquet as pq
+
+    texts: dict[str, str] = {}
+    for part in sorted((root / f"out-{nodes}" / "gen" / "p0").glob("part-*.parquet")):
+        table = pq.read_table(part, columns=["id", "text"])
+        ids, text = table.column("id").to_pylist(), table.column("text").to_pylist()
+        texts.update(zip(ids, text, strict=True))
+    return texts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.multinode")
     parser.add_argument("--rows", type=int, default=256)
@@ -144,12 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from assets.models import make_tiny_llama
 
+    load = [round(x, 2) for x in os.getloadavg()]
+
     with tempfile.TemporaryDirectory(prefix="gpuinfer-multinode-") as tmp:
         root = Path(tmp)
         root.chmod(0o755)
         model = make_tiny_llama(root / "tiny-llama")
         single = one_pod(_spec(model, root, args.rows, args.max_tokens, nodes=1))
         multi = two_pods(_spec(model, root, args.rows, args.max_tokens, nodes=2), model)
+        one_texts, two_texts = _texts(root, 1), _texts(root, 2)
+    equal = sum(1 for k, v in two_texts.items() if one_texts.get(k) == v)
     rate = {
         name: args.rows / s["inference_seconds"] for name, s in (("one", single), ("two", multi))
     }
@@ -163,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         "one_pod_inference_seconds": single["inference_seconds"],
         "two_pods_inference_seconds": multi["inference_seconds"],
         "follower_exit_seconds_after_leader": multi.get("follower_exit_seconds_after_leader"),
+        "rows_committed": {"one_pod": len(one_texts), "two_pods": len(two_texts)},
+        "greedy_rows_equal_two_pods_vs_one_pod": equal,
+        "load_average_at_start": load,
         "machine": f"{os.cpu_count()} cores (shared), loopback veth between namespaces",
     }
     args.results.parent.mkdir(parents=True, exist_ok=True)

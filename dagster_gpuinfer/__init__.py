@@ -25,13 +25,13 @@ _EXPORTS = {
     "EngineArgs": "dagster_gpuinfer.spec",
     "SamplingParams": "dagster_gpuinfer.spec",
     "StorageOptions": "dagster_gpuinfer.spec",
-    "K8sLauncherConfig": "dagster_gpuinfer.k8s.pod",
-    "SecretEnvRef": "dagster_gpuinfer.k8s.pod",
-    "Toleration": "dagster_gpuinfer.k8s.pod",
-    "WorkerPlacement": "dagster_gpuinfer.k8s.pod",
-    "ModelCache": "dagster_gpuinfer.k8s.pod",
-    "PodSecurity": "dagster_gpuinfer.k8s.pod",
-    "SecretRefs": "dagster_gpuinfer.k8s.pod",
+    "K8sLauncherConfig": "dagster_gpuinfer.k8s.config",
+    "SecretEnvRef": "dagster_gpuinfer.k8s.config",
+    "Toleration": "dagster_gpuinfer.k8s.config",
+    "WorkerPlacement": "dagster_gpuinfer.k8s.config",
+    "ModelCache": "dagster_gpuinfer.k8s.config",
+    "PodSecurity": "dagster_gpuinfer.k8s.config",
+    "SecretRefs": "dagster_gpuinfer.k8s.config",
     "build_worker_pod": "dagster_gpuinfer.k8s.pod",
     "arrival_sensor": "dagster_gpuinfer.sensors",
     "backfill_estimate_sensor": "dagster_gpuinfer.estimate",
@@ -60,13 +60,13 @@ if TYPE_CHECKING:
     )
     from dagster_gpuinfer.estimate import backfill_estimate_sensor as backfill_estimate_sensor
     from dagster_gpuinfer.estimate import estimate_backfill as estimate_backfill
-    from dagster_gpuinfer.k8s.pod import K8sLauncherConfig as K8sLauncherConfig
-    from dagster_gpuinfer.k8s.pod import ModelCache as ModelCache
-    from dagster_gpuinfer.k8s.pod import PodSecurity as PodSecurity
-    from dagster_gpuinfer.k8s.pod import SecretEnvRef as SecretEnvRef
-    from dagster_gpuinfer.k8s.pod import SecretRefs as SecretRefs
-    from dagster_gpuinfer.k8s.pod import Toleration as Toleration
-    from dagster_gpuinfer.k8s.pod import WorkerPlacement as WorkerPlacement
+    from dagster_gpuinfer.k8s.config import K8sLauncherConfig as K8sLauncherConfig
+    from dagster_gpuinfer.k8s.config import ModelCache as ModelCache
+    from dagster_gpuinfer.k8s.config import PodSecurity as PodSecurity
+    from dagster_gpuinfer.k8s.config import SecretEnvRef as SecretEnvRef
+    from dagster_gpuinfer.k8s.config import SecretRefs as SecretRefs
+    from dagster_gpuinfer.k8s.config import Toleration as Toleration
+    from dagster_gpuinfer.k8s.config import WorkerPlacement as WorkerPlacement
     from dagster_gpuinfer.k8s.pod import build_worker_pod as build_worker_pod
     from dagster_gpuinfer.resource import GpuInferenceResource as GpuInferenceResource
     from dagster_gpuinfer.resource import InvalidInferenceSpec as InvalidInferenceSpec

@@ -5,7 +5,7 @@ The arrival sensor (`dagster_gpuinfer.sensors`) is a thin layer over this module
 - `WatchedFiles` reads a pipeline's input template (`s3://bucket/in/{partition_key}.jsonl`)
   as a prefix to list and a suffix to match: the file `s3://bucket/in/2026/a.jsonl` is
   partition `2026/a`.
-- A lister (`storage.PrefixListing`, local disk or S3) yields the files under the prefix in
+- A lister (`listing.PrefixListing`, local disk or S3) yields the files under the prefix in
   key order, starting after a given name, so a tick can stop anywhere and the next one go on
   from there.
 - `scan_arrivals` walks one page of that listing and keeps the files whose partition is not
@@ -29,6 +29,7 @@ from typing import Any, Literal, Protocol
 
 import pyarrow.parquet as pq
 
+from dagster_gpuinfer.listing import ListedFile
 from dagster_gpuinfer.spec import (
     PARTITION_KEY_PLACEHOLDER,
     InputFormat,
@@ -36,14 +37,13 @@ from dagster_gpuinfer.spec import (
     split_partition_key,
     unsafe_partition_key_reason,
 )
-from dagster_gpuinfer.storage import ListedFile
 
 # Substrings Dagster refuses in partition keys (dagster's INVALID_PARTITION_SUBSTRINGS).
 INVALID_KEY_SUBSTRINGS = ("...", "\a", "\b", "\f", "\n", "\r", "\t", "\v", "\0")
 
 
 class FileLister(Protocol):
-    """Lists the files under one prefix in ascending name order (`storage.PrefixListing`)."""
+    """Lists the files under one prefix in ascending name order (`listing.PrefixListing`)."""
 
     def list_after(self, start_after: str) -> Iterator[ListedFile]:
         """Files whose name sorts after `start_after` ("" for all), in ascending order."""

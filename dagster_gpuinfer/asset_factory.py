@@ -24,6 +24,7 @@ from dagster_gpuinfer.spec import (
     pipeline_fields,
     run_config_fields,
 )
+from dagster_gpuinfer.task_table import task_facts
 
 DEFAULT_PARTITIONS_PER_RUN = 4
 
@@ -406,7 +407,7 @@ def _output_asset(
 ) -> dg.AssetsDefinition:
     """The inference output asset of a pipeline whose raw spec is `raw_spec`."""
     name, model, task = output_key.path[-1], raw_spec["model"], raw_spec["task"]
-    generates = task in ("generate", "chat")
+    generates = task_facts(task).samples
     invalid_rate = max_invalid_output_rate if generates else None
     output_format = raw_spec["output"]["format"]
 

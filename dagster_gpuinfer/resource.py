@@ -15,8 +15,8 @@ from typing import Any, Literal
 import dagster as dg
 from pydantic import Field, ValidationError
 
+from dagster_gpuinfer.k8s.config import K8sLauncherConfig
 from dagster_gpuinfer.k8s.group import GroupConfig
-from dagster_gpuinfer.k8s.pod import K8sLauncherConfig
 from dagster_gpuinfer.messages import (
     Fatal,
     PartitionCommitted,

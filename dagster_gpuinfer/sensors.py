@@ -39,8 +39,8 @@ from dagster_gpuinfer.arrivals import (
 )
 from dagster_gpuinfer.asset_factory import InferencePipeline
 from dagster_gpuinfer.aws import gpu_settings_from_s3_resource
+from dagster_gpuinfer.listing import PrefixListing
 from dagster_gpuinfer.spec import InputSpec, StorageOptions
-from dagster_gpuinfer.storage import PrefixListing
 
 ARRIVAL_SENSOR_TAG = "dagster-gpuinfer/arrival_sensor"
 CURSOR_VERSION = 1

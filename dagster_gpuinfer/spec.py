@@ -20,10 +20,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dagster_gpuinfer.secrets import find_secrets_in_options, secret_in_options_message
+from dagster_gpuinfer.task_table import Task, task_facts
 
-Task = Literal["embed", "generate", "chat", "score", "classify"]
-# Tasks served by vLLM's pooling runner (no sampling).
-POOLING_TASKS: frozenset[str] = frozenset({"embed", "score", "classify"})
 InputFormat = Literal["parquet", "jsonl", "openai_batch"]
 OutputFormat = Literal["parquet", "openai_batch"]
 
@@ -555,7 +553,7 @@ class InferenceSpec(_Strict):
                     "split by rows (`@rows=<start>-<end>`), byte ranges are for JSONL"
                 )
         self._check_nodes()
-        if self.task in POOLING_TASKS and self.sampling != SamplingParams():
+        if task_facts(self.task).pooling and self.sampling != SamplingParams():
             raise ValueError(f"sampling parameters are set but task {self.task!r} does not sample")
         if self.sampling.n > self.limits.max_n:
             raise ValueError(

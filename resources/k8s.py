@@ -31,7 +31,7 @@ import os
 from collections.abc import Mapping
 
 from dagster_gpuinfer import GpuInferenceResource
-from dagster_gpuinfer.k8s.pod import (
+from dagster_gpuinfer.k8s.config import (
     K8sLauncherConfig,
     ModelCache,
     PodSecurity,

@@ -124,6 +124,8 @@ def write_chunk(service: BatchService, pipeline: str, batch_id: str, index: int,
         rows_in=len(ids) + len(bad),
         rows_out=len(ids),
         rows_errored=len(bad),
+        prompt_tokens=7 * len(ids),
+        generated_tokens=3 * len(ids),
         part=part,
         errors=errors,
     )

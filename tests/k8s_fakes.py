@@ -41,7 +41,7 @@ from kubernetes.client import (
 )
 
 from dagster_gpuinfer import GpuInferenceResource, InputSpec, inference_assets
-from dagster_gpuinfer.k8s.pod import K8sLauncherConfig, ModelCache, WorkerPlacement
+from dagster_gpuinfer.k8s.config import K8sLauncherConfig, ModelCache, WorkerPlacement
 from dagster_gpuinfer.messages import PartitionCommitted, RunFinished, to_payload
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import (

@@ -8,10 +8,8 @@ from typing import Any
 
 import yaml
 
-from dagster_gpuinfer.k8s.pod import (
-    RunIdentity,
-    build_worker_pod,
-)
+from dagster_gpuinfer.k8s.names import RunIdentity
+from dagster_gpuinfer.k8s.pod import build_worker_pod
 from dagster_gpuinfer.spec import InferenceSpec
 from resources.k8s import k8s_launcher_config
 

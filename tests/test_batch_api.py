@@ -233,9 +233,12 @@ def test_request_counts_rise_with_chunk_markers_and_completion_serves_the_files(
     batch = sdk.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
     )
-    assert batch.request_counts.completed == 0
+    assert batch.request_counts.completed == 0 and batch.usage.total_tokens == 0
     fs, path, first = write_chunk(service, "batch_embed", batch.id, 0, ["req-0", "req-1"])
-    assert sdk.batches.retrieve(batch.id).request_counts.completed == 2
+    running = sdk.batches.retrieve(batch.id)
+    assert running.request_counts.completed == 2
+    assert (running.usage.input_tokens, running.usage.output_tokens) == (14, 6)
+    assert running.usage.total_tokens == 20
     _, _, second = write_chunk(
         service, "batch_embed", batch.id, 1, ["req-2", "req-3", "req-4"], bad=["req-5"]
     )
@@ -254,6 +257,8 @@ def test_request_counts_rise_with_chunk_markers_and_completion_serves_the_files(
         rows_in=6,
         rows_out=5,
         rows_errored=1,
+        prompt_tokens=35,
+        generated_tokens=15,
         parts=[first.part, second.part],
         errors=first.part,
     )
@@ -264,6 +269,11 @@ def test_request_counts_rise_with_chunk_markers_and_completion_serves_the_files(
     done = sdk.batches.retrieve(batch.id)
     assert done.status == "completed" and done.completed_at is not None
     assert (done.request_counts.completed, done.request_counts.failed) == (5, 1)
+    assert (done.usage.input_tokens, done.usage.output_tokens, done.usage.total_tokens) == (
+        35,
+        15,
+        50,
+    )
     output = sdk.files.content(done.output_file_id).read()
     assert jsonl_ids(output) == ["req-0", "req-1", "req-2", "req-3", "req-4"]
     assert jsonl_ids(sdk.files.content(done.error_file_id).read()) == ["req-5"]
@@ -368,7 +378,7 @@ def test_sensor_requests_one_run_per_batch_tagged_with_tenant_and_queue(service,
 
 
 def test_run_queue_tag_sets_the_worker_pods_kueue_queue():
-    from dagster_gpuinfer.k8s.pod import K8sLauncherConfig, WorkerPlacement
+    from dagster_gpuinfer.k8s.config import K8sLauncherConfig, WorkerPlacement
     from dagster_gpuinfer.resource import RUN_QUEUE_TAG, config_for_run_queue
 
     assert RUN_QUEUE_TAG == QUEUE_TAG
@@ -532,3 +542,36 @@ def test_a_batch_left_validating_by_a_dead_service_fails_instead_of_hanging(serv
     batch = sdk.batches.retrieve("batch_interrupted")
     assert batch.status == "failed"
     assert [e.code for e in batch.errors.data] == ["validation_interrupted"]
+
+
+def test_a_store_created_by_an_older_version_gains_the_new_columns(tmp_path):
+    """`create_all` adds tables, not columns: a database from before `usage` gets the
+    token columns added, keeps its rows, and serves them (usage null until counted)."""
+    import sqlalchemy as sa
+
+    from dagster_gpuinfer.batch_api.store import BATCHES, BatchStore
+
+    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    old = sa.MetaData()
+    columns = [c.copy() for c in BATCHES.columns if c.name not in ("input_tokens", "output_tokens")]
+    sa.Table(BATCHES.name, old, *columns)
+    engine = sa.create_engine(url)
+    old.create_all(engine)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"INSERT INTO {BATCHES.name} (id, tenant, endpoint, input_file_id, "
+                "completion_window, status, total, completed, failed) "
+                "VALUES ('batch_old', 'acme', '/v1/embeddings', 'file-1', '24h', 'completed', "
+                "2, 2, 0)"
+            )
+        )
+    engine.dispose()
+    store = BatchStore(url)
+    names = {c["name"] for c in sa.inspect(store.engine).get_columns(BATCHES.name)}
+    assert {"input_tokens", "output_tokens"} <= names
+    record = store.get_batch("batch_old")
+    assert record["completed"] == 2 and record["input_tokens"] is None
+    assert store.update_batch("batch_old", input_tokens=5, output_tokens=1)
+    assert store.get_batch("batch_old")["input_tokens"] == 5
+    BatchStore(url).close()  # a second open is a no-op

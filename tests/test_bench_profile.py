@@ -66,7 +66,7 @@ def test_pyspy_samples_land_in_the_bucket_of_their_process_thread_and_frames() -
                 "write (stream.py:160)",
                 "RunCoordinator.chunk_committed (coordinator.py:191)",
                 "RunCoordinator._settle (coordinator.py:201)",
-                "commit_chunks (shard.py:170)",
+                "commit_chunks (commit.py:170)",
                 count=2,
             ),
             _record(
@@ -74,7 +74,7 @@ def test_pyspy_samples_land_in_the_bucket_of_their_process_thread_and_frames() -
                 WORKER_PROC,
                 "thread (203): gpuinfer-write",
                 "write (stream.py:160)",
-                "write_chunk (shard.py:110)",
+                "write_chunk (commit.py:110)",
                 count=4,
             ),
             _record(

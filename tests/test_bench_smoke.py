@@ -99,12 +99,12 @@ def test_bench_smoke_runs_every_section_and_writes_the_report(tmp_path: Path) ->
         assert (results / plot).stat().st_size > 0
 
 
-# The row order the benchmark measures (dagster_gpuinfer/worker/engine.py): a pure
+# The row order the benchmark measures (bench/backends.py): a pure
 # function, no engine started.
 
 
 def test_prefix_order_groups_rows_sharing_a_prefix_and_is_a_permutation() -> None:
-    from dagster_gpuinfer.worker.engine import prefix_order
+    from bench.backends import prefix_order
 
     header_a, header_b = [1, 2, 3, 4], [9, 8, 7, 6]
     rows = [header_a + [5], header_b + [1], header_a + [2], header_b + [3], header_a + [9]]

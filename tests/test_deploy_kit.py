@@ -25,7 +25,9 @@ from dagster._serdes.config_class import class_from_code_pointer
 from kubernetes.client import ApiClient
 from kubernetes.utils import parse_quantity
 
-from dagster_gpuinfer.k8s.pod import MODEL_CACHE_MOUNT, RunIdentity, build_worker_pod
+from dagster_gpuinfer.k8s.config import MODEL_CACHE_MOUNT
+from dagster_gpuinfer.k8s.names import RunIdentity
+from dagster_gpuinfer.k8s.pod import build_worker_pod
 from dagster_gpuinfer.spec import InferenceSpec
 from resources.k8s import k8s_launcher_config, k8s_resources
 

@@ -21,9 +21,9 @@ import pytest
 from dagster_gpuinfer import InferenceSpec, read_partition
 from dagster_gpuinfer.storage import Manifest, read_chunk_markers
 from dagster_gpuinfer.worker import coordinator as coordinator_module
+from dagster_gpuinfer.worker.commit import PartitionOutput
 from dagster_gpuinfer.worker.coordinator import RunCoordinator
 from dagster_gpuinfer.worker.readers import RawChunk
-from dagster_gpuinfer.worker.shard import ShardLocation
 from dagster_gpuinfer.worker.stream import ChunkCommitted, EngineLoop, WholeChunks, WorkChunk
 
 CHUNK = 4
@@ -250,14 +250,16 @@ def test_a_stop_with_full_queues_returns_promptly_and_leaves_no_thread(tmp_path,
     assert committed == [] and not list((tmp_path / "out").rglob("*.json"))
 
 
-def test_whole_chunks_run_one_chunk_per_step_in_order(monkeypatch):
+def test_whole_chunks_run_one_chunk_per_step_in_order():
     calls = []
-    monkeypatch.setattr(
-        "dagster_gpuinfer.worker.stream.run_pooling_chunk",
-        lambda engine, task, valid: calls.append((engine, task, valid)) or f"scored {valid}",
-    )
+
+    class Task:  # the task table's entry: a whole chunk in one call
+        def run_chunk(self, engine, valid):
+            calls.append((engine, "score", valid))
+            return f"scored {valid}"
+
     engine = object()
-    whole = WholeChunks(engine, "score")
+    whole = WholeChunks(engine, Task())
     assert (whole.window, whole.in_flight) == (1, 0)
     whole.submit("0", "chunk a")
     whole.submit("1", "chunk b")
@@ -339,7 +341,7 @@ def test_the_coordinator_commits_in_its_own_thread_after_every_marker(tmp_path, 
 
 
 def _marker_dir(spec: InferenceSpec, key: str):
-    where = ShardLocation.of(spec, key)
+    where = PartitionOutput.of(spec, key)
     return where.fs, where.path, where.spec_hash
 
 

@@ -37,7 +37,7 @@ from k8s_fakes import (
     step_failure_message,
 )
 
-from dagster_gpuinfer.k8s.pod import SecretEnvRef, SecretRefs
+from dagster_gpuinfer.k8s.config import SecretEnvRef, SecretRefs
 
 # --------------------------------------------------------------------------- success path
 

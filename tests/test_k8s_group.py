@@ -13,6 +13,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from dagster_gpuinfer.k8s.config import PodSpecError, WorkerPlacement
 from dagster_gpuinfer.k8s.group import (
     MASTER_ADDR_ENV,
     POD_GROUP_COUNT_ANNOTATION,
@@ -20,7 +21,6 @@ from dagster_gpuinfer.k8s.group import (
     GroupConfig,
     build_worker_group,
 )
-from dagster_gpuinfer.k8s.pod import PodSpecError, WorkerPlacement
 from dagster_gpuinfer.worker.engine import engine_kwargs
 from dagster_gpuinfer.worker.follower import (
     FOLLOWER_MODULE,

@@ -17,6 +17,7 @@ from tests.k8s_fakes import (
     PodScript,
     _error_text,
     committing_worker,
+    crashing_worker,
     failure_metadata,
     failures,
     materialize,
@@ -119,4 +120,28 @@ def test_group_loss_is_retryable_with_the_lost_rank_in_metadata(tmp_path):
     assert len(cluster.failed_at) == 2
     for pod in (cluster.created[1], cluster.created[3]):  # the two leaders
         assert cluster.deleted_at[pod.name] - pod.created_at <= POLL  # a poll, not a timeout
+    assert cluster.pods == {} and cluster.services == {}
+
+
+def test_leader_crashing_on_a_lost_follower_reports_the_follower(tmp_path):
+    """The follower dies between two polls and its broken collective takes the leader down
+    before the launcher reads the follower: the failure names the lost rank, not the
+    leader's gloo traceback (seen through the pod executor: 'Connection reset by peer')."""
+    cluster = FollowerFailsAt(
+        follower_script(),
+        PodScript(
+            worker=crashing_worker("RuntimeError: gloo Read error: Connection reset by peer"),
+            exit_code=1,
+        ),
+        follower_script(),
+        PodScript(worker=committing_worker()),
+        at=0.0,
+    )
+    result = materialize(tmp_path, cluster, tensor_parallel_size=2, nodes=2)
+    assert result.success, failures(result)
+    (first,) = failures(result)
+    message = _error_text(first.error)
+    assert "follower pod" in message and "node rank 1" in message
+    assert "Gloo connectFullMesh failed" in message  # the follower's own log tail
+    assert roles(cluster) == ["follower", "leader", "follower", "leader"]
     assert cluster.pods == {} and cluster.services == {}

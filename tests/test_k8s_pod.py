@@ -19,22 +19,19 @@ import pytest
 from kubernetes.client import ApiClient
 from kubernetes.utils import parse_quantity
 
-from dagster_gpuinfer.k8s.pod import (
+from dagster_gpuinfer.k8s.config import (
     MODEL_CACHE_MOUNT,
     K8sLauncherConfig,
     ModelCache,
     PodSecurity,
     PodSpecError,
-    RunIdentity,
     SecretEnvRef,
     SecretRefs,
     Toleration,
     WorkerPlacement,
-    build_worker_pod,
-    label_value,
-    partition_label,
-    worker_pod_name,
 )
+from dagster_gpuinfer.k8s.names import RunIdentity, label_value, partition_label, worker_pod_name
+from dagster_gpuinfer.k8s.pod import build_worker_pod
 from dagster_gpuinfer.spec import InferenceSpec
 
 K8S_VERSION = "1.37.0"

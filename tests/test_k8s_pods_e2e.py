@@ -34,7 +34,7 @@ import pytest
 from pod_executor import PodExecutor, PodPlan, executor_resource, s3_on_pod_network
 
 from dagster_gpuinfer import EngineArgs, InputSpec, Manifest, inference_assets
-from dagster_gpuinfer.k8s.pod import WORKER_CONTAINER
+from dagster_gpuinfer.k8s.config import WORKER_CONTAINER
 from resources.k8s import k8s_launcher_config
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,8 +16,10 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
+from dagster_gpuinfer.k8s.config import K8sLauncherConfig
 from dagster_gpuinfer.k8s.metrics_port import METRICS_PORT_NAME, with_metrics_port
-from dagster_gpuinfer.k8s.pod import K8sLauncherConfig, RunIdentity, build_worker_pod
+from dagster_gpuinfer.k8s.names import RunIdentity
+from dagster_gpuinfer.k8s.pod import build_worker_pod
 from dagster_gpuinfer.run_metrics import LAUNCHER_METRICS, launcher_registry, metrics_env
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.worker.errors import RowError

@@ -22,6 +22,7 @@ from dagster_gpuinfer.messages import RunFinished
 from dagster_gpuinfer.metadata import partition_metadata
 from dagster_gpuinfer.run_metrics import NOT_AVAILABLE
 from dagster_gpuinfer.storage import ChunkMarker, Manifest, RowCounts
+from dagster_gpuinfer.worker.commit import chunk_span
 from dagster_gpuinfer.worker.coordinator import RunCoordinator
 from dagster_gpuinfer.worker.engine_time import EngineTimeShares
 from dagster_gpuinfer.worker.errors import ShardError
@@ -33,7 +34,6 @@ from dagster_gpuinfer.worker.job import (
     _ReplicaRun,
 )
 from dagster_gpuinfer.worker.readers import ShardReader
-from dagster_gpuinfer.worker.shard import chunk_span
 from dagster_gpuinfer.worker.stream import ChunkCommitted, WorkChunk
 from dagster_gpuinfer.worker.telemetry import EngineGauges, Sample, summarise_engine
 

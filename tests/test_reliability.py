@@ -43,8 +43,8 @@ from dagster_gpuinfer.storage import (
     write_chunk_marker,
     write_file_entry,
 )
+from dagster_gpuinfer.worker.commit import PartitionOutput, PartitionTimes, commit_chunks
 from dagster_gpuinfer.worker.errors import RowError
-from dagster_gpuinfer.worker.shard import PartitionTimes, ShardLocation, commit_chunks
 from dagster_gpuinfer.worker.writers import errors_table
 
 # --------------------------------------------------------------------------- commit window
@@ -61,10 +61,10 @@ def _spec(root: Path) -> InferenceSpec:
     )
 
 
-def _chunks_ready_to_commit(root: Path) -> tuple[InferenceSpec, ShardLocation]:
+def _chunks_ready_to_commit(root: Path) -> tuple[InferenceSpec, PartitionOutput]:
     """A partition whose three chunks are committed (markers written), not yet the partition."""
     spec = _spec(root)
-    where = ShardLocation.of(spec, "p")
+    where = PartitionOutput.of(spec, "p")
     for index in range(3):
         ids = [f"r{index}-{i}" for i in range(4)]
         table = pa.table({"id": ids, "text": ["t"] * 4})
@@ -99,7 +99,7 @@ def _chunks_ready_to_commit(root: Path) -> tuple[InferenceSpec, ShardLocation]:
     return spec, where
 
 
-def _commit(spec: InferenceSpec, where: ShardLocation):
+def _commit(spec: InferenceSpec, where: PartitionOutput):
     markers = read_chunk_markers(where.fs, where.path, where.spec_hash)
     return commit_chunks(
         where,
@@ -115,7 +115,7 @@ def _commit(spec: InferenceSpec, where: ShardLocation):
 def _crash_during_commit(root: str, crash_at: int, torn: bool) -> None:
     """Child process: commit, dying (like SIGKILL: no cleanup) at storage operation `crash_at`.
     With `torn`, the dying write leaves half a temporary file behind first."""
-    spec, where = _spec(Path(root)), ShardLocation.of(_spec(Path(root)), "p")
+    spec, where = _spec(Path(root)), PartitionOutput.of(_spec(Path(root)), "p")
     calls = {"n": 0}
     real_write, real_delete = storage.write_bytes_atomic, storage.delete_quietly
     real_create = storage.create_exclusive
@@ -218,7 +218,7 @@ def test_killed_worker_resumes_without_recomputing_committed_chunks(tmp_path, ti
             if markers_dir.exists() and any(markers_dir.glob("[0-9]*.json")):
                 killed["processes"] = _kill_worker_tree()
                 time.sleep(0.5)  # let the last marker write (if any) settle before reading
-                where = ShardLocation(
+                where = PartitionOutput(
                     *storage.filesystem_for(str(tmp_path / "out" / "gen" / "p0")),
                     spec_hash=spec_hash,
                     partition_key="p0",
@@ -310,7 +310,7 @@ def test_local_instance_config_enables_run_retries_for_lost_run_workers(tmp_path
         instance.dispose()
 
 
-def _write_attempt(where: ShardLocation, attempt: str, chunks: int = 2) -> dict[int, ChunkMarker]:
+def _write_attempt(where: PartitionOutput, attempt: str, chunks: int = 2) -> dict[int, ChunkMarker]:
     markers = {}
     for index in range(chunks):
         table = pa.table({"id": [f"r{index}-{i}" for i in range(3)], "text": [attempt] * 3})
@@ -329,7 +329,7 @@ def _write_attempt(where: ShardLocation, attempt: str, chunks: int = 2) -> dict[
 
 def test_of_two_workers_committing_one_partition_exactly_one_wins(tmp_path):
     spec = _spec(tmp_path)
-    where = ShardLocation.of(spec, "p")
+    where = PartitionOutput.of(spec, "p")
     winner, loser = _write_attempt(where, "aaaa1111"), _write_attempt(where, "bbbb2222")
     args = dict(computed=set(), rows_resumed=0, times=PartitionTimes(0.0, 0.0), worker={})
     committed = commit_chunks(where, spec, winner, **args)
@@ -345,11 +345,11 @@ def test_of_two_workers_committing_one_partition_exactly_one_wins(tmp_path):
 
 def test_a_new_spec_replaces_the_manifest_of_an_old_one(tmp_path):
     spec = _spec(tmp_path)
-    where = ShardLocation.of(spec, "p")
+    where = PartitionOutput.of(spec, "p")
     args = dict(computed=set(), rows_resumed=0, times=PartitionTimes(0.0, 0.0), worker={})
     commit_chunks(where, spec, _write_attempt(where, "old00000"), **args)
     new_spec = spec.model_copy(update={"chunk_size": 3})
-    new_where = ShardLocation.of(new_spec, "p")
+    new_where = PartitionOutput.of(new_spec, "p")
     assert new_where.committed() is None
     manifest = commit_chunks(new_where, new_spec, _write_attempt(new_where, "new00000"), **args)
     assert new_where.committed() == manifest

@@ -52,3 +52,42 @@ def test_more_cpu_replicas_than_cores_share_cores_round_robin():
         replicas=3, tensor_parallel_size=1, device="cpu", gpu_ids=[], cpu_ids=[0, 1]
     )
     assert [e["VLLM_CPU_OMP_THREADS_BIND"] for e in envs] == ["0", "1", "0"]
+
+
+def test_gpu_replicas_get_tensor_times_pipeline_parallel_gpus():
+    envs = plan_replica_env(
+        replicas=2,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        device="cuda",
+        gpu_ids=[str(i) for i in range(8)],
+        cpu_ids=[0],
+    )
+    assert envs == [{"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}]
+
+
+def test_too_few_gpus_for_pipeline_stages_names_the_pipeline_size():
+    with pytest.raises(SpecError, match="pipeline_parallel_size=2 needs 8 GPUs but this worker"):
+        plan_replica_env(
+            replicas=2,
+            tensor_parallel_size=2,
+            pipeline_parallel_size=2,
+            device="cuda",
+            gpu_ids=[str(i) for i in range(4)],
+            cpu_ids=[0],
+        )
+
+
+def test_cpu_replicas_bind_one_core_range_per_tensor_and_pipeline_rank():
+    envs = plan_replica_env(
+        replicas=2,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=2,
+        device="cpu",
+        gpu_ids=[],
+        cpu_ids=list(range(8)),
+    )
+    assert envs == [
+        {"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"},
+        {"VLLM_CPU_OMP_THREADS_BIND": "4-5|6-7"},
+    ]

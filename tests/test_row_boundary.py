@@ -101,7 +101,6 @@ def test_deep_parameters_of_a_params_column_are_quarantined():
         task="chat",
         tokenizer=None,
         max_model_len=64,
-        check_ids=False,
         requests=builder(max_json_depth=8),
     )
     deep = "[" * 5000 + "]" * 5000
@@ -257,7 +256,6 @@ def test_whatever_a_check_raises_for_one_row_quarantines_only_that_row():
         task="chat",
         tokenizer=CountingTokenizer(100),
         max_model_len=64,
-        check_ids=False,
         requests=Breaking(task="chat", defaults={}),
     )
     messages = [{"role": "user", "content": "hi"}]
@@ -354,11 +352,11 @@ def test_a_losing_racer_touches_no_file_the_winner_owns(tmp_path):
         verify_manifest,
         write_file_entry,
     )
-    from dagster_gpuinfer.worker.shard import ShardLocation
+    from dagster_gpuinfer.worker.commit import PartitionOutput
     from dagster_gpuinfer.worker.writers import errors_table
 
     spec = openai_spec(tmp_path)
-    where = ShardLocation.of(spec, "p")
+    where = PartitionOutput.of(spec, "p")
     fs, path = where.fs, where.path
     fs.create_dir(path)
 
@@ -470,3 +468,10 @@ def test_a_pipeline_sets_its_own_limits(tmp_path):
         spec.spec_hash()
         != InferenceSpec.model_validate({**pipeline.spec, "limits": {}}).spec_hash()
     )
+
+
+def test_a_row_error_words_the_quarantine_once():
+    error = RowError.quarantined("a", "s.jsonl", 3, "empty_input", "s.jsonl row 3: empty")
+    assert error.message == "s.jsonl row 3: empty; the row was quarantined"
+    capped = RowError.quarantined("a", "s", 0, "t", "m" * 10_000, prompt_tokens=7)
+    assert capped.prompt_tokens == 7 and len(capped.message) < MESSAGE_LIMIT + 40

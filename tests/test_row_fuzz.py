@@ -20,7 +20,7 @@ from dagster_gpuinfer import InferenceSpec
 from dagster_gpuinfer.spec import RowLimits, SamplingParams
 from dagster_gpuinfer.worker.readers import ShardReader
 from dagster_gpuinfer.worker.request_params import GENERATION_KEYS, RequestBuilder
-from dagster_gpuinfer.worker.validate import RowValidator
+from dagster_gpuinfer.worker.validate import RowValidator, screen_ids
 
 LIMITS = RowLimits(max_line_bytes=4096, max_prompt_chars=600, max_json_depth=12)
 
@@ -136,8 +136,9 @@ def test_every_line_is_answered_exactly_once_whatever_it_holds(batch, tokenizer,
     )
     rows_in = kept = errored = 0
     kept_ids: list[str] = []
+    seen: set[str] = set()
     for chunk in reader.chunks(5):
-        valid = validator.validate(chunk)
+        valid = validator.validate(screen_ids(chunk, seen))  # as the worker: ids screened
         rows_in += chunk.rows_in
         kept += len(valid.ids)
         errored += len(valid.errors)

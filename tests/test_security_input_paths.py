@@ -15,13 +15,13 @@ from security_support import worker_spec
 
 from dagster_gpuinfer import GpuInferenceResource, InputSpec, inference_assets
 from dagster_gpuinfer.arrivals import WatchedFiles, scan_arrivals
+from dagster_gpuinfer.listing import ListedFile
 from dagster_gpuinfer.resource import InvalidInferenceSpec, validate_spec
 from dagster_gpuinfer.sensors import arrival_sensor
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import (
     MANIFEST_NAME,
     FileEntry,
-    ListedFile,
     filesystem_for,
     partition_dir,
     read_partition,

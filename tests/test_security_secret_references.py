@@ -18,12 +18,9 @@ from security_support import worker_spec
 
 from dagster_gpuinfer import GpuInferenceResource
 from dagster_gpuinfer.aws import gpu_settings_from_s3_resource
-from dagster_gpuinfer.k8s.pod import (
-    K8sLauncherConfig,
-    PodSpecError,
-    RunIdentity,
-    build_worker_pod,
-)
+from dagster_gpuinfer.k8s.config import K8sLauncherConfig, PodSpecError
+from dagster_gpuinfer.k8s.names import RunIdentity
+from dagster_gpuinfer.k8s.pod import build_worker_pod
 from dagster_gpuinfer.resource import InvalidInferenceSpec, validate_spec
 from dagster_gpuinfer.secrets import (
     ENV_REFERENCES_VARIABLE,

@@ -20,7 +20,8 @@ def chunk(rows, index=0):
 
 def test_bad_rows_are_quarantined_with_their_reason(chat_tokenizer):
     validator = RowValidator(task="generate", tokenizer=chat_tokenizer, max_model_len=16)
-    out = validator.validate(
+    out = screened_and_validated(
+        validator,
         chunk(
             [
                 (0, "a", "a fine prompt"),
@@ -31,7 +32,7 @@ def test_bad_rows_are_quarantined_with_their_reason(chat_tokenizer):
                 (5, "d", "word " * 40),
                 (6, "e", 42),
             ]
-        )
+        ),
     )
     assert out.ids == ["a"]
     reasons = {e.row: e.error_type for e in out.errors}
@@ -48,12 +49,18 @@ def test_bad_rows_are_quarantined_with_their_reason(chat_tokenizer):
     assert "max_model_len=16" in too_long.message
 
 
+def screened_and_validated(validator, raw, seen=None):
+    """A chunk as the worker takes it: ids screened in shard order, then validated."""
+    from dagster_gpuinfer.worker.validate import screen_ids
+
+    return validator.validate(screen_ids(raw, set() if seen is None else seen))
+
+
 def test_duplicate_ids_are_caught_across_chunks_and_from_resumed_state(chat_tokenizer):
-    validator = RowValidator(
-        task="generate", tokenizer=chat_tokenizer, max_model_len=64, seen_ids={"old"}
-    )
-    first = validator.validate(chunk([(0, "x", "one"), (1, "old", "two")]))
-    second = validator.validate(chunk([(2, "x", "three")], index=1))
+    validator = RowValidator(task="generate", tokenizer=chat_tokenizer, max_model_len=64)
+    seen = {"old"}  # committed before a resume
+    first = screened_and_validated(validator, chunk([(0, "x", "one"), (1, "old", "two")]), seen)
+    second = screened_and_validated(validator, chunk([(2, "x", "three")], index=1), seen)
     assert first.ids == ["x"] and [e.error_type for e in first.errors] == ["duplicate_id"]
     assert second.ids == [] and second.errors[0].error_type == "duplicate_id"
 
@@ -113,9 +120,6 @@ def test_ids_screened_in_shard_order_keep_the_first_occurrence_across_chunks(cha
         (4, "missing_id"),
     ]
     assert (first.rows_in, second.rows_in) == (3, 3)
-    engine_side = RowValidator(
-        task="generate", tokenizer=chat_tokenizer, max_model_len=16, check_ids=False
-    )
+    engine_side = RowValidator(task="generate", tokenizer=chat_tokenizer, max_model_len=16)
     validated = [engine_side.validate(c) for c in (second, first)]  # any order
     assert [v.ids for v in validated] == [["c"], ["a", "b"]]
-    assert engine_side.seen_ids == set()

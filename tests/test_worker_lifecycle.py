@@ -147,7 +147,9 @@ def wait_gone(pid: int, seconds: float) -> bool:
 
 def test_the_pods_grace_period_leaves_room_for_the_drain():
     from dagster_gpuinfer import InferenceSpec
-    from dagster_gpuinfer.k8s.pod import K8sLauncherConfig, RunIdentity, build_worker_pod
+    from dagster_gpuinfer.k8s.config import K8sLauncherConfig
+    from dagster_gpuinfer.k8s.names import RunIdentity
+    from dagster_gpuinfer.k8s.pod import build_worker_pod
     from dagster_gpuinfer.worker.lifecycle import DEFAULT_DRAIN_GRACE_SECONDS
 
     spec = InferenceSpec.model_validate(

@@ -286,8 +286,10 @@ def test_worker_serves_its_registry_on_the_metrics_port(monkeypatch):
 def test_worker_pod_declares_the_metrics_port_and_still_validates():
     import kubernetes_validate
 
+    from dagster_gpuinfer.k8s.config import K8sLauncherConfig
     from dagster_gpuinfer.k8s.metrics_port import with_metrics_port
-    from dagster_gpuinfer.k8s.pod import K8sLauncherConfig, RunIdentity, build_worker_pod
+    from dagster_gpuinfer.k8s.names import RunIdentity
+    from dagster_gpuinfer.k8s.pod import build_worker_pod
     from dagster_gpuinfer.run_metrics import metrics_env
     from dagster_gpuinfer.spec import InferenceSpec
 

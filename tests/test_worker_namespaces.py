@@ -13,7 +13,8 @@ import yaml
 from security_support import DEPLOY, CelAdmissionPolicy, load_all
 
 from dagster_gpuinfer import InferenceSpec
-from dagster_gpuinfer.k8s.pod import RunIdentity, build_worker_pod
+from dagster_gpuinfer.k8s.names import RunIdentity
+from dagster_gpuinfer.k8s.pod import build_worker_pod
 from resources.k8s import k8s_launcher_config
 
 

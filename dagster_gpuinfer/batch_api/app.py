@@ -46,8 +46,25 @@ def batch_object(record: dict[str, Any]) -> dict[str, Any]:
             "completed": record.get("completed") or 0,
             "failed": record.get("failed") or 0,
         },
+        usage=_usage(record),
     )
     return body
+
+
+def _usage(record: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's `usage` of the rows done so far (null until the batch is first reconciled). The
+    engine's prefix-cache hits are not counted per partition, so `input_tokens_details`
+    (cached tokens) is left out rather than reported as 0; the models served have no
+    separate reasoning tokens."""
+    if record.get("input_tokens") is None:
+        return None
+    prompt, generated = record["input_tokens"], record.get("output_tokens") or 0
+    return {
+        "input_tokens": prompt,
+        "output_tokens": generated,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + generated,
+    }
 
 
 def file_object(record: dict[str, Any]) -> dict[str, Any]:

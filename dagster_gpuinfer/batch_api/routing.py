@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dagster_gpuinfer.worker.openai_batch import ENDPOINTS
+from dagster_gpuinfer.task_table import ENDPOINTS
 
 ROUTES_ENV = "GPUINFER_BATCH_ROUTES"
 _PIPELINE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -25,7 +25,7 @@ from dagster_gpuinfer.batch_api.validation import (
     DEFAULT_MAX_REQUESTS,
     validate_batch_input,
 )
-from dagster_gpuinfer.storage import partition_progress
+from dagster_gpuinfer.storage import RowCounts, partition_progress
 
 ACTIVE = ("in_progress", "cancelling", "finalizing")
 TERMINAL = ("failed", "completed", "expired", "cancelled")
@@ -256,7 +256,7 @@ class BatchService:
             return self._finalize(record, record["finalizing_to"] or "completed")
         run = self.latest_run(batch_id)
         output = self.files.output_spec(record["pipeline"])
-        committed, rows_out, rows_errored = partition_progress(output, batch_id, self.files.storage)
+        committed, counts = partition_progress(output, batch_id, self.files.storage)
         if committed:
             return self._finalize(record, "completed")
         if record["status"] == "cancelling":
@@ -266,10 +266,14 @@ class BatchService:
             return self._finalize(record, "expired")
         if run is not None and run.is_finished and not _will_retry(run):
             return self._finalize_stopped_run(record, run)
-        values = {"completed": rows_out, "failed": rows_errored}
+        values: dict[str, Any] = {
+            "completed": counts.rows_out,
+            "failed": counts.rows_errored,
+            **_usage_columns(counts),
+        }
         if run is not None and run.run_id != record["run_id"]:
             values["run_id"] = run.run_id
-        if values["completed"] != record["completed"] or values["failed"] != record["failed"]:
+        if any(values[name] != record.get(name) for name in values):
             self.store.update_batch(batch_id, when_status=("in_progress",), **values)
         return {**record, **values}
 
@@ -336,11 +340,14 @@ class BatchService:
             finalizing_at=now(),
         )
         results = self.files.batch_results(record["pipeline"], batch_id)
+        output = self.files.output_spec(record["pipeline"])
+        _, counts = partition_progress(output, batch_id, self.files.storage)
         values: dict[str, Any] = {
             "status": target,
             f"{target}_at": now(),
             "completed": results.rows_out,
             "failed": results.rows_errored,
+            **_usage_columns(counts),
             "output_file_id": self._publish(record, "output", results.output),
             "error_file_id": self._publish(record, "error", results.errors),
         }
@@ -377,3 +384,8 @@ class BatchService:
 
 def _will_retry(run: Any) -> bool:
     return run.tags.get("dagster/will_retry") == "true"
+
+
+def _usage_columns(counts: RowCounts) -> dict[str, int]:
+    """The batch's token usage columns from its partition's counts (rows done so far)."""
+    return {"input_tokens": counts.prompt_tokens, "output_tokens": counts.generated_tokens}

@@ -85,6 +85,9 @@ BATCHES = sa.Table(
     sa.Column("total", sa.Integer, nullable=False, default=0),
     sa.Column("completed", sa.Integer, nullable=False, default=0),
     sa.Column("failed", sa.Integer, nullable=False, default=0),
+    # Token usage (OpenAI's `usage`): prompt and generated tokens of the rows done so far.
+    sa.Column("input_tokens", sa.BigInteger, nullable=True),
+    sa.Column("output_tokens", sa.BigInteger, nullable=True),
     sa.Column("output_file_id", sa.String(64), nullable=True),
     sa.Column("error_file_id", sa.String(64), nullable=True),
     sa.Column("errors", sa.Text, nullable=True),
@@ -123,6 +126,7 @@ class BatchStore:
             kwargs["pool_pre_ping"] = True
         self.engine = sa.create_engine(url, **kwargs)
         METADATA.create_all(self.engine)
+        _add_missing_columns(self.engine)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -290,3 +294,24 @@ def _batch(row: Any) -> dict[str, Any]:
         if record.get(name) is not None:
             record[name] = json.loads(record[name])
     return record
+
+
+def _add_missing_columns(engine: sa.Engine) -> None:
+    """Add the nullable columns a newer version declares to tables an older one created
+    (`create_all` creates missing tables only). Columns are only ever added, never changed,
+    so this is the whole migration story; it is a no-op on an up-to-date database."""
+    inspector = sa.inspect(engine)
+    with engine.begin() as conn:
+        for table in METADATA.sorted_tables:
+            present = {column["name"] for column in inspector.get_columns(table.name)}
+            for column in table.columns:
+                if column.name in present:
+                    continue
+                if not column.nullable:
+                    raise RuntimeError(
+                        f"table {table.name} lacks the required column {column.name}; "
+                        "it was created by an incompatible version: migrate it by hand"
+                    )
+                kind = column.type.compile(dialect=engine.dialect)
+                add = f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}'
+                conn.execute(sa.text(add))

@@ -31,6 +31,12 @@ from dagster_k8s.client import DEFAULT_WAIT_TIMEOUT, DagsterKubernetesClient, Wa
 from dagster_k8s.pipes import PipesK8sClient, build_pod_body
 from dagster_k8s.utils import apply_no_proxy_env_workaround
 
+from dagster_gpuinfer.k8s.config import (
+    KUEUE_QUEUE_LABEL,
+    WORKER_CONTAINER,
+    K8sLauncherConfig,
+    PodSpecError,
+)
 from dagster_gpuinfer.k8s.failures import (
     PodFailure,
     WorkerPodFailed,
@@ -42,14 +48,8 @@ from dagster_gpuinfer.k8s.failures import (
     start_timeout_failure,
 )
 from dagster_gpuinfer.k8s.metrics_port import with_metrics_port
-from dagster_gpuinfer.k8s.pod import (
-    KUEUE_QUEUE_LABEL,
-    WORKER_CONTAINER,
-    K8sLauncherConfig,
-    PodSpecError,
-    RunIdentity,
-    build_worker_pod,
-)
+from dagster_gpuinfer.k8s.names import RunIdentity
+from dagster_gpuinfer.k8s.pod import build_worker_pod
 from dagster_gpuinfer.k8s.timing import StartObserver, start_timing_message
 from dagster_gpuinfer.spec import InferenceSpec
 

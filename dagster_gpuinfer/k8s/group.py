@@ -51,16 +51,11 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from dagster_gpuinfer.k8s.pod import (
-    LABEL_PREFIX,
-    K8sLauncherConfig,
-    PodSpecError,
-    RunIdentity,
-    build_worker_pod,
-    dns_label,
-    worker_pod_name,
-)
-from dagster_gpuinfer.spec import POOLING_TASKS, InferenceSpec
+from dagster_gpuinfer.k8s.config import LABEL_PREFIX, K8sLauncherConfig, PodSpecError
+from dagster_gpuinfer.k8s.names import RunIdentity, dns_label, worker_pod_name
+from dagster_gpuinfer.k8s.pod import build_worker_pod
+from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.task_table import task_facts
 from dagster_gpuinfer.worker.follower import FOLLOWER_MODULE
 
 POD_GROUP_NAME_LABEL = "kueue.x-k8s.io/pod-group-name"
@@ -128,8 +123,8 @@ def follower_engine_args(spec: InferenceSpec) -> dict[str, Any]:
     """The `vllm.LLM` keyword arguments the followers build their part of the engine with:
     the leader's (`worker.engine.engine_kwargs`) minus the ones each node sets itself."""
     kwargs = spec.engine.to_vllm_kwargs()
-    if spec.task in POOLING_TASKS:
-        kwargs["runner"] = "pooling"
+    if task_facts(spec.task).pooling:
+        kwargs["runner"] = task_facts(spec.task).runner
     return kwargs
 
 

@@ -36,10 +36,11 @@ from dagster_gpuinfer.k8s.client import (
     read_log_tail,
     read_pod,
 )
+from dagster_gpuinfer.k8s.config import K8sLauncherConfig, PodSpecError
 from dagster_gpuinfer.k8s.failures import PodFailure, WorkerPodFailed, last_error_lines
 from dagster_gpuinfer.k8s.group import GroupConfig, WorkerGroup, build_worker_group
 from dagster_gpuinfer.k8s.metrics_port import with_metrics_port
-from dagster_gpuinfer.k8s.pod import K8sLauncherConfig, PodSpecError, RunIdentity
+from dagster_gpuinfer.k8s.names import RunIdentity
 from dagster_gpuinfer.k8s.timing import start_timing_message
 from dagster_gpuinfer.spec import InferenceSpec
 
@@ -61,19 +62,24 @@ class FollowerWatch:
         self.lost: PodFailure | None = None
 
     def check(self) -> None:
+        """On the first follower found lost, note it and delete the leader."""
         if self.lost is not None:
             return
+        self.lost = self.find_lost()
+        if self.lost is not None:
+            leader = self.group.leader["metadata"]["name"]
+            log.warning("%s; deleting the leader %s", self.lost.message, leader)
+            delete_pod(self.client, name=leader, namespace=self.namespace)
+
+    def find_lost(self) -> PodFailure | None:
+        """The first follower that is gone or Failed, read now (nothing is deleted)."""
         for follower in self.group.followers:
             name = follower["metadata"]["name"]
             pod = read_pod(self.client, name=name, namespace=self.namespace)
             phase = None if pod is None else getattr(pod.status, "phase", None)
-            if pod is not None and phase != "Failed":
-                continue
-            self.lost = self._failure(name, pod)
-            leader = self.group.leader["metadata"]["name"]
-            log.warning("%s; deleting the leader %s", self.lost.message, leader)
-            delete_pod(self.client, name=leader, namespace=self.namespace)
-            return
+            if pod is None or phase == "Failed":
+                return self._failure(name, pod)
+        return None
 
     def _failure(self, name: str, pod: Any) -> PodFailure:
         rank = self.group.followers.index(
@@ -211,8 +217,12 @@ def run_k8s_group(
         create_group_members(cluster, group)
         invocation = client.run_worker_pod(context=context, extras=extras, pod=group.leader)
     except WorkerPodFailed as exc:
-        if watch.lost is not None:
-            raise failure_for(watch.lost) from None
+        # A rank lost between two polls usually takes the leader down first (its collective
+        # breaks: gloo "Connection reset by peer"); the root cause is the follower, so it is
+        # read once more before the leader's own failure is reported.
+        lost = watch.lost or watch.find_lost()
+        if lost is not None:
+            raise failure_for(lost) from None
         if exc.failure.kind == "out_of_memory":
             raise
         raise failure_for(exc.failure) from None

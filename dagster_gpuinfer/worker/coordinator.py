@@ -39,15 +39,15 @@ from dagster_gpuinfer.storage import (
     RowCounts,
     read_chunk_markers,
 )
-from dagster_gpuinfer.worker.errors import ShardError
-from dagster_gpuinfer.worker.metrics import current_metrics
-from dagster_gpuinfer.worker.readers import ShardReader
-from dagster_gpuinfer.worker.shard import (
+from dagster_gpuinfer.worker.commit import (
+    PartitionOutput,
     PartitionTimes,
-    ShardLocation,
     commit_chunks,
     committed_ids,
 )
+from dagster_gpuinfer.worker.errors import ShardError
+from dagster_gpuinfer.worker.metrics import current_metrics
+from dagster_gpuinfer.worker.readers import ShardReader
 from dagster_gpuinfer.worker.stream import ChunkCommitted, WorkChunk
 from dagster_gpuinfer.worker.validate import screen_ids
 
@@ -58,7 +58,7 @@ POLL_SECONDS = 0.2
 
 @dataclass
 class _PartitionRun:
-    where: ShardLocation
+    where: PartitionOutput
     attempt: str
     markers: dict[int, ChunkMarker]
     rows_resumed: int
@@ -196,7 +196,7 @@ class RunCoordinator:
                 self.put(None)
 
     def _feed_partition(self, key: str) -> None:
-        where = ShardLocation.of(self.spec, key)
+        where = PartitionOutput.of(self.spec, key)
         try:
             existing = where.committed()
             if existing is not None:

@@ -16,11 +16,13 @@ from typing import Any
 import numpy as np
 
 from dagster_gpuinfer.out_of_memory import memory_problem
-from dagster_gpuinfer.spec import POOLING_TASKS, InferenceSpec
+from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.task_table import task_facts
 from dagster_gpuinfer.worker.completions import choices_of
 from dagster_gpuinfer.worker.errors import SpecError
 from dagster_gpuinfer.worker.lifecycle import EngineWatch, engine_processes_started_by
 from dagster_gpuinfer.worker.metrics import current_metrics
+from dagster_gpuinfer.worker.tasks import worker_task
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 
@@ -61,7 +63,7 @@ class ChunkResult:
         """The columns of a chunk from vLLM's finished outputs, in input order.
 
         Args:
-            task: The spec's task.
+            task: The spec's task: pooling tasks give embeddings, the others choices.
             outputs: `RequestOutput` per row for generate and chat; `PoolingRequestOutput`
                 per prompt for embed (a row whose input is a list has several, see
                 `ValidChunk.spans`).
@@ -69,7 +71,7 @@ class ChunkResult:
             requests: Each row's `request_params.RowRequest` (its `top_logprobs`); None: no
                 row asked for logprobs.
         """
-        if task == "embed":
+        if task_facts(task).pooling:
             if outputs:
                 embeddings = np.stack(
                     [np.asarray(o.outputs.data, dtype=np.float32) for o in outputs]
@@ -122,8 +124,8 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
         kwargs["pipeline_parallel_size"] = spec.pipeline_parallel_size
     if spec.nodes > 1:
         kwargs.update(leader_kwargs(spec))
-    if spec.task in POOLING_TASKS:
-        kwargs["runner"] = "pooling"
+    if task_facts(spec.task).pooling:
+        kwargs["runner"] = task_facts(spec.task).runner
     kwargs.setdefault(
         "disable_log_stats", False
     )  # vLLM's own Prometheus metrics: worker/metrics.py
@@ -137,7 +139,7 @@ def with_compact_json(spec: InferenceSpec, kwargs: dict[str, Any]) -> dict[str, 
     xgrammar or guidance backend, so the default is xgrammar (a row asking for what xgrammar
     cannot do is refused for that row at parameter time). Opt out with engine.extra
     `structured_outputs_config={"disable_any_whitespace": False}` (or another backend)."""
-    if spec.task in POOLING_TASKS:
+    if task_facts(spec.task).pooling:
         return kwargs
     config = kwargs.get("structured_outputs_config")
     if config is None:
@@ -181,16 +183,6 @@ def leader_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     }
 
 
-def prefix_order(token_ids: list[list[int]]) -> list[int]:
-    """Row positions sorted by their token ids, so rows sharing a prompt prefix are adjacent.
-
-    Sorting token-id lists lexicographically puts every group of prompts with a common
-    header (system prompt, few-shot examples) next to each other, longest shared prefixes
-    closest, which is the order in which vLLM's prefix cache serves them best.
-    """
-    return sorted(range(len(token_ids)), key=token_ids.__getitem__)
-
-
 class InferenceEngine:
     """A vLLM engine configured from the spec, fed one request at a time.
 
@@ -210,10 +202,11 @@ class InferenceEngine:
     def __init__(self, spec: InferenceSpec) -> None:
         check_model_dir(spec)
         started = time.perf_counter()  # the build counts vllm's import (seconds, once)
-        from vllm import LLM, PoolingParams
+        from vllm import LLM
         from vllm.sampling_params import RequestOutputKind
 
         self.spec = spec
+        self.task = worker_task(spec.task)
         kwargs = with_compact_json(spec, engine_kwargs(spec))
         model = os.path.expanduser(spec.model.removeprefix("file://"))
         try:
@@ -241,21 +234,9 @@ class InferenceEngine:
             spec.max_requests_in_flight or self.WINDOW_PER_MAX_NUM_SEQS * self.max_num_seqs
         )
         self.requests = request_builder(spec, self.llm)
-        # score and classify run whole chunks through `LLM.score` / `LLM.classify`
-        # (`pooling_tasks`); embed, generate and chat stream requests through `submit`.
-        self.default_params: Any = None
-        if spec.task == "embed":
-            self.default_params = PoolingParams(task="embed")
-        elif spec.task not in POOLING_TASKS:
-            from dagster_gpuinfer.worker.request_params import ParameterError
-
-            try:
-                self.default_params = self.requests.build(None).sampling
-            except ParameterError as exc:
-                self.shutdown()
-                raise SpecError(f"the pipeline's sampling parameters: {exc}") from None
-            # Only the finished output of each request comes back (as in `LLM.generate`).
-            self.default_params.output_kind = RequestOutputKind.FINAL_ONLY
+        # Tasks that stream (`facts.streams`) submit requests with these defaults; score and
+        # classify run whole chunks through `LLM.score` / `LLM.classify` (`run_chunk`).
+        self.default_params: Any = self.task.default_params(self)
         self._final_only = RequestOutputKind.FINAL_ONLY
         # Sequences in flight by request: a row asking for `n` completions is n sequences to
         # the engine's batch, so the window counts them, not rows.
@@ -289,7 +270,7 @@ class InferenceEngine:
         """
         if params is None:
             params = self.default_params
-        elif self.spec.task != "embed":
+        elif self.task.facts.samples:
             params.output_kind = self._final_only
         try:
             self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
@@ -312,43 +293,6 @@ class InferenceEngine:
                 self._sequences -= self._in_flight.pop(output.request_id, 0)
                 finished.append((output.request_id, output))
         return finished
-
-    def run(
-        self,
-        token_ids: list[list[int]],
-        requests: list[Any] | None = None,
-        *,
-        group_prefixes: bool = True,
-    ) -> ChunkResult:
-        """Run the task (embed, generate, chat) over pre-tokenized prompts until all are
-        done; results in the same order. One barrier for the whole list: the worker streams
-        instead; the benchmark uses this to compare row orders.
-
-        `requests[i]` (a `request_params.RowRequest`) carries row i's own sampling parameters
-        and logprobs; without them every row runs the pipeline's defaults.
-        """
-        started = time.perf_counter()
-        order = (
-            prefix_order(token_ids)
-            if group_prefixes and self.spec.task != "embed"
-            else list(range(len(token_ids)))
-        )
-        outputs: list[Any] = [None] * len(token_ids)
-        pending = iter(order)
-        done = 0
-        while done < len(token_ids):
-            while self.in_flight < self.window:
-                position = next(pending, None)
-                if position is None:
-                    break
-                params = requests[position].sampling if requests is not None else None
-                self.submit(f"run-{position}", token_ids[position], params)
-            for request_id, output in self.step():
-                outputs[int(request_id.removeprefix("run-"))] = output
-                done += 1
-        return ChunkResult.from_outputs(
-            self.spec.task, outputs, time.perf_counter() - started, requests
-        )
 
     def shutdown(self) -> None:
         """Stop the engine's processes now; left to garbage collection they can hang at exit.
@@ -383,7 +327,7 @@ def request_builder(spec: InferenceSpec, llm: Any) -> Any:
             tokenizer,
         )
 
-    defaults = spec.sampling.to_vllm_kwargs() if spec.task not in POOLING_TASKS else {}
+    defaults = spec.sampling.to_vllm_kwargs() if task_facts(spec.task).samples else {}
     return RequestBuilder(task=spec.task, defaults=defaults, verify=verify, limits=spec.limits)
 
 

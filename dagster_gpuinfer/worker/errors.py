@@ -52,9 +52,17 @@ class Drained(Exception):
     fix, and not a crash of the work: a rerun resumes from the committed chunks)."""
 
 
+# How every row error ends that is not about a row kept instead (`duplicate_id`).
+QUARANTINED = "the row was quarantined"
+
+
 @dataclass(frozen=True)
 class RowError:
-    """One quarantined input row: which row, why, and what to do."""
+    """One quarantined input row: which row, why, and what to do.
+
+    Build it with `RowError.quarantined(...)`, which words the quarantine once; the plain
+    constructor takes the message as it is.
+    """
 
     id: str | None
     source: str
@@ -62,6 +70,21 @@ class RowError:
     error_type: str
     message: str
     prompt_tokens: int | None = None
+
+    @classmethod
+    def quarantined(
+        cls,
+        id: str | None,
+        source: str,
+        row: int,
+        error_type: str,
+        reason: str,
+        *,
+        prompt_tokens: int | None = None,
+    ) -> RowError:
+        """The row's error with `reason` (which row, what is wrong, what to do) followed by
+        "; the row was quarantined"."""
+        return cls(id, source, row, error_type, f"{reason}; {QUARANTINED}", prompt_tokens)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "message", cap_message(self.message))

@@ -324,31 +324,36 @@ def visible_gpu_ids() -> list[str]:
 
 
 def plan_replica_env(
-    *, replicas: int, tensor_parallel_size: int, device: str, gpu_ids: list[str], cpu_ids: list[int]
+    *,
+    replicas: int,
+    tensor_parallel_size: int,
+    device: str,
+    gpu_ids: list[str],
+    cpu_ids: list[int],
+    pipeline_parallel_size: int = 1,
 ) -> list[dict[str, str]]:
     """The environment of each replica: which GPUs, or which CPU cores, it may use.
 
-    A pure function: GPU replica i gets GPUs [i*tp, (i+1)*tp) of the visible ones; CPU
-    replicas split the cores (vLLM's `VLLM_CPU_OMP_THREADS_BIND`, one range per TP rank
-    separated by `|`), sharing cores round-robin when there are fewer cores than ranks.
+    A pure function. A replica's engine has tp x pp ranks (`per`): GPU replica i gets GPUs
+    [i*per, (i+1)*per) of the visible ones; CPU replicas split the cores (vLLM's
+    `VLLM_CPU_OMP_THREADS_BIND`, one range per rank separated by `|`), sharing cores
+    round-robin when there are fewer cores than ranks.
 
     Raises:
-        SpecError: a GPU worker sees fewer GPUs than replicas x tensor_parallel_size.
+        SpecError: a GPU worker sees fewer GPUs than replicas x tp x pp.
     """
-    ranks = replicas * tensor_parallel_size
+    per = tensor_parallel_size * pipeline_parallel_size
+    ranks = replicas * per
     if device == "cuda":
         if len(gpu_ids) < ranks:
             raise SpecError(
-                f"replicas={replicas} x tensor_parallel_size={tensor_parallel_size} needs "
-                f"{ranks} GPUs but this worker sees {len(gpu_ids)} ({','.join(gpu_ids) or 'none'}"
-                "). Lower replicas or tensor_parallel_size, or request more GPUs per pod"
+                f"replicas={replicas} x tensor_parallel_size={tensor_parallel_size} x "
+                f"pipeline_parallel_size={pipeline_parallel_size} needs {ranks} GPUs but this "
+                f"worker sees {len(gpu_ids)} ({','.join(gpu_ids) or 'none'}). Lower replicas, "
+                "tensor_parallel_size or pipeline_parallel_size, or request more GPUs per pod"
             )
         return [
-            {
-                "CUDA_VISIBLE_DEVICES": ",".join(
-                    gpu_ids[i * tensor_parallel_size : (i + 1) * tensor_parallel_size]
-                )
-            }
+            {"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids[i * per : (i + 1) * per])}
             for i in range(replicas)
         ]
     cores = sorted(cpu_ids)
@@ -359,7 +364,7 @@ def plan_replica_env(
         groups = [[cores[r % len(cores)]] for r in range(ranks)]
     envs = []
     for i in range(replicas):
-        rank_groups = groups[i * tensor_parallel_size : (i + 1) * tensor_parallel_size]
+        rank_groups = groups[i * per : (i + 1) * per]
         bind = "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in rank_groups)
         envs.append({"VLLM_CPU_OMP_THREADS_BIND": bind})
     return envs
@@ -479,6 +484,7 @@ def start_replica_processes(spec: InferenceSpec, replicas: int) -> tuple[list[An
     envs = plan_replica_env(
         replicas=replicas,
         tensor_parallel_size=spec.tensor_parallel_size,
+        pipeline_parallel_size=spec.pipeline_parallel_size,
         device=device,
         gpu_ids=visible_gpu_ids() if device == "cuda" else [],
         cpu_ids=sorted(os.sched_getaffinity(0)),

@@ -32,7 +32,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
 
-from dagster_gpuinfer.spec import POOLING_TASKS
+from dagster_gpuinfer.task_table import task_facts
 from dagster_gpuinfer.worker.telemetry import (
     NOT_AVAILABLE,
     Sample,
@@ -350,7 +350,7 @@ class WorkerMetrics:
 
     def serves_task(self, task: str) -> None:
         """Say which task the engine serves: pooling tasks read saturation another way."""
-        self.sampler.pooling = task in POOLING_TASKS
+        self.sampler.pooling = task_facts(task).pooling
 
     def model_loaded(self, seconds: float, *, max_num_seqs: int | None) -> None:
         self.load_seconds.labels(**self.run_labels).set(seconds)

@@ -15,17 +15,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# Which endpoint serves which task, and which body field carries the input.
-ENDPOINTS: dict[str, tuple[str, str]] = {
-    "/v1/embeddings": ("embed", "input"),
-    "/v1/completions": ("generate", "prompt"),
-    "/v1/chat/completions": ("chat", "messages"),
-    "/v1/score": ("score", "text_1"),
-    "/score": ("score", "text_1"),
-    "/v1/rerank": ("score", "query"),
-    "/rerank": ("score", "query"),
-    "/v2/rerank": ("score", "query"),
-}
+from dagster_gpuinfer.task_table import ENDPOINTS as TASK_ENDPOINTS
+
+# Which endpoint serves which task, and which body field carries the input (from the task
+# table: each task lists its endpoints).
+ENDPOINTS = TASK_ENDPOINTS
 
 
 class BatchRequestLine(BaseModel):

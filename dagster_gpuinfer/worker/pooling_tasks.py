@@ -123,10 +123,3 @@ def model_labels(llm: Any) -> dict[int, str]:
     """The model's label names by index (`id2label` of its Hugging Face config)."""
     config = llm.llm_engine.model_config.hf_config
     return {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
-
-
-def run_pooling_chunk(engine: Any, task: str, valid: Any) -> PoolingResult:
-    """Run one validated chunk of a `score` or `classify` pipeline on `engine.llm`."""
-    if task == "score":
-        return run_score(engine.llm, valid.pairs, valid.pair_tokens)
-    return run_classify(engine.llm, valid.token_ids, model_labels(engine.llm))

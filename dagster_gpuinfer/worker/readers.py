@@ -36,6 +36,7 @@ from dagster_gpuinfer.storage import display_uri, filesystem_for
 from dagster_gpuinfer.worker.errors import RowError, ShardError, cap_message
 from dagster_gpuinfer.worker.openai_batch import ENDPOINTS as OPENAI_ENDPOINTS
 from dagster_gpuinfer.worker.openai_batch import BatchRequestLine
+from dagster_gpuinfer.worker.tasks import worker_task
 
 # Body fields that carry a score/rerank request's input (the rest are parameters).
 SCORE_BODY_FIELDS = frozenset(
@@ -96,9 +97,9 @@ class ShardReader:
         self.range = spec.input.shard_range(partition_key)
         self.fs, self.path = filesystem_for(self.uri, spec.storage)
         self.source = display_uri(self.fs, self.path) + (self.range.suffix() if self.range else "")
-        self.payload_column = (
-            spec.input.messages_column if spec.task == "chat" else spec.input.text_column
-        )
+        self.task = worker_task(spec.task)
+        # The columns carrying the payload; several (score: text and pair) zip into tuples.
+        self.payload_columns = self.task.payload_columns(spec.input)
 
     # ------------------------------------------------------------------ preflight
 
@@ -132,9 +133,7 @@ class ShardReader:
             self._preflight_jsonl()
 
     def _required_columns(self) -> list[str]:
-        columns = [self.payload_column]
-        if self.spec.task == "score":
-            columns.append(self.spec.input.text_pair_column)
+        columns = list(self.payload_columns)
         if self.spec.input.params_column:
             columns.append(self.spec.input.params_column)
         if self.spec.input.id_column:
@@ -145,8 +144,7 @@ class ShardReader:
         return ShardError(
             f"shard {self.source} has no column {', '.join(repr(m) for m in missing)} "
             f"(columns: {', '.join(present) or 'none'}). Set input.id_column / "
-            f"input.{'messages' if self.spec.task == 'chat' else 'text'}_column"
-            f"{' / input.text_pair_column' if self.spec.task == 'score' else ''}"
+            f"{' / '.join(f'input.{setting}' for setting in self.task.payload_settings)}"
             f"{' / input.params_column' if self.spec.input.params_column else ''} to the "
             "right names",
             partition_key=self.partition_key,
@@ -256,10 +254,8 @@ class ShardReader:
     def _parquet_chunk(
         self, index: int, first_row: int, table: pa.Table, id_column: str | None
     ) -> RawChunk:
-        payloads = table.column(self.payload_column).to_pylist()
-        if self.spec.task == "score":
-            pairs = table.column(self.spec.input.text_pair_column).to_pylist()
-            payloads = list(zip(payloads, pairs, strict=True))
+        columns = [table.column(name).to_pylist() for name in self.payload_columns]
+        payloads = columns[0] if len(columns) == 1 else list(zip(*columns, strict=True))
         if id_column:
             ids = [None if v is None else str(v) for v in table.column(id_column).to_pylist()]
         else:
@@ -363,14 +359,13 @@ class ShardReader:
             try:
                 parsed = self._parse_line(row, line)
             except Exception as exc:  # the row boundary: nothing in one line fails the shard
-                parsed = RowError(
+                parsed = RowError.quarantined(
                     None,
                     self.source,
                     row,
                     "invalid_request",
                     f"{self.source} line {row + 1}: could not be read "
-                    f"({type(exc).__name__}: {cap_message(str(exc), 200)}); the row was "
-                    "quarantined",
+                    f"({type(exc).__name__}: {cap_message(str(exc), 200)})",
                 )
             if isinstance(parsed, RowError):
                 chunk.errors.append(parsed)
@@ -385,25 +380,24 @@ class ShardReader:
     def _parse_line(self, row: int, line: bytes) -> tuple[Any, ...] | RowError:
         limits = self.spec.limits
         if len(line) > limits.max_line_bytes:
-            return RowError(
+            return RowError.quarantined(
                 self._custom_id_near_start(line),
                 self.source,
                 row,
                 "line_too_long",
                 f"{self.source} line {row + 1}: more than "
                 f"limits.max_line_bytes={limits.max_line_bytes} bytes; shorten the line or raise "
-                "the pipeline's limits.max_line_bytes; the row was quarantined",
+                "the pipeline's limits.max_line_bytes",
             )
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as exc:
-            return RowError(
+            return RowError.quarantined(
                 None,
                 self.source,
                 row,
                 "invalid_utf8",
-                f"{self.source} line {row + 1}: not valid UTF-8 ({exc.reason} at byte "
-                f"{exc.start}); the row was quarantined",
+                f"{self.source} line {row + 1}: not valid UTF-8 ({exc.reason} at byte {exc.start})",
             )
         try:
             record = json.loads(text)
@@ -411,41 +405,39 @@ class ShardReader:
             record = None
             too_deep = True
         except ValueError as exc:
-            return RowError(
+            return RowError.quarantined(
                 None,
                 self.source,
                 row,
                 "invalid_json",
-                f"{self.source} line {row + 1}: not valid JSON ({exc}); the row was quarantined",
+                f"{self.source} line {row + 1}: not valid JSON ({exc})",
             )
         else:
             too_deep = json_depth_exceeds(record, limits.max_json_depth)
         if too_deep:
-            return RowError(
+            return RowError.quarantined(
                 self._custom_id_near_start(line),
                 self.source,
                 row,
                 "too_deep",
                 f"{self.source} line {row + 1}: JSON nested deeper than "
                 f"limits.max_json_depth={limits.max_json_depth} levels; flatten it or raise "
-                "the pipeline's limits.max_json_depth; the row was quarantined",
+                "the pipeline's limits.max_json_depth",
             )
         if not isinstance(record, dict):
-            return RowError(
+            return RowError.quarantined(
                 None,
                 self.source,
                 row,
                 "invalid_json",
-                f"{self.source} line {row + 1}: a JSON {type(record).__name__}, not an object; "
-                "the row was quarantined",
+                f"{self.source} line {row + 1}: a JSON {type(record).__name__}, not an object",
             )
         if self.format == "openai_batch":
             return self._parse_openai_request(row, record)
         id_column = self.spec.input.id_column
         row_id = self._default_id(row) if id_column is None else record.get(id_column)
-        payload = record.get(self.payload_column)
-        if self.spec.task == "score":
-            payload = (payload, record.get(self.spec.input.text_pair_column))
+        values = tuple(record.get(name) for name in self.payload_columns)
+        payload = values[0] if len(values) == 1 else values
         params_column = self.spec.input.params_column
         params = record.get(params_column) if params_column else None
         return (row, None if row_id is None else str(row_id), payload, params)
@@ -469,70 +461,76 @@ class ShardReader:
         url = record.get("url")
         body = record.get("body")
         if row_id is None:
-            return RowError(
+            return RowError.quarantined(
                 None,
                 self.source,
                 row,
                 "missing_id",
                 f"{self.source} line {row + 1}: no custom_id; every OpenAI batch line needs a "
-                "non-empty custom_id; the row was quarantined",
+                "non-empty custom_id",
             )
         try:
             BatchRequestLine.model_validate(record)
         except ValidationError as exc:
             error = exc.errors(include_input=False)[0]
             where = ".".join(str(p) for p in error["loc"]) or "line"
-            return RowError(
+            return RowError.quarantined(
                 row_id,
                 self.source,
                 row,
                 "invalid_request",
                 f"{self.source} line {row + 1}: not an OpenAI batch request line: {where}: "
-                f"{error['msg']}; the row was quarantined",
+                f"{error['msg']}",
             )
         endpoint = OPENAI_ENDPOINTS.get(url) if isinstance(url, str) else None
         if endpoint is None:
-            return RowError(
+            return RowError.quarantined(
                 row_id,
                 self.source,
                 row,
                 "unsupported_url",
                 f"{self.source} line {row + 1}: url {url!r} is not supported; use one of "
-                f"{', '.join(OPENAI_ENDPOINTS)}; the row was quarantined",
+                f"{', '.join(OPENAI_ENDPOINTS)}",
             )
-        task, body_field = endpoint
-        if task != self.spec.task:
-            return RowError(
+        if url not in self.task.facts.endpoints:
+            return RowError.quarantined(
                 row_id,
                 self.source,
                 row,
                 "unsupported_url",
-                f"{self.source} line {row + 1}: url {url} asks for task {task!r} but this "
-                f"pipeline runs {self.spec.task!r}; the row was quarantined",
+                f"{self.source} line {row + 1}: url {url} asks for task {endpoint[0]!r} but "
+                f"this pipeline runs {self.spec.task!r}",
             )
-        if task == "score":
-            if not isinstance(body, dict) or not SCORE_BODY_FIELDS & set(body):
-                return RowError(
-                    row_id,
-                    self.source,
-                    row,
-                    "invalid_request",
-                    f"{self.source} line {row + 1}: body has neither text_1/text_2 (score) nor "
-                    "query/documents (rerank); the row was quarantined",
-                )
-            payload = {k: v for k, v in body.items() if k in SCORE_BODY_FIELDS}
-            if url.endswith("rerank") and "query" not in payload:
-                payload["query"] = None
-            params = {k: v for k, v in body.items() if k not in SCORE_BODY_FIELDS}
-            return (row, row_id, payload, params)
-        if not isinstance(body, dict) or body_field not in body:
-            return RowError(
+        return self.task.openai_request(self, row, row_id, url, body)
+
+    def score_request(self, row: int, row_id: str, url: str, body: Any) -> Any:
+        """A score or rerank line's pairs (`pooling_tasks.parse_score_payload` reads them)
+        and its parameters, or the `RowError` of a body with no pairs."""
+        if not isinstance(body, dict) or not SCORE_BODY_FIELDS & set(body):
+            return RowError.quarantined(
                 row_id,
                 self.source,
                 row,
                 "invalid_request",
-                f"{self.source} line {row + 1}: body has no {body_field!r}; the row was "
-                "quarantined",
+                f"{self.source} line {row + 1}: body has neither text_1/text_2 (score) nor "
+                "query/documents (rerank)",
+            )
+        payload = {k: v for k, v in body.items() if k in SCORE_BODY_FIELDS}
+        if url.endswith("rerank") and "query" not in payload:
+            payload["query"] = None
+        params = {k: v for k, v in body.items() if k not in SCORE_BODY_FIELDS}
+        return (row, row_id, payload, params)
+
+    def body_field_request(self, row: int, row_id: str, body: Any, body_field: str) -> Any:
+        """A line's input (its body's `body_field`) and the rest of the body as parameters,
+        or the `RowError` of a body without it."""
+        if not isinstance(body, dict) or body_field not in body:
+            return RowError.quarantined(
+                row_id,
+                self.source,
+                row,
+                "invalid_request",
+                f"{self.source} line {row + 1}: body has no {body_field!r}",
             )
         params = {k: v for k, v in body.items() if k != body_field}
         return (row, row_id, body[body_field], params)

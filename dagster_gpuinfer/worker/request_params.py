@@ -3,8 +3,9 @@
 An OpenAI Batch line's `body` (minus its input field) and the `input.params_column` of a
 Parquet/JSONL row go through the same rules:
 
-- A key the platform honours (`REQUEST_KEYS`) overrides the pipeline's default
-  (`InferenceSpec.sampling`) for that row only; keys a row leaves out keep the default.
+- A key the platform honours (the task's `request_keys`, `worker.tasks`) overrides the
+  pipeline's default (`InferenceSpec.sampling`) for that row only; keys a row leaves out
+  keep the default.
 - A key it does not honour (`tools`, `stream: true`, a legacy `guided_json`, a typo) quarantines
   the row as `unsupported_parameter`, naming the key: nothing is silently dropped (vLLM issue
   #53975 was a `guided_json` accepted and ignored).
@@ -74,14 +75,6 @@ EMBEDDING_KEYS = frozenset({"encoding_format"})
 SCORE_KEYS = frozenset({"top_n", "return_documents"})
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-REQUEST_KEYS: dict[str, frozenset[str]] = {
-    "generate": GENERATION_KEYS,
-    "chat": GENERATION_KEYS,
-    "embed": EMBEDDING_KEYS,
-    "score": SCORE_KEYS,
-    "classify": frozenset(),
-}
 
 
 class ParameterError(Exception):
@@ -214,7 +207,11 @@ class RequestBuilder:
         verify: Any = None,
         limits: RowLimits | None = None,
     ) -> None:
+        # The task table's worker half imports this module: look the task up at build time.
+        from dagster_gpuinfer.worker.tasks import worker_task
+
         self.task = task
+        self.worker_task = worker_task(task)
         self.defaults = dict(defaults)
         self.verify = verify
         self.limits = limits or RowLimits()
@@ -250,7 +247,7 @@ class RequestBuilder:
         params = {
             k: v for k, v in (params or {}).items() if k not in NEUTRAL_KEYS and v is not None
         }
-        allowed = REQUEST_KEYS.get(self.task, frozenset())
+        allowed = self.worker_task.request_keys
         for key in params:
             if key not in allowed:
                 hint = (
@@ -263,22 +260,16 @@ class RequestBuilder:
                     key,
                     f"parameter {key!r} is not supported{hint}",
                 )
-        if self.task == "embed":
-            _typed(EmbeddingParams, params)
-            return RowRequest()
-        if self.task == "score":
-            typed = _typed(ScoreParams, params)
-            return RowRequest(
-                top_n=typed.top_n or None,
-                return_documents=True if typed.return_documents is None else typed.return_documents,
-            )
-        if self.task == "classify":
-            return RowRequest()
+        return self.worker_task.request(self, params)
+
+    def generation_request(self, params: dict[str, Any]) -> RowRequest:
+        """A generating row's request: the pipeline's sampling defaults, the row's keys over
+        them (the default request is built once and shared)."""
         if not params and self._default_request is not None:
             return self._default_request
         for key, value in params.items():
             _check_numbers(key, value)
-        request = self._generation_request(_typed(GenerationParams, params), set(params))
+        request = self._generation_request(typed_params(GenerationParams, params), set(params))
         if not params:
             self._default_request = request
         return request
@@ -450,7 +441,8 @@ def _constraint_of(
     return StructuredOutputs.model_validate({"json": response_format.json_schema.json_schema})
 
 
-def _typed(model: type[BaseModel], params: dict[str, Any]) -> Any:
+def typed_params(model: type[BaseModel], params: dict[str, Any]) -> Any:
+    """`params` validated as `model`; a wrong value is the row's `invalid_parameter`."""
     try:
         return model.model_validate(params)
     except ValidationError as exc:

@@ -20,7 +20,7 @@ an embeddings row whose input is a list submits one request per element.
 
 Every task goes through the one loop (`EngineLoop`). Tasks `score` and `classify` go through
 it behind `WholeChunks`, an engine whose one request is a whole chunk, run by one
-`LLM.score` / `LLM.classify` call (`pooling_tasks.run_pooling_chunk`), since vLLM's offline
+`LLM.score` / `LLM.classify` call (`tasks.WorkerTask.run_chunk`), since vLLM's offline
 scoring pairs, tokenizes and batches inside that call; reading ahead, writing behind, stopping
 and failing are the same code for every task.
 
@@ -41,14 +41,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dagster_gpuinfer.spec import POOLING_TASKS, InferenceSpec
+from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import ChunkMarker
+from dagster_gpuinfer.task_table import task_facts
+from dagster_gpuinfer.worker.commit import PartitionOutput, write_chunk
 from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine, RequestRejected
 from dagster_gpuinfer.worker.engine_time import EngineTimeShares
 from dagster_gpuinfer.worker.metrics import current_metrics
-from dagster_gpuinfer.worker.pooling_tasks import run_pooling_chunk
 from dagster_gpuinfer.worker.readers import RawChunk
-from dagster_gpuinfer.worker.shard import ShardLocation, write_chunk
+from dagster_gpuinfer.worker.tasks import WorkerTask, worker_task
 from dagster_gpuinfer.worker.validate import RowValidator, ValidChunk
 
 log = logging.getLogger("dagster_gpuinfer.worker")
@@ -178,12 +179,12 @@ class EngineLoop:
             task=spec.task,
             tokenizer=engine.tokenizer,
             max_model_len=engine.max_model_len,
-            check_ids=False,
             requests=engine.requests,
             limits=spec.limits,
         )
-        if spec.task in ("score", "classify"):
-            engine = WholeChunks(engine, spec.task)
+        task = worker_task(spec.task)
+        if not task.facts.streams:
+            engine = WholeChunks(engine, task)
         # One chunk prepared ahead of the rows waiting: each engine holds at most its window
         # in flight, a window (or a chunk) waiting, and two chunks in preparation, so engines
         # that share a queue share its chunks, and memory is bounded by the window.
@@ -251,7 +252,7 @@ class EngineLoop:
 
     def _write(self) -> None:
         """The writer thread: each finished chunk's part file, errors and marker, in turn."""
-        locations: dict[str, ShardLocation] = {}
+        locations: dict[str, PartitionOutput] = {}
         while True:
             try:
                 item = self.finished.get(timeout=POLL_SECONDS)
@@ -263,13 +264,13 @@ class EngineLoop:
                 return
             key = item.work.partition_key
             where = locations.get(key) or locations.setdefault(
-                key, ShardLocation.of(self.spec, key)
+                key, PartitionOutput.of(self.spec, key)
             )
             marker = _write_chunk(self.spec, where, item)
             self.committed(ChunkCommitted(partition_key=key, marker=marker, replica=self.replica))
 
 
-def _write_chunk(spec: InferenceSpec, where: ShardLocation, item: _ChunkInFlight) -> ChunkMarker:
+def _write_chunk(spec: InferenceSpec, where: PartitionOutput, item: _ChunkInFlight) -> ChunkMarker:
     """Write one finished chunk (part file, errors, then its marker); returns the marker."""
     result, valid = item.result, item.valid
     if result is None:
@@ -292,13 +293,13 @@ def _write_chunk(spec: InferenceSpec, where: ShardLocation, item: _ChunkInFlight
 class WholeChunks:
     """score / classify behind the loop's submit/step surface: one request is one whole
     chunk, run in `step` by one `LLM.score` / `LLM.classify` call
-    (`pooling_tasks.run_pooling_chunk`): vLLM's offline scoring pairs, tokenizes and batches
+    (the task's `WorkerTask.run_chunk`): vLLM's offline scoring pairs, tokenizes and batches
     inside that call. One chunk is in flight at a time, the next prepared behind it."""
 
     window = 1
     max_num_seqs = 1
 
-    def __init__(self, engine: Any, task: str) -> None:
+    def __init__(self, engine: Any, task: WorkerTask) -> None:
         self.engine = engine
         self.task = task
         self._pending: deque[tuple[str, ValidChunk]] = deque()
@@ -313,7 +314,7 @@ class WholeChunks:
     def step(self) -> list[tuple[str, Any]]:
         """Run the oldest chunk; returns `(request_id, PoolingResult)`."""
         request_id, valid = self._pending.popleft()
-        return [(request_id, run_pooling_chunk(self.engine, self.task, valid))]
+        return [(request_id, self.task.run_chunk(self.engine, valid))]
 
 
 class _RequestWindow:
@@ -332,9 +333,9 @@ class _RequestWindow:
         self.window = engine.window
         self.finished = finished
         self.metrics = current_metrics()
-        self.group = spec.group_prefixes and spec.task != "embed"
+        self.group = spec.group_prefixes and task_facts(spec.task).groups_prefixes
         self.engine_time = EngineTimeShares(
-            pooling=spec.task in POOLING_TASKS, max_running=engine.max_num_seqs
+            pooling=task_facts(spec.task).pooling, max_running=engine.max_num_seqs
         )
         self.requests: dict[str, tuple[_ChunkInFlight, int]] = {}
         self.incoming: deque[tuple[_ChunkInFlight, int]] = deque()  # read ahead, not ordered

@@ -17,9 +17,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dagster_gpuinfer.spec import POOLING_TASKS, RowLimits
+from dagster_gpuinfer.spec import RowLimits
 from dagster_gpuinfer.worker.errors import RowError, cap_message
-from dagster_gpuinfer.worker.pooling_tasks import ScorePairs, parse_score_payload
+from dagster_gpuinfer.worker.pooling_tasks import ScorePairs
 from dagster_gpuinfer.worker.readers import RawChunk, json_depth_exceeds
 from dagster_gpuinfer.worker.request_params import (
     ParameterError,
@@ -27,6 +27,7 @@ from dagster_gpuinfer.worker.request_params import (
     RowRequest,
     parse_params_value,
 )
+from dagster_gpuinfer.worker.tasks import worker_task
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -66,13 +67,12 @@ class ValidChunk:
             reason = next((failed[p] for p in positions if p in failed), None)
             if reason is not None:
                 kept.errors.append(
-                    RowError(
+                    RowError.quarantined(
                         self.ids[i],
                         source,
                         self.rows[i],
                         "rejected_by_engine",
-                        f"{source} row {self.rows[i]} (id {self.ids[i]}): {reason}; the row "
-                        "was quarantined",
+                        f"{source} row {self.rows[i]} (id {self.ids[i]}): {reason}",
                     )
                 )
                 continue
@@ -85,12 +85,6 @@ class ValidChunk:
             kept.token_ids.extend(self.token_ids[p] for p in positions)
             kept_outputs.extend(outputs[p] for p in positions)
         return kept, kept_outputs
-
-    def sampling_params(self) -> list[Any] | None:
-        """Each row's vLLM `SamplingParams` (None: every row runs the engine's defaults)."""
-        if not self.requests or all(r.sampling is None for r in self.requests):
-            return None
-        return [r.sampling for r in self.requests]
 
 
 @dataclass
@@ -105,15 +99,14 @@ class _Candidate:
 class RowValidator:
     """Validates and tokenizes the rows of a shard, chunk by chunk.
 
+    Ids are not checked here: the worker screens them with `screen_ids` where the shard is
+    read, in shard order, so that engines serving chunks of one shard in any order agree on
+    the first occurrence of an id.
+
     Args:
         task: embed, generate, chat, score or classify.
         tokenizer: the engine's (Hugging Face) tokenizer.
         max_model_len: the engine's context length.
-        seen_ids: ids already taken in this shard (from committed chunks on resume); the
-            first occurrence of an id wins, later ones are quarantined.
-        check_ids: False when the chunks were already screened by `screen_ids` (the
-            streaming worker screens ids where the shard is read, in shard order, so that
-            engines serving chunks of one shard in any order agree on the first occurrence).
         requests: builds each row's request from its parameters (see `request_params`);
             without one, rows run the engine's defaults and a row with parameters is checked
             against an empty set of defaults.
@@ -126,27 +119,19 @@ class RowValidator:
         task: str,
         tokenizer: Any,
         max_model_len: int,
-        seen_ids: set[str] | None = None,
-        check_ids: bool = True,
         requests: RequestBuilder | None = None,
         limits: RowLimits | None = None,
     ) -> None:
-        self.task = task
+        self.task = worker_task(task)
         self.limits = limits or (requests.limits if requests is not None else RowLimits())
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.seen_ids: set[str] = seen_ids if seen_ids is not None else set()
-        self.check_ids = check_ids
         self.requests = requests
         # Generation needs room for at least one new token.
-        self.max_prompt_tokens = max_model_len if task in POOLING_TASKS else max_model_len - 1
+        self.max_prompt_tokens = max_model_len if self.task.facts.pooling else max_model_len - 1
 
     def validate(self, chunk: RawChunk) -> ValidChunk:
         out = ValidChunk(index=chunk.index, errors=list(chunk.errors))
-        if self.check_ids:
-            for error in chunk.errors:
-                if error.id is not None:
-                    self.seen_ids.add(error.id)
         candidates: list[_Candidate] = []
         for row, row_id, payload in chunk.rows:
             try:
@@ -158,21 +143,8 @@ class RowValidator:
                 candidates.append(candidate)
         if not candidates:
             return out
-        if self.task == "chat":
-            candidates = self._render(chunk.source, candidates, out.errors)
-        if self.task == "score":
-            try:
-                self._tokenize_pairs(chunk.source, candidates, out)
-            except Exception:  # one pair broke the batch: each row alone, the bad one out
-                for candidate in candidates:
-                    try:
-                        self._tokenize_pairs(chunk.source, [candidate], out)
-                    except Exception as exc:
-                        out.errors.append(
-                            unexpected_row_error(chunk.source, candidate.row, candidate.row_id, exc)
-                        )
-            return out
-        self._tokenize_candidates(chunk.source, candidates, out)
+        candidates = self.task.prepare(self, chunk.source, candidates, out.errors)
+        self.task.admit(self, chunk.source, candidates, out)
         return out
 
     def _admit(
@@ -183,24 +155,22 @@ class RowValidator:
         if error is not None:
             errors.append(error)
             return None
-        assert row_id is not None
-        if self.check_ids:
-            self.seen_ids.add(row_id)
+        assert row_id is not None  # screened by `screen_ids`
         where = f"{chunk.source} row {row} (id {row_id})"
         try:
             request = self._request(chunk.params.get(row))
         except ParameterError as exc:
             errors.append(
-                RowError(
+                RowError.quarantined(
                     row_id,
                     chunk.source,
                     row,
                     exc.error_type,
-                    f"{where}: {exc}; the row was quarantined",
+                    f"{where}: {exc}",
                 )
             )
             return None
-        candidate, problem = self._candidate(row, row_id, payload, request)
+        candidate, problem = self.task.candidate(self, row, row_id, payload, request)
         if candidate is not None:
             problem = self._length_problem(candidate)
             if problem is not None:
@@ -208,17 +178,17 @@ class RowValidator:
         if candidate is None:
             error_type, message = problem
             errors.append(
-                RowError(
+                RowError.quarantined(
                     row_id,
                     chunk.source,
                     row,
                     error_type,
-                    f"{where}: {message}; the row was quarantined",
+                    f"{where}: {message}",
                 )
             )
         return candidate
 
-    def _tokenize_candidates(
+    def tokenize_candidates(
         self, source: str, candidates: list[_Candidate], out: ValidChunk
     ) -> None:
         """Tokenize the candidates' text prompts (one batch; row by row when a row breaks the
@@ -248,7 +218,7 @@ class RowValidator:
             if len(longest) > self.max_prompt_tokens:
                 element = f" (input {token_lists.index(longest)})" if len(token_lists) > 1 else ""
                 out.errors.append(
-                    RowError(
+                    RowError.quarantined(
                         candidate.row_id,
                         source,
                         candidate.row,
@@ -256,7 +226,7 @@ class RowValidator:
                         f"{source} row {candidate.row} (id {candidate.row_id}){element}: "
                         f"{len(longest)} prompt tokens, more than the {self.max_prompt_tokens} "
                         f"this engine takes (max_model_len={self.max_model_len}); shorten the "
-                        "input or raise engine.max_model_len; the row was quarantined",
+                        "input or raise engine.max_model_len",
                         prompt_tokens=len(longest),
                     )
                 )
@@ -271,16 +241,7 @@ class RowValidator:
         """`prompt_too_long` when a prompt (a chat: its contents together; a score row: a
         pair) has more characters than `limits.max_prompt_chars`, before any tokenizing."""
         limit = self.limits.max_prompt_chars
-        if self.task == "chat":
-            chars = [_chat_chars(candidate.prompts[0])]
-        elif candidate.pairs is not None:
-            chars = [
-                len(q) + len(d)
-                for q, d in zip(candidate.pairs.queries, candidate.pairs.documents, strict=True)
-            ]
-        else:
-            chars = [len(p) for p in candidate.prompts if isinstance(p, str)]
-        longest = max(chars, default=0)
+        longest = max(self.task.prompt_chars(self, candidate), default=0)
         if longest <= limit:
             return None
         return "prompt_too_long", (
@@ -288,11 +249,24 @@ class RowValidator:
             "tokenizing); shorten the input or raise the pipeline's limits.max_prompt_chars"
         )
 
+    def text_chars(self, candidate: _Candidate) -> list[int]:
+        """Characters of each text prompt of the row (a score row: of each pair)."""
+        if candidate.pairs is not None:
+            return [
+                len(q) + len(d)
+                for q, d in zip(candidate.pairs.queries, candidate.pairs.documents, strict=True)
+            ]
+        return [len(p) for p in candidate.prompts if isinstance(p, str)]
+
+    def chat_chars(self, candidate: _Candidate) -> list[int]:
+        """A chat's message contents together."""
+        return [_chat_chars(candidate.prompts[0])]
+
     def _request(self, params: Any) -> RowRequest:
         if params is None and self.requests is None:
             return RowRequest()
         if self.requests is None:
-            self.requests = RequestBuilder(task=self.task, defaults={}, limits=self.limits)
+            self.requests = RequestBuilder(task=self.task.name, defaults={}, limits=self.limits)
         try:
             values = parse_params_value(params)
         except RecursionError:
@@ -310,49 +284,55 @@ class RowValidator:
         self, source: str, row: int, row_id: str | None, payload: Any
     ) -> RowError | None:
         where = f"{source} row {row}"
-        if self.check_ids:
-            error = id_error(source, row, row_id, self.seen_ids)
-            if error is not None:
-                return error
-        if self.task in ("chat", "score"):
-            return None  # checked while rendering the chat template / parsing the pairs
+        if not self.task.checks_empty_text:
+            return None  # checked later (a chat's template, a score row's pairs)
         if payload is None or (isinstance(payload, (str, list)) and not _has_content(payload)):
-            return RowError(
+            return RowError.quarantined(
                 row_id,
                 source,
                 row,
                 "empty_input",
-                f"{where} (id {row_id}): the text is null or empty; the row was quarantined",
+                f"{where} (id {row_id}): the text is null or empty",
             )
         return None
 
-    def _candidate(
-        self, row: int, row_id: str, payload: Any, request: RowRequest
+    def text_candidate(
+        self,
+        row: int,
+        row_id: str,
+        payload: Any,
+        request: RowRequest,
+        *,
+        token_ids: bool,
+        lists: bool,
+        expected: str,
     ) -> tuple[_Candidate | None, tuple[str, str]]:
-        """The row's prompts, or (error type, message) when its input has the wrong shape."""
-        if self.task == "chat":
-            return _Candidate(row, row_id, request, [payload]), ("", "")
-        if self.task == "score":
-            pairs, problem = parse_score_payload(payload)
-            if pairs is None:
-                return None, ("wrong_type", problem or "not a score request")
-            return _Candidate(row, row_id, request, [], pairs=pairs), ("", "")
+        """The row's prompts, or (error type, message) when its input has the wrong shape:
+        a string; token ids when `token_ids`; a list of either when `lists`."""
         if isinstance(payload, str):
             return _Candidate(row, row_id, request, [payload]), ("", "")
-        if self.task in ("embed", "generate") and _is_token_ids(payload):
+        if token_ids and _is_token_ids(payload):
             return self._checked_tokens(row, row_id, request, [payload])
-        if self.task == "embed" and isinstance(payload, list):
+        if lists and isinstance(payload, list):
             if all(isinstance(p, str) for p in payload):
                 if not all(p.strip() for p in payload):
                     return None, ("empty_input", "an input of the list is empty")
                 return _Candidate(row, row_id, request, list(payload)), ("", "")
             if all(_is_token_ids(p) for p in payload):
                 return self._checked_tokens(row, row_id, request, list(payload))
-        expected = {
-            "embed": "a string, a list of strings, token ids or a list of token id lists",
-            "generate": "a string or token ids",
-        }.get(self.task, "a string")
         return None, ("wrong_type", f"expected {expected}, got {_describe(payload)}")
+
+    def whole_candidate(
+        self, row: int, row_id: str, payload: Any, request: RowRequest
+    ) -> _Candidate:
+        """The payload as the row's one prompt, checked later (a chat's messages)."""
+        return _Candidate(row, row_id, request, [payload])
+
+    def pairs_candidate(
+        self, row: int, row_id: str, request: RowRequest, pairs: ScorePairs
+    ) -> _Candidate:
+        """A score row: its (query, document) pairs."""
+        return _Candidate(row, row_id, request, [], pairs=pairs)
 
     def _checked_tokens(
         self, row: int, row_id: str, request: RowRequest, prompts: list[list[int]]
@@ -367,7 +347,7 @@ class RowValidator:
                 )
         return _Candidate(row, row_id, request, [list(p) for p in prompts]), ("", "")
 
-    def _render(
+    def render_chats(
         self, source: str, candidates: list[_Candidate], errors: list[RowError]
     ) -> list[_Candidate]:
         """Chat rows through the model's chat template; the rows that render."""
@@ -386,16 +366,32 @@ class RowValidator:
                 except Exception as exc:  # the template rejected it; quarantine the row
                     problem = f"the model's chat template rejected it ({exc})"
             errors.append(
-                RowError(
+                RowError.quarantined(
                     candidate.row_id,
                     source,
                     candidate.row,
                     "invalid_messages",
                     f"{source} row {candidate.row} (id {candidate.row_id}): messages are not a "
-                    f"valid chat: {problem}; the row was quarantined",
+                    f"valid chat: {problem}",
                 )
             )
         return kept
+
+    def tokenize_pairs_rowwise(
+        self, source: str, candidates: list[_Candidate], out: ValidChunk
+    ) -> None:
+        """Score rows: the pairs of the chunk in one batch; when a pair breaks it, each row
+        alone, the bad one out."""
+        try:
+            self._tokenize_pairs(source, candidates, out)
+        except Exception:
+            for candidate in candidates:
+                try:
+                    self._tokenize_pairs(source, [candidate], out)
+                except Exception as exc:
+                    out.errors.append(
+                        unexpected_row_error(source, candidate.row, candidate.row_id, exc)
+                    )
 
     def _tokenize_pairs(self, source: str, candidates: list[_Candidate], out: ValidChunk) -> None:
         """Score rows: count each pair's tokens as the cross-encoder will see them."""
@@ -407,15 +403,14 @@ class RowValidator:
             counts = [next(lengths) for _ in candidate.pairs.queries]
             if max(counts) > self.max_prompt_tokens:
                 out.errors.append(
-                    RowError(
+                    RowError.quarantined(
                         candidate.row_id,
                         source,
                         candidate.row,
                         "prompt_too_long",
                         f"{source} row {candidate.row} (id {candidate.row_id}): a pair of "
                         f"{max(counts)} tokens, more than the {self.max_prompt_tokens} this "
-                        f"engine takes (max_model_len={self.max_model_len}); the row was "
-                        "quarantined",
+                        f"engine takes (max_model_len={self.max_model_len})",
                         prompt_tokens=max(counts),
                     )
                 )
@@ -431,7 +426,7 @@ class RowValidator:
         if not prompts:
             return []
         # Chat templates already hold the special tokens, so add none (as vLLM's chat does).
-        add_special = self.task != "chat"
+        add_special = self.task.add_special_tokens
         encoded = self.tokenizer(prompts, add_special_tokens=add_special)
         return [list(ids) for ids in encoded["input_ids"]]
 
@@ -440,12 +435,12 @@ def id_error(source: str, row: int, row_id: str | None, seen_ids: set[str]) -> R
     """The reason a row's id cannot be used (missing, or taken earlier in the shard), or None."""
     where = f"{source} row {row}"
     if row_id is None or row_id == "":
-        return RowError(
+        return RowError.quarantined(
             None,
             source,
             row,
             "missing_id",
-            f"{where}: the id is null or empty; every row needs an id; the row was quarantined",
+            f"{where}: the id is null or empty; every row needs an id",
         )
     if row_id in seen_ids:
         return RowError(
@@ -488,13 +483,13 @@ def screen_ids(chunk: RawChunk, seen_ids: set[str]) -> RawChunk:
 
 def unexpected_row_error(source: str, row: int, row_id: str | None, exc: BaseException) -> RowError:
     """A row that broke a check in a way no rule foresaw: quarantined, with what broke."""
-    return RowError(
+    return RowError.quarantined(
         row_id,
         source,
         row,
         "unprocessable_row",
         f"{source} row {row} (id {row_id}): could not be processed ({type(exc).__name__}: "
-        f"{cap_message(str(exc), 300)}); the row was quarantined",
+        f"{cap_message(str(exc), 300)})",
     )
 
 

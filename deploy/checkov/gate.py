@@ -119,7 +119,8 @@ HOSTILE_MUST_FAIL = {"CKV_K8S_16", "CKV_K8S_43", "CKV_K8S_20", "CKV_K8S_23"}
 def worker_pods() -> dict[str, dict[str, Any]]:
     """The pods the launcher would create with the Helm values, in each shape that matters."""
     sys.path.insert(0, str(REPO))
-    from dagster_gpuinfer.k8s.pod import RunIdentity, build_worker_pod
+    from dagster_gpuinfer.k8s.names import RunIdentity
+    from dagster_gpuinfer.k8s.pod import build_worker_pod
     from dagster_gpuinfer.spec import InferenceSpec
     from resources.k8s import k8s_launcher_config
 
@@ -159,7 +160,7 @@ def worker_group_objects() -> list[dict[str, Any]]:
     deploy/multinode/worker-group-2x8.yaml is this, checked in for readers."""
     sys.path.insert(0, str(REPO))
     from dagster_gpuinfer.k8s.group import GroupConfig, build_worker_group
-    from dagster_gpuinfer.k8s.pod import RunIdentity
+    from dagster_gpuinfer.k8s.names import RunIdentity
     from dagster_gpuinfer.spec import InferenceSpec
     from resources.k8s import k8s_launcher_config
 

@@ -18,13 +18,9 @@ import dagster as dg
 import pytest
 
 from dagster_gpuinfer import GpuInferenceResource, InputSpec, inference_assets
-from dagster_gpuinfer.k8s.pod import (
-    K8sLauncherConfig,
-    RunIdentity,
-    SecretRefs,
-    WorkerPlacement,
-    build_worker_pod,
-)
+from dagster_gpuinfer.k8s.config import K8sLauncherConfig, SecretRefs, WorkerPlacement
+from dagster_gpuinfer.k8s.names import RunIdentity
+from dagster_gpuinfer.k8s.pod import build_worker_pod
 from dagster_gpuinfer.spec import InferenceSpec
 
 pytestmark = pytest.mark.k8s_cluster

@@ -1,4 +1,4 @@
-"""One shard's files: chunk part files and markers, then the partition's commit.
+"""One output partition's files: chunk part files and markers, then the partition's commit.
 
 Chunk i covers input rows [i * chunk_size, (i + 1) * chunk_size). When a chunk is done, its
 part file and its errors file are written under names unique to this attempt, then its
@@ -70,8 +70,8 @@ log = logging.getLogger("dagster_gpuinfer.worker")
 
 
 @dataclass
-class ShardLocation:
-    """Where one partition's files live, and the spec hash they must carry."""
+class PartitionOutput:
+    """Where one output partition's files live, and the spec hash they must carry."""
 
     fs: pafs.FileSystem
     path: str
@@ -80,7 +80,7 @@ class ShardLocation:
     storage: StorageOptions | None = None
 
     @classmethod
-    def of(cls, spec: InferenceSpec, partition_key: str) -> ShardLocation:
+    def of(cls, spec: InferenceSpec, partition_key: str) -> PartitionOutput:
         fs, path = filesystem_for(partition_dir(spec.output, partition_key), spec.storage)
         return cls(
             fs=fs,
@@ -111,7 +111,7 @@ class ShardLocation:
 
 def write_chunk(
     spec: InferenceSpec,
-    where: ShardLocation,
+    where: PartitionOutput,
     chunk: RawChunk,
     valid: ValidChunk,
     result: ChunkResult,
@@ -214,7 +214,7 @@ def chunk_span(markers: list[ChunkMarker], since: float, until: float) -> tuple[
 
 
 def commit_chunks(
-    where: ShardLocation,
+    where: PartitionOutput,
     spec: InferenceSpec,
     markers: dict[int, ChunkMarker],
     *,
@@ -277,14 +277,14 @@ def commit_chunks(
     )
 
 
-def read_chunk_errors(where: ShardLocation, marker: ChunkMarker) -> pa.Table:
+def read_chunk_errors(where: PartitionOutput, marker: ChunkMarker) -> pa.Table:
     assert marker.errors is not None
     path = posixpath.join(chunk_dir(where.path, where.spec_hash), marker.errors.name)
     with where.fs.open_input_file(path) as handle:
         return pq.read_table(handle)
 
 
-def committed_ids(where: ShardLocation, markers: dict[int, ChunkMarker]) -> set[str]:
+def committed_ids(where: PartitionOutput, markers: dict[int, ChunkMarker]) -> set[str]:
     """Ids already taken by committed chunks: resume must not let a later duplicate in."""
     ids: set[str] = set()
     for marker in markers.values():
