@@ -16,7 +16,10 @@ RATES_OVER = (
     "engine_seconds, the partition's share of its engine's time (generation: each engine step "
     "shared by the requests it runs, the max_num_seqs oldest in flight; pooling: each step's "
     "time to the rows it finished; with replicas, summed over the engines), so partitions "
-    "streamed through one engine together get their own rates. active_seconds: "
+    "streamed through one engine together get their own rates. The last partitions of a "
+    "run carry the engine's drain (fewer requests per step as its window empties, each "
+    "step costing more per request), so their rates can read lower than those of equal "
+    "partitions before them; the run's own rate is run_rows_per_second. active_seconds: "
     "its first row submitted to its last row done (spans of partitions streamed together "
     "overlap). inference_seconds: the union of its chunks' inference intervals, within "
     "wall_seconds (reading began to commit)."
@@ -93,7 +96,19 @@ def run_metadata(result: InferenceRunResult) -> dict[str, Any]:
         "run_wall_seconds": float(summary.get("wall_seconds", 0.0)),
     }
     metadata.update(run_timing_metadata(result))
+    metadata["run_rows_per_second"] = _run_rate(result, metadata["run_inference_seconds"])
     if spec is not None:
         metadata["model"] = spec.model
         metadata["tensor_parallel_size"] = spec.tensor_parallel_size
     return metadata
+
+
+def _run_rate(result: InferenceRunResult, inference_seconds: Any) -> Any:
+    """The rows the run computed over its inference span (first engine ready to last
+    commit): the run's own rate, drain included, which no partition's share misstates."""
+    rows = sum(
+        result.manifests[k].computed.rows_in for k in result.computed if k in result.manifests
+    )
+    if not isinstance(inference_seconds, (int, float)) or inference_seconds <= 0:
+        return NOT_AVAILABLE
+    return round(rows / inference_seconds, 2)

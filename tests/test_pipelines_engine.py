@@ -184,6 +184,14 @@ def test_run_metadata_splits_the_worker_time(embed_run):
     # The parts are parts of the worker's own wall time.
     parts = md["run_load_seconds"] + md["run_inference_seconds"] + md["run_shutdown_seconds"]
     assert parts <= md["run_wall_seconds"]
+    # The run's own rate: every row it computed over its inference span.
+    rows = sum(
+        e.event_specific_data.materialization.metadata["rows_in"].value
+        for e in result.all_events
+        if e.event_type_value == "ASSET_MATERIALIZATION"
+        and "run_model_loads" in e.event_specific_data.materialization.metadata
+    )
+    assert md["run_rows_per_second"] == round(rows / md["run_inference_seconds"], 2)
 
 
 def test_rerun_reuses_committed_partitions_without_loading_the_model(embed_run):

@@ -10,12 +10,19 @@ pull chunks from one queue, so a single large shard keeps every engine busy.
 The number of chunks handed out and not yet committed is bounded (`max_outstanding`): the
 reader stays a bounded distance ahead of the engines, and the worker's memory is bounded by
 that distance, never by the shard.
+
+Two threads: the reader (`gpuinfer-read`) reads and hands out chunks; the committer
+(`gpuinfer-commit`) owns every partition's state and is the only one that writes a partition's
+commit or calls `on_committed` / `on_failed`. The reader and the engines (`chunk_committed`,
+called from an engine's writer thread or a replica's message loop) hand it events through one
+queue, so no storage write happens under a lock that another thread waits on.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -65,6 +72,34 @@ class _PartitionRun:
     committed_elsewhere: Manifest | None = None
 
 
+@dataclass
+class _ChunkHandedOut:
+    """The reader handed chunk `index` of `run` to the engines."""
+
+    run: _PartitionRun
+    index: int
+
+
+@dataclass
+class _PartitionRead:
+    """The reader is through `run`'s shard (`failed`: it could not be read to the end;
+    `committed_elsewhere`: another worker committed it meanwhile)."""
+
+    run: _PartitionRun
+    failed: ShardError | None = None
+    committed_elsewhere: Manifest | None = None
+
+
+@dataclass
+class _AlreadyCommitted:
+    """The partition was committed before this run read it."""
+
+    manifest: Manifest
+
+
+_END = object()  # the committer's last event: every event before it is handled
+
+
 class RunCoordinator:
     """Feeds the chunks of `partition_keys` to `put` and commits each partition.
 
@@ -98,10 +133,13 @@ class RunCoordinator:
         self.model_load_seconds = 0.0
         self.error: BaseException | None = None
         self._slots = threading.Semaphore(max_outstanding)
-        self._lock = threading.RLock()
-        self._partitions: dict[str, _PartitionRun] = {}
+        self._partitions: dict[str, _PartitionRun] = {}  # the committer's (after the reader's)
+        self._events: queue.Queue[Any] = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._feed, name="gpuinfer-read", daemon=True)
+        self._committer = threading.Thread(
+            target=self._commit_events, name="gpuinfer-commit", daemon=True
+        )
         self.started: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -110,27 +148,36 @@ class RunCoordinator:
         """Start reading (once an engine is ready: partition times exclude the model load)."""
         self.model_load_seconds = model_load_seconds
         self.started = time.perf_counter()
+        self._committer.start()
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop reading (the committer still commits what the engines hand it)."""
         self._stopping.set()
 
     def done(self) -> bool:
         """Every partition handed out is settled (committed, yielded or failed).
 
         Called once the engines are through: the reader has handed out its last chunk by
-        then, and may only be returning from its last `put`."""
-        if self.started is not None:
-            self._thread.join(timeout=30)
-        with self._lock:
-            return (
-                not self._thread.is_alive()
-                and self.started is not None
-                and all(run.settled for run in self._partitions.values())
-            )
+        then, and may only be returning from its last `put`; the committer then handles
+        every event handed to it, and ends.
+
+        Raises:
+            Exception: what the reader or the committer died of.
+        """
+        if self.started is None:
+            return False
+        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            return False
+        if self._committer.is_alive():
+            self._events.put(_END)
+            self._committer.join()
+        self.check()
+        return all(run.settled for run in self._partitions.values())
 
     def check(self) -> None:
-        """Raise what the reader died of, if it died."""
+        """Raise what the reader or the committer died of, if one died."""
         if self.error is not None:
             raise self.error
 
@@ -153,7 +200,7 @@ class RunCoordinator:
         try:
             existing = where.committed()
             if existing is not None:
-                self._report(existing, computed=False)
+                self._events.put(_AlreadyCommitted(existing))
                 return
             markers = read_chunk_markers(where.fs, where.path, where.spec_hash)
             seen_ids = committed_ids(where, markers)
@@ -163,7 +210,7 @@ class RunCoordinator:
             concurrent = where.committed()
             if concurrent is None:
                 raise
-            self._report(concurrent, computed=False)
+            self._events.put(_AlreadyCommitted(concurrent))
             return
         run = _PartitionRun(
             where=where,
@@ -172,79 +219,111 @@ class RunCoordinator:
             rows_resumed=RowCounts.total(markers.values()).rows_in,
             started_at=time.time(),
         )
-        with self._lock:
-            self._partitions[key] = run
+        self._partitions[key] = run  # before any event of it: the committer reads it after
         current_metrics().partition_started(key)
+        read = _PartitionRead(run)
         try:
             for chunk in ShardReader(self.spec, key).chunks(self.spec.chunk_size):
                 if chunk.index in markers:
                     continue
                 concurrent = where.committed()
                 if concurrent is not None:
-                    run.committed_elsewhere = concurrent
+                    read.committed_elsewhere = concurrent
                     break
                 screened = screen_ids(chunk, seen_ids)
                 while not self._slots.acquire(timeout=POLL_SECONDS):
                     if self._stopping.is_set():
                         return
-                with self._lock:
-                    run.pending.add(chunk.index)
+                self._events.put(_ChunkHandedOut(run, chunk.index))  # before the engines see it
                 self.put(WorkChunk(partition_key=key, attempt=run.attempt, chunk=screened))
         except ShardError as exc:
             exc.partition_key = exc.partition_key or key
-            run.failed = exc
-        with self._lock:
-            run.fully_read = True
-        self._settle(run)
+            read.failed = exc
+        self._events.put(read)
 
     # ------------------------------------------------------------------ committing
 
     def chunk_committed(self, message: ChunkCommitted) -> None:
-        """An engine committed a chunk: count it, and commit its partition if it was the last."""
-        with self._lock:
-            run = self._partitions[message.partition_key]
-            run.pending.discard(message.marker.index)
-            run.computed.add(message.marker.index)
-            run.markers[message.marker.index] = message.marker
-            run.replicas.add(message.replica)
+        """An engine wrote a chunk and its marker: hand it to the committer (any thread).
+
+        Raises:
+            Exception: what the reader or the committer died of (the engine stops).
+        """
+        self.check()
         self._slots.release()
-        self._settle(run)
+        self._events.put(message)
+
+    def _commit_events(self) -> None:
+        """The committer thread: handle each event in turn until `_END`, or until the reader
+        is gone after a stop and nothing is left; what it dies of goes to `check`."""
+        try:
+            while True:
+                try:
+                    event = self._events.get(timeout=POLL_SECONDS)
+                except queue.Empty:
+                    if self._stopping.is_set() and not self._thread.is_alive():
+                        return
+                    continue
+                if event is _END:
+                    return
+                self._handle(event)
+        except BaseException as exc:
+            self.error = self.error or exc
+            self._stopping.set()
+
+    def _handle(self, event: Any) -> None:
+        if isinstance(event, _AlreadyCommitted):
+            self.on_committed(event.manifest, False)
+            return
+        if isinstance(event, _ChunkHandedOut):
+            event.run.pending.add(event.index)
+            return
+        if isinstance(event, _PartitionRead):
+            run = event.run
+            run.fully_read, run.failed = True, event.failed
+            run.committed_elsewhere = event.committed_elsewhere
+        else:
+            run = self._partitions[event.partition_key]
+            run.pending.discard(event.marker.index)
+            run.computed.add(event.marker.index)
+            run.markers[event.marker.index] = event.marker
+            run.replicas.add(event.replica)
+        if not run.settled and run.fully_read and not run.pending:
+            run.settled = True
+            self._settle(run)
 
     def _settle(self, run: _PartitionRun) -> None:
-        with self._lock:
-            if run.settled or not run.fully_read or run.pending:
-                return
-            run.settled = True
-            where = run.where
-            if run.failed is not None:  # `on_failed` logs it
-                self.on_failed(run.failed, where.partition_key)
-                return
-            if run.committed_elsewhere is not None:
-                self._report(where.yield_to(run.committed_elsewhere, run.attempt), computed=False)
-                return
-            try:
-                concurrent = where.committed()
-                if concurrent is not None:
-                    raise CommitConflict(concurrent)
-                manifest = commit_chunks(
-                    where,
-                    self.spec,
-                    run.markers,
-                    computed=run.computed,
-                    rows_resumed=run.rows_resumed,
-                    times=PartitionTimes(run.started_at, self.model_load_seconds),
-                    worker=self._worker_info(run),
-                )
-            except CommitConflict as conflict:
-                self._report(where.yield_to(conflict.manifest, run.attempt), computed=False)
-                return
-            except OSError:
-                concurrent = where.committed()
-                if concurrent is None:
-                    raise
-                self._report(where.yield_to(concurrent, run.attempt), computed=False)
-                return
-            self._report(manifest, computed=True)
+        """Commit `run`'s partition (all its chunks are in), or yield it, or fail it."""
+        where = run.where
+        if run.failed is not None:  # `on_failed` logs it
+            self.on_failed(run.failed, where.partition_key)
+            return
+        if run.committed_elsewhere is not None:
+            self.on_committed(where.yield_to(run.committed_elsewhere, run.attempt), False)
+            return
+        try:
+            concurrent = where.committed()
+            if concurrent is not None:
+                raise CommitConflict(concurrent)
+            manifest = commit_chunks(
+                where,
+                self.spec,
+                run.markers,
+                computed=run.computed,
+                rows_resumed=run.rows_resumed,
+                times=PartitionTimes(run.started_at, self.model_load_seconds),
+                worker=self._worker_info(run),
+            )
+        except CommitConflict as conflict:
+            self.on_committed(where.yield_to(conflict.manifest, run.attempt), False)
+            return
+        except OSError:
+            concurrent = where.committed()
+            if concurrent is None:
+                raise
+            self.on_committed(where.yield_to(concurrent, run.attempt), False)
+            return
+        self.on_committed(manifest, True)
 
     def _worker_info(self, run: _PartitionRun) -> dict[str, Any]:
         replicas = sorted(run.replicas)
@@ -256,7 +335,3 @@ class RunCoordinator:
             "replicas": replicas,
             "replica": replicas[0] if len(replicas) == 1 else None,
         }
-
-    def _report(self, manifest: Manifest, *, computed: bool) -> None:
-        with self._lock:
-            self.on_committed(manifest, computed)

@@ -280,16 +280,14 @@ def admit_unless_draining(put: Callable[[Any], None]) -> Callable[[Any], None]:
     return admit
 
 
-def take_unless_draining(get: Callable[..., Any]) -> Callable[[], Any]:
-    """`take` for an engine: None (no more work) once a SIGTERM came, else the next chunk."""
+def take_unless_draining(get: Callable[..., Any]) -> Callable[..., Any]:
+    """`take` for an engine loop: None (no more work) once a SIGTERM came, else the next
+    chunk, or `queue.Empty` when none came within `timeout` (the loop asks again)."""
 
-    def take() -> Any:
-        while not draining():
-            try:
-                return get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                continue
-        return None
+    def take(timeout: float = POLL_SECONDS) -> Any:
+        if draining():
+            return None
+        return get(timeout=timeout)
 
     return take
 

@@ -18,10 +18,16 @@ place in its chunk, and a chunk's table is written in input order. Each generate
 submitted with its own `SamplingParams` (`RowRequest.sampling`, from the line's parameters);
 an embeddings row whose input is a list submits one request per element.
 
-Tasks `score` and `classify` take another path through the same threads: the engine thread
-runs each prepared chunk through one `LLM.score` / `LLM.classify` call
-(`tasks.WorkerTask.run_chunk`), since vLLM's offline scoring pairs and tokenizes inside
-that call; reading ahead, writing behind and committing are the same.
+Every task goes through the one loop (`EngineLoop`). Tasks `score` and `classify` go through
+it behind `WholeChunks`, an engine whose one request is a whole chunk, run by one
+`LLM.score` / `LLM.classify` call (`tasks.WorkerTask.run_chunk`), since vLLM's offline
+scoring pairs, tokenizes and batches inside that call; reading ahead, writing behind, stopping
+and failing are the same code for every task.
+
+The engine is injected: anything with `submit`, `step`, `in_flight`, `window` and
+`max_num_seqs` (`InferenceEngine` in a worker, a fake in `tests/test_engine_loop.py`). The
+loop never commits a partition: it hands each written chunk to `committed`, and the run's
+coordinator commits, in its one committing thread.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine, Request
 from dagster_gpuinfer.worker.engine_time import EngineTimeShares
 from dagster_gpuinfer.worker.metrics import current_metrics
 from dagster_gpuinfer.worker.readers import RawChunk
+from dagster_gpuinfer.worker.tasks import WorkerTask, worker_task
 from dagster_gpuinfer.worker.validate import RowValidator, ValidChunk
 
 log = logging.getLogger("dagster_gpuinfer.worker")
@@ -81,14 +88,30 @@ class _ChunkInFlight:
     engine_seconds: float = 0.0  # its rows' share of the engine's time (`EngineTimeShares`)
     result: Any = None  # score/classify: the chunk's `PoolingResult`, computed whole
     rejected: dict[int, str] = field(default_factory=dict)  # prompt position -> why
+    whole: bool = False  # score/classify: the chunk is one request (`WholeChunks`)
 
     def __post_init__(self) -> None:
         self.outputs = [None] * len(self.valid.token_ids)
-        self.remaining = len(self.valid.token_ids)
+        self.remaining = 1 if self.whole else len(self.valid.token_ids)
+
+    def prompt(self, position: int) -> Any:
+        """What the engine is given for the request at `position` (`WholeChunks`: the chunk)."""
+        return self.valid if self.whole else self.valid.token_ids[position]
+
+    def rows_of(self, position: int) -> int:
+        """Rows the request at `position` infers (`WholeChunks`: every valid row of the chunk)."""
+        return len(self.valid.ids) if self.whole else 1
+
+    def done(self, position: int, output: Any) -> None:
+        """The request at `position` finished with `output`."""
+        if self.whole:
+            self.result = output
+        else:
+            self.outputs[position] = output
 
     def params(self, position: int) -> Any:
         """The vLLM params of the request at `position` (None: the engine's defaults)."""
-        if len(self.valid.requests) != len(self.valid.token_ids):
+        if self.whole or len(self.valid.requests) != len(self.valid.token_ids):
             return None  # embeddings: rows and prompts differ; PoolingParams are all alike
         return self.valid.requests[position].sampling
 
@@ -111,111 +134,189 @@ class _Worker(threading.Thread):
 def serve_chunks(
     engine: InferenceEngine,
     spec: InferenceSpec,
-    take: Callable[[], WorkChunk | None],
+    take: Callable[..., WorkChunk | None],
     committed: Callable[[ChunkCommitted], None],
     *,
     replica: int = 0,
 ) -> int:
-    """Serve chunks from `take` (None: no more) until all are committed; returns the rows
-    inferred. `committed` is called (from the writer thread) after each chunk's marker.
+    """Serve chunks from `take` until all are committed; returns the rows inferred (see
+    `EngineLoop`)."""
+    return EngineLoop(engine, spec, take, committed, replica=replica).run()
 
-    Raises:
-        Exception: whatever a thread died of (reading, the engine, storage): the run fails and
-            a retry resumes from the committed chunks.
+
+class EngineLoop:
+    """One engine's loop, for every task: read ahead, fill the window, collect, write behind.
+
+    Args:
+        engine: What the loop calls (`InferenceEngine`, or a fake in tests): `submit`,
+            `step`, `in_flight`, `window`, `max_num_seqs`, and for validation `tokenizer`,
+            `max_model_len`, `requests`; score/classify engines go behind `WholeChunks`.
+        spec: The job spec.
+        take: `take(timeout=seconds)`: the next chunk, None (no more), or `queue.Empty`
+            (none yet: asked again, so a stop is seen within `POLL_SECONDS`).
+        committed: Called (from the writer thread) after each chunk's marker is written.
+        replica: This engine's index, recorded with each committed chunk.
+
+    `run` serves until every chunk taken is committed; `stop` (any thread) makes it return
+    within about `POLL_SECONDS` plus the chunk being written: chunks not yet written are
+    dropped (no part of them is committed; a retry infers them again).
     """
-    # One chunk prepared ahead of the rows waiting: each engine holds at most its window in
-    # flight, a window (or a chunk) waiting, and two chunks in preparation, so engines that
-    # share a queue share its chunks, and memory is bounded by the window.
-    prepared: queue.Queue[_ChunkInFlight | None] = queue.Queue(maxsize=1)
-    finished: queue.Queue[_ChunkInFlight | None] = queue.Queue()
-    validator = RowValidator(
-        task=spec.task,
-        tokenizer=engine.tokenizer,
-        max_model_len=engine.max_model_len,
-        requests=engine.requests,
-        limits=spec.limits,
-        images=spec.input.images,
-        storage=spec.storage,
-    )
-    stopping = threading.Event()
 
-    def prepare() -> None:
-        while not stopping.is_set():
-            work = take()
+    def __init__(
+        self,
+        engine: Any,
+        spec: InferenceSpec,
+        take: Callable[..., WorkChunk | None],
+        committed: Callable[[ChunkCommitted], None],
+        *,
+        replica: int = 0,
+    ) -> None:
+        self.spec = spec
+        self.take = take
+        self.committed = committed
+        self.replica = replica
+        self.validator = RowValidator(
+            task=spec.task,
+            tokenizer=engine.tokenizer,
+            max_model_len=engine.max_model_len,
+            requests=engine.requests,
+            limits=spec.limits,
+            images=spec.input.images,
+            storage=spec.storage,
+        )
+        task = worker_task(spec.task)
+        if not task.facts.streams:
+            engine = WholeChunks(engine, task)
+        # One chunk prepared ahead of the rows waiting: each engine holds at most its window
+        # in flight, a window (or a chunk) waiting, and two chunks in preparation, so engines
+        # that share a queue share its chunks, and memory is bounded by the window.
+        self.prepared: queue.Queue[_ChunkInFlight | None] = queue.Queue(maxsize=1)
+        self.finished: queue.Queue[_ChunkInFlight | None] = queue.Queue()
+        self.stopping = threading.Event()
+        self.window = _RequestWindow(engine, spec, self.finished, self.stopping)
+        self.threads = (
+            _Worker("gpuinfer-prepare", self._prepare),
+            _Worker("gpuinfer-write", self._write),
+        )
+
+    def stop(self) -> None:
+        """Ask `run` to return now (from any thread); chunks not yet written are dropped."""
+        self.stopping.set()
+
+    def run(self) -> int:
+        """Serve until every chunk is committed (or `stop`); returns the rows inferred.
+
+        Raises:
+            Exception: whatever a thread died of (reading, the engine, storage): the run
+                fails, and a retry resumes from the committed chunks. No thread is left
+                running either way.
+        """
+        for thread in self.threads:
+            thread.start()
+        try:
+            while not self.window.done and not self.stopping.is_set():
+                self._raise_thread_error()
+                self.window.read_ahead(self.prepared, self.threads)
+                self.window.fill()
+                self.window.step()
+            if not self.stopping.is_set():
+                self.finished.put(None)  # the writer writes what is left, then ends
+                self.threads[1].join()
+        except BaseException:
+            self.stopping.set()
+            raise
+        finally:
+            self.stopping.set()
+            for thread in self.threads:
+                thread.join()
+        self._raise_thread_error()
+        return self.window.rows
+
+    def _raise_thread_error(self) -> None:
+        for thread in self.threads:
+            if thread.error is not None:
+                raise thread.error
+
+    def _prepare(self) -> None:
+        """The prepare thread: take, validate and tokenize chunks while there is room."""
+        while not self.stopping.is_set():
+            try:
+                work = self.take(timeout=POLL_SECONDS)
+            except queue.Empty:
+                continue
             if work is None:
                 break
-            item = _ChunkInFlight(work, validator.validate(work.chunk))
-            if not _put_until(prepared, item, stopping):
+            whole = isinstance(self.window.engine, WholeChunks)
+            item = _ChunkInFlight(work, self.validator.validate(work.chunk), whole=whole)
+            if not _put_until(self.prepared, item, self.stopping):
                 return
-        _put_until(prepared, None, stopping)  # after a stop nobody reads it: never block
+        _put_until(self.prepared, None, self.stopping)  # after a stop nobody reads it
 
-    def write() -> None:
-        _write_finished(spec, finished, committed, replica)
-
-    threads = (_Worker("gpuinfer-prepare", prepare), _Worker("gpuinfer-write", write))
-    for thread in threads:
-        thread.start()
-    try:
-        if not task_facts(spec.task).streams:
-            return _serve_whole_chunks(engine, spec, prepared, finished, threads)
-        loop = _RequestWindow(engine, spec, finished)
-        while not loop.done:
-            for thread in threads:
-                if thread.error is not None:
-                    raise thread.error
-            loop.read_ahead(prepared, threads)
-            loop.fill()
-            loop.step()
-        _finish_writing(finished, threads[1])
-        return loop.rows
-    finally:
-        stopping.set()
-        if threads[1].is_alive():
-            finished.put(None)
+    def _write(self) -> None:
+        """The writer thread: each finished chunk's part file, errors and marker, in turn."""
+        locations: dict[str, PartitionOutput] = {}
+        while True:
+            try:
+                item = self.finished.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                if self.stopping.is_set():
+                    return
+                continue
+            if item is None or self.stopping.is_set():
+                return
+            key = item.work.partition_key
+            where = locations.get(key) or locations.setdefault(
+                key, PartitionOutput.of(self.spec, key)
+            )
+            marker = _write_chunk(self.spec, where, item)
+            self.committed(ChunkCommitted(partition_key=key, marker=marker, replica=self.replica))
 
 
-def _write_finished(
-    spec: InferenceSpec,
-    finished: queue.Queue[_ChunkInFlight | None],
-    committed: Callable[[ChunkCommitted], None],
-    replica: int,
-) -> None:
-    """The writer thread: each finished chunk's part file, errors and marker, in turn."""
-    locations: dict[str, PartitionOutput] = {}
-    while True:
-        item = finished.get()
-        if item is None:
-            return
-        key = item.work.partition_key
-        where = locations.get(key) or locations.setdefault(key, PartitionOutput.of(spec, key))
-        result, valid = item.result, item.valid
-        if result is None:
-            outputs = item.outputs
-            if item.rejected:  # rows the engine refused at submit join the errors
-                valid, outputs = valid.without_prompts(
-                    item.rejected, outputs, item.work.chunk.source
-                )
-            seconds = time.perf_counter() - (item.first_submitted or time.perf_counter())
-            result = ChunkResult.from_outputs(spec.task, outputs, seconds, requests=valid.requests)
-        marker = write_chunk(
-            spec,
-            where,
-            item.work.chunk,
-            valid,
-            result,
-            item.work.attempt,
-            engine_seconds=result.seconds if item.result is not None else item.engine_seconds,
-        )
-        committed(ChunkCommitted(partition_key=key, marker=marker, replica=replica))
+def _write_chunk(spec: InferenceSpec, where: PartitionOutput, item: _ChunkInFlight) -> ChunkMarker:
+    """Write one finished chunk (part file, errors, then its marker); returns the marker."""
+    result, valid = item.result, item.valid
+    if result is None:
+        outputs = item.outputs
+        if item.rejected:  # rows the engine refused at submit join the errors
+            valid, outputs = valid.without_prompts(item.rejected, outputs, item.work.chunk.source)
+        seconds = time.perf_counter() - (item.first_submitted or time.perf_counter())
+        result = ChunkResult.from_outputs(spec.task, outputs, seconds, requests=valid.requests)
+    return write_chunk(
+        spec,
+        where,
+        item.work.chunk,
+        valid,
+        result,
+        item.work.attempt,
+        engine_seconds=result.seconds if item.result is not None else item.engine_seconds,
+    )
 
 
-def _finish_writing(finished: queue.Queue[_ChunkInFlight | None], writer: _Worker) -> None:
-    """Tell the writer there is no more, wait for it, and raise what it died of."""
-    finished.put(None)
-    while writer.is_alive():
-        writer.join(POLL_SECONDS)
-    if writer.error is not None:
-        raise writer.error
+class WholeChunks:
+    """score / classify behind the loop's submit/step surface: one request is one whole
+    chunk, run in `step` by one `LLM.score` / `LLM.classify` call
+    (the task's `WorkerTask.run_chunk`): vLLM's offline scoring pairs, tokenizes and batches
+    inside that call. One chunk is in flight at a time, the next prepared behind it."""
+
+    window = 1
+    max_num_seqs = 1
+
+    def __init__(self, engine: Any, task: WorkerTask) -> None:
+        self.engine = engine
+        self.task = task
+        self._pending: deque[tuple[str, ValidChunk]] = deque()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def submit(self, request_id: str, valid: ValidChunk, params: Any = None) -> None:
+        self._pending.append((request_id, valid))
+
+    def step(self) -> list[tuple[str, Any]]:
+        """Run the oldest chunk; returns `(request_id, PoolingResult)`."""
+        request_id, valid = self._pending.popleft()
+        return [(request_id, self.task.run_chunk(self.engine, valid))]
 
 
 class _RequestWindow:
@@ -224,11 +325,13 @@ class _RequestWindow:
 
     def __init__(
         self,
-        engine: InferenceEngine,
+        engine: Any,
         spec: InferenceSpec,
         finished: queue.Queue[_ChunkInFlight | None],
+        stopping: threading.Event,
     ) -> None:
         self.engine = engine
+        self.stopping = stopping
         self.window = engine.window
         self.finished = finished
         self.metrics = current_metrics()
@@ -254,7 +357,7 @@ class _RequestWindow:
             try:
                 item = prepared.get(timeout=POLL_SECONDS) if idle else prepared.get_nowait()
             except queue.Empty:
-                if idle and all(thread.error is None for thread in threads):
+                if idle and not self.stopping.is_set() and all(t.error is None for t in threads):
                     continue
                 break
             if item is None:
@@ -283,7 +386,7 @@ class _RequestWindow:
                     break
                 batch = list(self.incoming)
                 self.incoming.clear()
-                if self.group:
+                if self.group and len(batch) > 1:
                     batch.sort(key=lambda entry: entry[0].valid.token_ids[entry[1]])
                 self.current.extend(batch)
             self._submit(*self.current.popleft())
@@ -296,16 +399,14 @@ class _RequestWindow:
         images = item.valid.images[position] if item.valid.images else None
         extra = {"images": images} if images else {}  # image tasks only
         try:
-            self.engine.submit(
-                request_id, item.valid.token_ids[position], item.params(position), **extra
-            )
+            self.engine.submit(request_id, item.prompt(position), item.params(position), **extra)
         except RequestRejected as exc:  # that row is quarantined, the rest go on
             item.rejected[position] = str(exc)
             self._settled(item)
             return
         self.requests[request_id] = (item, position)
         self.engine_time.submitted(request_id, item)
-        self.metrics.requests_started(1)
+        self.metrics.requests_started(item.rows_of(position))
 
     def _settled(self, item: _ChunkInFlight) -> None:
         item.remaining -= 1
@@ -323,13 +424,15 @@ class _RequestWindow:
             time.perf_counter() - step_started,
             [(request_id, self.requests[request_id][0]) for request_id, _ in finished],
         )
-        if finished:
-            self.metrics.requests_finished(len(finished))
+        rows = 0
         for request_id, output in finished:
             item, position = self.requests.pop(request_id)
-            item.outputs[position] = output
-            self.rows += 1
+            item.done(position, output)
+            rows += item.rows_of(position)
             self._settled(item)
+        if finished:
+            self.metrics.requests_finished(rows)
+        self.rows += rows
 
 
 def _put_until(target: queue.Queue[Any], item: Any, stopping: threading.Event) -> bool:
@@ -341,41 +444,3 @@ def _put_until(target: queue.Queue[Any], item: Any, stopping: threading.Event) -
         except queue.Full:
             continue
     return False
-
-
-def _serve_whole_chunks(
-    engine: InferenceEngine,
-    spec: InferenceSpec,
-    prepared: queue.Queue[_ChunkInFlight | None],
-    finished: queue.Queue[_ChunkInFlight | None],
-    threads: tuple[_Worker, _Worker],
-) -> int:
-    """score / classify: each prepared chunk through one `LLM.score` / `LLM.classify` call
-    in this (the engine) thread, then to the writer; returns the rows inferred."""
-    metrics = current_metrics()
-    preparer, writer = threads
-    rows = 0
-    while True:
-        for thread in threads:
-            if thread.error is not None:
-                raise thread.error
-        try:
-            item = prepared.get(timeout=POLL_SECONDS)
-        except queue.Empty:
-            continue
-        if item is None:
-            break
-        count = len(item.valid.ids)  # none: every row quarantined, empty columns
-        metrics.requests_started(count)
-        try:
-            item.result = engine.task.run_chunk(engine, item.valid)
-        finally:
-            metrics.requests_finished(count)
-        rows += count
-        finished.put(item)
-    finished.put(None)
-    while writer.is_alive():
-        writer.join(POLL_SECONDS)
-    if writer.error is not None:
-        raise writer.error
-    return rows

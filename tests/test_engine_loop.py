@@ -1,0 +1,371 @@
+"""The engine loop (`worker/stream.EngineLoop`) and the run's coordinator on a fake engine.
+
+No vLLM: the fake has the surface the loop calls on `InferenceEngine` (`submit`, `step`,
+`in_flight`, `window`, `max_num_seqs`, a tokenizer). Each request takes a fixed number of
+steps that depends on its row, so requests finish out of submission order; steps take a fixed
+time; a step can raise. Shards, chunk files, markers and the commit are real (local storage).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dagster_gpuinfer import InferenceSpec, read_partition
+from dagster_gpuinfer.storage import Manifest, read_chunk_markers
+from dagster_gpuinfer.worker import coordinator as coordinator_module
+from dagster_gpuinfer.worker.commit import PartitionOutput
+from dagster_gpuinfer.worker.coordinator import RunCoordinator
+from dagster_gpuinfer.worker.readers import RawChunk
+from dagster_gpuinfer.worker.stream import ChunkCommitted, EngineLoop, WholeChunks, WorkChunk
+
+CHUNK = 4
+ROWS = 10  # chunks of 4, 4 and 2 rows
+
+
+class _Tokenizer:
+    """One token per character."""
+
+    def __len__(self) -> int:
+        return 128
+
+    def __call__(self, texts, add_special_tokens=True):
+        return {"input_ids": [[ord(c) % 128 for c in t] for t in texts]}
+
+
+def _row_number(token_ids: list[int]) -> int:
+    return int("".join(chr(t) for t in token_ids if chr(t).isdigit()))
+
+
+class FakeEngine:
+    """Request of row n takes 1 + n % 3 steps (so they finish out of order); each step takes
+    `step_seconds`; step number `fail_at_step` raises (after `before_failing` is set)."""
+
+    max_model_len = 64
+    requests = None
+
+    def __init__(
+        self,
+        *,
+        window: int = 4,
+        step_seconds: float = 0.0,
+        fail_at_step: int | None = None,
+        before_failing: threading.Event | None = None,
+        steps_per_request: int | None = None,
+    ) -> None:
+        self.window = window
+        self.max_num_seqs = max(1, window // 2)
+        self.tokenizer = _Tokenizer()
+        self.step_seconds = step_seconds
+        self.fail_at_step = fail_at_step
+        self.before_failing = before_failing
+        self.steps_per_request = steps_per_request
+        self.pending: dict[str, list] = {}  # request id -> [token ids, steps left]
+        self.submitted: list[int] = []  # row numbers, in submission order
+        self.finished: list[int] = []  # row numbers, in completion order
+        self.steps = 0
+        self.step_time = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+    def submit(self, request_id, token_ids, params=None):
+        assert request_id not in self.pending
+        steps = self.steps_per_request or 1 + _row_number(token_ids) % 3
+        self.pending[request_id] = [token_ids, steps]
+        self.submitted.append(_row_number(token_ids))
+
+    def step(self):
+        self.steps += 1
+        if self.steps == self.fail_at_step:
+            if self.before_failing is not None:
+                assert self.before_failing.wait(10), "no chunk was committed before the failure"
+            raise RuntimeError("the engine died mid-window (fake)")
+        started = time.perf_counter()
+        time.sleep(self.step_seconds)
+        self.step_time += time.perf_counter() - started
+        done = []
+        for request_id, entry in list(self.pending.items()):
+            entry[1] -= 1
+            if entry[1] == 0:
+                token_ids = self.pending.pop(request_id)[0]
+                number = _row_number(token_ids)
+                self.finished.append(number)
+                output = SimpleNamespace(data=[float(number), float(len(token_ids))])
+                done.append(
+                    (request_id, SimpleNamespace(prompt_token_ids=token_ids, outputs=output))
+                )
+        return done
+
+
+def _spec(root: Path, keys: list[str]) -> InferenceSpec:
+    return InferenceSpec.model_validate(
+        {
+            "model": "/m",
+            "task": "embed",
+            "input": {"uri": str(root / "in" / "{partition_key}.parquet")},
+            "output": {"root": str(root / "out"), "asset_name": "emb"},
+            "chunk_size": CHUNK,
+            "partition_keys": keys,
+        }
+    )
+
+
+def _text(partition: int, row: int) -> str:
+    return f"row {partition}{row:04d}"
+
+
+def _write_shards(root: Path, keys: list[str]) -> None:
+    (root / "in").mkdir(parents=True, exist_ok=True)
+    for p, key in enumerate(keys):
+        table = pa.table(
+            {
+                "id": [f"{key}-{i}" for i in range(ROWS)],
+                "text": [_text(p + 1, i) for i in range(ROWS)],
+            }
+        )
+        pq.write_table(table, root / "in" / f"{key}.parquet")
+
+
+def _work(key: str, chunks: int, attempt: str = "att00001") -> list[WorkChunk]:
+    work = []
+    for index in range(chunks):
+        rows = [(i, f"{key}-{i}", _text(1, i)) for i in range(index * CHUNK, (index + 1) * CHUNK)]
+        work.append(WorkChunk(key, attempt, RawChunk(index, "s.parquet", rows=rows, rows_in=CHUNK)))
+    return work
+
+
+def _loop_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("gpuinfer-")]
+
+
+def _read_part(root: Path, message: ChunkCommitted) -> pa.Table:
+    (part,) = (root / "out").rglob(message.marker.part.name)
+    return pq.read_table(part)
+
+
+# --------------------------------------------------------------------------- the loop alone
+
+
+def test_rows_finishing_out_of_order_keep_their_chunks_order_and_come_once(tmp_path):
+    spec = _spec(tmp_path, ["s"])
+    work: queue.Queue[WorkChunk | None] = queue.Queue()
+    for item in _work("s", chunks=5):
+        work.put(item)
+    work.put(None)
+    engine = FakeEngine(window=4, step_seconds=0.002)
+    committed: list[ChunkCommitted] = []
+    rows = EngineLoop(engine, spec, work.get, committed.append).run()
+
+    assert rows == 5 * CHUNK
+    assert engine.finished != engine.submitted  # they did finish out of order
+    assert sorted(m.marker.index for m in committed) == list(range(5))
+    seen: list[str] = []
+    for message in committed:
+        table = _read_part(tmp_path, message)
+        start = message.marker.index * CHUNK
+        ids = [f"s-{i}" for i in range(start, start + CHUNK)]
+        assert table.column("id").to_pylist() == ids  # input order within the chunk
+        vectors = table.column("embedding").to_pylist()
+        assert [int(v[0]) for v in vectors] == [
+            int(_text(1, i)[4:]) for i in range(start, start + CHUNK)
+        ]
+        seen += ids
+    assert sorted(seen) == sorted(f"s-{i}" for i in range(5 * CHUNK))  # every row, once
+    assert _loop_threads() == []
+
+
+def test_chunk_engine_seconds_share_out_the_fakes_step_time(tmp_path):
+    spec = _spec(tmp_path, ["s"])
+    work: queue.Queue[WorkChunk | None] = queue.Queue()
+    for item in _work("s", chunks=3):
+        work.put(item)
+    work.put(None)
+    engine = FakeEngine(window=4, step_seconds=0.01)
+    committed: list[ChunkCommitted] = []
+    EngineLoop(engine, spec, work.get, committed.append).run()
+    shared = sum(m.marker.engine_seconds for m in committed)
+    # Every step's time goes to the chunks whose rows it finished: the shares add up to the
+    # time spent in `step()` (the fake's sleep, plus the call itself).
+    assert engine.step_time <= shared <= engine.step_time + 0.005 * engine.steps + 0.05
+    assert all(m.marker.engine_seconds > 0 for m in committed)
+
+
+@pytest.mark.parametrize("how", ["stop", "engine fails"])
+def test_a_stop_with_full_queues_returns_promptly_and_leaves_no_thread(tmp_path, how):
+    """Read-ahead full, the prepared queue full, the window full, more work in `take`; and
+    in the failure case, `take` empty (no more work yet). Today's loop had no stop, and after
+    a failure its prepare thread stayed blocked in `take()` for ever."""
+    spec = _spec(tmp_path, ["s"])
+    work: queue.Queue[WorkChunk | None] = queue.Queue()
+    chunks = 40 if how == "stop" else 3  # engine fails: take has nothing left to give
+    for item in _work("s", chunks=chunks):
+        work.put(item)
+    full = threading.Event()
+    engine = FakeEngine(
+        window=4,
+        step_seconds=0.01,
+        steps_per_request=10_000,  # nothing finishes
+        fail_at_step=None if how == "stop" else 30,
+        before_failing=full,
+    )
+    committed: list[ChunkCommitted] = []
+    loop = EngineLoop(engine, spec, work.get, committed.append)
+    asked: list[float] = []
+
+    def stop_when_full() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            waiting = len(loop.window.incoming) + len(loop.window.current)
+            if loop.prepared.full() and engine.in_flight == 4 and waiting >= 4:
+                full.set()
+                if how == "stop":
+                    asked.append(time.perf_counter())
+                    loop.stop()
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=stop_when_full)
+    watcher.start()
+    if how == "stop":
+        loop.run()
+    else:
+        with pytest.raises(RuntimeError, match="died mid-window"):
+            loop.run()
+    returned = time.perf_counter()
+    watcher.join()
+    assert full.is_set(), "the queues never filled"
+    if how == "stop":
+        assert returned - asked[0] < 1.0
+        assert work.qsize() > 0  # work was left: it was a stop, not the end
+    assert _loop_threads() == []  # the prepare thread is not left blocked in take()
+    assert committed == [] and not list((tmp_path / "out").rglob("*.json"))
+
+
+def test_whole_chunks_run_one_chunk_per_step_in_order():
+    calls = []
+
+    class Task:  # the task table's entry: a whole chunk in one call
+        def run_chunk(self, engine, valid):
+            calls.append((engine, "score", valid))
+            return f"scored {valid}"
+
+    engine = object()
+    whole = WholeChunks(engine, Task())
+    assert (whole.window, whole.in_flight) == (1, 0)
+    whole.submit("0", "chunk a")
+    whole.submit("1", "chunk b")
+    assert whole.in_flight == 2
+    assert whole.step() == [("0", "scored chunk a")]
+    assert whole.step() == [("1", "scored chunk b")]
+    assert whole.in_flight == 0 and calls == [
+        (engine, "score", "chunk a"),
+        (engine, "score", "chunk b"),
+    ]
+
+
+# --------------------------------------------------------------------------- with the coordinator
+
+
+def _serve(spec: InferenceSpec, engine: FakeEngine, after_commit=None):
+    """One run as `job.run_single_engine` drives it: the coordinator reads and commits, the
+    loop serves; returns (manifests with computed, coordinator.done(), error or None)."""
+    manifests: list[tuple[Manifest, bool]] = []
+    chunks: queue.Queue[WorkChunk | None] = queue.Queue()
+    coordinator = RunCoordinator(
+        spec,
+        spec.partition_keys,
+        on_committed=lambda manifest, computed: manifests.append((manifest, computed)),
+        on_failed=lambda exc, key: pytest.fail(f"{key} failed: {exc}"),
+        put=chunks.put,
+        engines=1,
+        max_outstanding=6,
+    )
+
+    def committed(message: ChunkCommitted) -> None:
+        coordinator.chunk_committed(message)
+        if after_commit is not None:
+            after_commit.set()
+
+    coordinator.start(0.0)
+    error = None
+    try:
+        EngineLoop(engine, spec, chunks.get, committed).run()
+    except RuntimeError as exc:
+        error = exc
+    finally:
+        coordinator.stop()
+    coordinator.check()
+    return manifests, coordinator.done(), error
+
+
+def test_the_coordinator_commits_in_its_own_thread_after_every_marker(tmp_path, monkeypatch):
+    keys = ["s0", "s1", "s2"]
+    _write_shards(tmp_path, keys)
+    spec = _spec(tmp_path, keys)
+    seen = []
+    real_commit = coordinator_module.commit_chunks
+
+    def spy(where, spec_, markers, **kwargs):
+        on_disk = read_chunk_markers(where.fs, where.path, where.spec_hash)
+        seen.append((where.partition_key, threading.current_thread().name, sorted(on_disk)))
+        assert where.committed() is None  # markers first, the manifest after
+        return real_commit(where, spec_, markers, **kwargs)
+
+    monkeypatch.setattr(coordinator_module, "commit_chunks", spy)
+    manifests, done, error = _serve(spec, FakeEngine(window=4, step_seconds=0.001))
+
+    assert error is None and done
+    assert seen == [(key, "gpuinfer-commit", [0, 1, 2]) for key in keys]
+    assert [(m.partition_key, computed) for m, computed in manifests] == [(k, True) for k in keys]
+    for p, key in enumerate(keys):
+        table = read_partition(spec.output, key)
+        assert table.column("id").to_pylist() == [f"{key}-{i}" for i in range(ROWS)]
+        numbers = [int(v[0]) for v in table.column("embedding").to_pylist()]
+        assert numbers == [int(_text(p + 1, i)[4:]) for i in range(ROWS)]
+        assert not read_chunk_markers(*_marker_dir(spec, key))  # removed at commit
+
+    # A rerun reports the committed partitions and asks the engine for nothing.
+    rerun_engine = FakeEngine()
+    again, done, error = _serve(spec, rerun_engine)
+    assert error is None and done and rerun_engine.submitted == []
+    assert [(m.partition_key, computed) for m, computed in again] == [(k, False) for k in keys]
+
+
+def _marker_dir(spec: InferenceSpec, key: str):
+    where = PartitionOutput.of(spec, key)
+    return where.fs, where.path, where.spec_hash
+
+
+def test_an_engine_failing_mid_window_keeps_committed_chunks_and_the_retry_resumes(tmp_path):
+    _write_shards(tmp_path, ["s0"])
+    spec = _spec(tmp_path, ["s0"])
+    first_chunk = threading.Event()
+    failing = FakeEngine(window=4, step_seconds=0.001, fail_at_step=6, before_failing=first_chunk)
+    manifests, done, error = _serve(spec, failing, after_commit=first_chunk)
+
+    assert error is not None and "died mid-window" in str(error)
+    assert manifests == [] and not done  # the partition is not committed
+    markers = read_chunk_markers(*_marker_dir(spec, "s0"))
+    assert 1 <= len(markers) < 3
+    parts = {p.name for p in (tmp_path / "out").rglob("part-*")}
+    assert parts == {m.part.name for m in markers.values()}  # no part without its marker
+    assert _loop_threads() == []
+
+    retry = FakeEngine(window=4, step_seconds=0.001)
+    manifests, done, error = _serve(spec, retry)
+    assert error is None and done
+    resumed_rows = sum(m.rows_in for m in markers.values())
+    assert len(retry.submitted) == ROWS - resumed_rows  # committed chunks are not inferred again
+    ((manifest, computed),) = manifests
+    assert computed and manifest.rows_in == ROWS
+    table = read_partition(spec.output, "s0")
+    assert table.column("id").to_pylist() == [f"s0-{i}" for i in range(ROWS)]  # each once
