@@ -143,7 +143,13 @@ def test_invalid_run_config_fails_in_the_control_plane_naming_the_field(
 
 
 def test_unknown_task_never_reaches_a_worker():
-    expected = r"task: Input should be 'embed', 'generate', 'chat', 'score' or 'classify'"
+    import re
+
+    from dagster_gpuinfer.task_table import TASKS
+
+    names = [f"'{name}'" for name in TASKS]  # every task in the table, in its order
+    expected = re.escape(f"task: Input should be {', '.join(names[:-1])} or {names[-1]}")
+    expected += re.escape(" (got 'summarize')")
     with pytest.raises(ValueError, match=expected):
         inference_assets(
             name="x",
