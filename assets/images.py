@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import random
+import struct
+import zlib
 
 from PIL import Image, ImageDraw
 
@@ -55,6 +57,20 @@ def encode(image: Image.Image, image_format: str = "PNG", **options: object) -> 
     buffer = io.BytesIO()
     image.save(buffer, format=image_format, **options)
     return buffer.getvalue()
+
+
+def bomb_png(width: int = 100_000, height: int = 100_000) -> bytes:
+    """A PNG whose header claims `width` x `height` pixels and holds none: a decompression
+    bomb's shape (the bad-image tests' and the zoo's)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = b"IHDR" + ihdr
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + struct.pack(">I", len(ihdr))
+        + chunk
+        + struct.pack(">I", zlib.crc32(chunk))
+        + b"\0\0\0\0IEND\xaeB`\x82"
+    )
 
 
 def shape_rows(count: int, *, seed: int = 0, sizes: tuple[tuple[int, int], ...] = MIXED_SIZES):

@@ -6,9 +6,7 @@ from __future__ import annotations
 import base64
 import http.server
 import io
-import struct
 import threading
-import zlib
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from assets.images import draw_shape, encode
+from assets.images import bomb_png, draw_shape, encode
 from dagster_gpuinfer.image_options import ImageOptions
 from dagster_gpuinfer.spec import StorageOptions
 from dagster_gpuinfer.worker.images import (
@@ -30,19 +28,6 @@ from dagster_gpuinfer.worker.images import (
 
 PNG = encode(draw_shape("circle", "red", (80, 60), seed=1))
 JPEG = encode(draw_shape("square", "blue", (120, 90), seed=2), "JPEG", quality=90)
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG whose header claims `width` x `height` and holds no pixels: a bomb's shape."""
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    chunk = b"IHDR" + ihdr
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + struct.pack(">I", len(ihdr))
-        + chunk
-        + struct.pack(">I", zlib.crc32(chunk))
-        + b"\0\0\0\0IEND\xaeB`\x82"
-    )
 
 
 def fault_of(decoder: ImageDecoder, ref, base_uri: str | None = None) -> str:
@@ -133,9 +118,9 @@ def test_zoo_undecodable_truncated_bomb(decoder):
     assert fault_of(decoder, JPEG[: len(JPEG) // 2]) == "image_truncated"
     assert fault_of(decoder, PNG[: len(PNG) - 40]) in ("image_truncated", "image_undecodable")
     # Pillow's own limit (twice MAX_IMAGE_PIXELS) and ours, both from the header alone.
-    assert fault_of(decoder, png_header_only(100_000, 100_000)) == "image_bomb"
+    assert fault_of(decoder, bomb_png(100_000, 100_000)) == "image_bomb"
     small_limit = ImageDecoder(ImageOptions(max_image_pixels=1000))
-    assert fault_of(small_limit, png_header_only(100, 100)) == "image_bomb"
+    assert fault_of(small_limit, bomb_png(100, 100)) == "image_bomb"
 
 
 def test_zoo_too_large_for_the_model_when_refused():

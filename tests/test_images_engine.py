@@ -10,8 +10,6 @@ ones. Image embeddings must equal transformers' `get_image_features`, text rows 
 from __future__ import annotations
 
 import base64
-import struct
-import zlib
 
 import dagster as dg
 import numpy as np
@@ -20,25 +18,12 @@ import pyarrow.parquet as pq
 import pytest
 from support import cpu_resource, materialize_partitions, partition_metadata
 
-from assets.images import draw_shape, encode, shape_rows
+from assets.images import bomb_png, draw_shape, encode, shape_rows
 from dagster_gpuinfer import InputSpec, inference_assets
 from dagster_gpuinfer.spec import OutputSpec
 from dagster_gpuinfer.storage import read_errors, read_partition
 
 pytestmark = pytest.mark.engine
-
-
-def bomb_png(width: int = 100_000, height: int = 100_000) -> bytes:
-    """A PNG header claiming width x height pixels, no pixel data: a decompression bomb."""
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    chunk = b"IHDR" + ihdr
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + struct.pack(">I", len(ihdr))
-        + chunk
-        + struct.pack(">I", zlib.crc32(chunk))
-        + b"\0\0\0\0IEND\xaeB`\x82"
-    )
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
