@@ -47,7 +47,7 @@ lint: install
 # fails on them before the long suite.
 test: lint security prepare
 	PROMETHEUS_ENV=$$(bash deploy/local/test-prometheus.sh) && eval "$$PROMETHEUS_ENV" && \
-	GPUINFER_TEST_POSTGRES_URL=$$(bash deploy/local/test-postgres.sh) $(PY) -m pytest tests -m "not slow"
+	GPUINFER_TEST_POSTGRES_URL=$$(bash deploy/local/test-postgres.sh) $(PY) -m pytest tests -m "not slow" --durations=20
 
 # Everything, the slow cases too (each class keeps one case in `make test`).
 test-all: prepare
