@@ -23,18 +23,24 @@ from dagster_gpuinfer.image_options import ImageOptions
 IMAGE_SHARDS = dg.StaticPartitionsDefinition([f"images-{i:03d}" for i in range(3)])
 IMAGE_INPUT = f"{input_root()}/images/{{partition_key}}.parquet"
 
+
+def _image_input(*, text_column: str) -> InputSpec:
+    """The image shards, with `text_column` beside the image. The models see 64x64: larger
+    images are fitted to 256 in the read-ahead, so memory holds small images and the
+    processor's resize has little left to do."""
+    return InputSpec(
+        uri=IMAGE_INPUT,
+        image_column="image",
+        text_column=text_column,
+        images=ImageOptions(max_side=256),
+    )
+
+
 image_embeddings = inference_assets(
     name="image_embeddings",
     model=image_model_dir(),
     task="image_embed",
-    input=InputSpec(
-        uri=IMAGE_INPUT,
-        image_column="image",
-        text_column="text",
-        # The model sees 64x64: larger images are fitted to 256 in the read-ahead, so
-        # memory holds small images and the processor's resize has little left to do.
-        images=ImageOptions(max_side=256),
-    ),
+    input=_image_input(text_column="text"),
     input_asset_key="image_shards",
     output_root=output_root(),
     partitions_def=IMAGE_SHARDS,
@@ -49,12 +55,7 @@ image_captions = inference_assets(
     name="image_captions",
     model=vision_language_model_dir(),
     task="vision_generate",
-    input=InputSpec(
-        uri=IMAGE_INPUT,
-        image_column="image",
-        text_column="caption",  # every row's prompt: its reference caption as a question
-        images=ImageOptions(max_side=256),
-    ),
+    input=_image_input(text_column="caption"),  # the prompt: its caption as a question
     input_asset_key="image_shards",
     output_root=output_root(),
     partitions_def=IMAGE_SHARDS,

@@ -152,18 +152,24 @@ def _read_part(root: Path, message: ChunkCommitted) -> pa.Table:
     return pq.read_table(part)
 
 
+def _run_all(tmp_path: Path, engine, *, chunks: int) -> tuple[int, list[ChunkCommitted]]:
+    """Run the loop over `chunks` chunks of one partition `s` to the end of its work."""
+    spec = _spec(tmp_path, ["s"])
+    work: queue.Queue[WorkChunk | None] = queue.Queue()
+    for item in _work("s", chunks=chunks):
+        work.put(item)
+    work.put(None)
+    committed: list[ChunkCommitted] = []
+    rows = EngineLoop(engine, spec, work.get, committed.append).run()
+    return rows, committed
+
+
 # --------------------------------------------------------------------------- the loop alone
 
 
 def test_rows_finishing_out_of_order_keep_their_chunks_order_and_come_once(tmp_path):
-    spec = _spec(tmp_path, ["s"])
-    work: queue.Queue[WorkChunk | None] = queue.Queue()
-    for item in _work("s", chunks=5):
-        work.put(item)
-    work.put(None)
     engine = FakeEngine(window=4, step_seconds=0.002)
-    committed: list[ChunkCommitted] = []
-    rows = EngineLoop(engine, spec, work.get, committed.append).run()
+    rows, committed = _run_all(tmp_path, engine, chunks=5)
 
     assert rows == 5 * CHUNK
     assert engine.finished != engine.submitted  # they did finish out of order
@@ -184,14 +190,8 @@ def test_rows_finishing_out_of_order_keep_their_chunks_order_and_come_once(tmp_p
 
 
 def test_chunk_engine_seconds_share_out_the_fakes_step_time(tmp_path):
-    spec = _spec(tmp_path, ["s"])
-    work: queue.Queue[WorkChunk | None] = queue.Queue()
-    for item in _work("s", chunks=3):
-        work.put(item)
-    work.put(None)
     engine = FakeEngine(window=4, step_seconds=0.01)
-    committed: list[ChunkCommitted] = []
-    EngineLoop(engine, spec, work.get, committed.append).run()
+    _, committed = _run_all(tmp_path, engine, chunks=3)
     shared = sum(m.marker.engine_seconds for m in committed)
     # Every step's time goes to the chunks whose rows it finished: the shares add up to the
     # time spent in `step()` (the fake's sleep, plus the call itself).
