@@ -32,9 +32,9 @@ import os
 import posixpath
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import pyarrow as pa
@@ -59,6 +59,7 @@ def error_file_names(spec_hash: str, attempt: str) -> tuple[str, str]:
 
 CHUNKS_DIR = "_chunks"
 MANIFEST_VERSION = 1
+T = TypeVar("T")
 
 ERRORS_SCHEMA = pa.schema(
     [
@@ -687,10 +688,36 @@ def partition_progress(
     """`(committed, counts)` of a partition: its manifest's counts once committed, else the
     sum of the chunk markers written so far (rises while a worker runs)."""
     fs, path = filesystem_for(partition_dir(output, partition_key), storage)
+    found = _read_partition(fs, path, RowCounts.total)
+    if isinstance(found, Manifest):
+        return True, found.counts()
+    return False, found
+
+
+def _read_partition(
+    fs: pafs.FileSystem, path: str, read_chunks: Callable[[list[ChunkMarker]], T]
+) -> Manifest | T:
+    """A partition's manifest once committed, else `read_chunks(its chunk markers)`, for a
+    reader outside the worker (the batch API polls partitions while workers commit them).
+
+    The commit writes the manifest first and only then deletes the chunk markers and the
+    chunk files, so a read of the chunks that finds no manifest after it saw them whole;
+    one that finds the manifest after it (the chunks may have vanished under it: fewer
+    markers, or a file gone) gives way to the manifest.
+    """
     manifest = read_manifest(fs, path)
     if manifest is not None:
-        return True, manifest.counts()
-    return False, RowCounts.total(_chunk_markers_of_any_spec(fs, path))
+        return manifest
+    try:
+        found, vanished = read_chunks(_chunk_markers_of_any_spec(fs, path)), None
+    except FileNotFoundError as error:
+        found, vanished = None, error
+    manifest = read_manifest(fs, path)
+    if manifest is not None:
+        return manifest
+    if vanished is not None:  # deleted with no commit behind it: not the race above
+        raise vanished
+    return found
 
 
 def read_openai_batch_files(
@@ -704,23 +731,26 @@ def read_openai_batch_files(
     (the same lines the commit would write to the error file).
     """
     fs, path = filesystem_for(partition_dir(output, partition_key), storage)
-    manifest = read_manifest(fs, path)
-    if manifest is not None:
-        output_bytes = b"".join(
-            read_bytes(fs, posixpath.join(path, p.name)) for p in manifest.parts
-        )
-        errors = b""
-        if manifest.openai_errors is not None:
-            errors = read_bytes(fs, posixpath.join(path, manifest.openai_errors.name))
-        return OpenAIBatchFiles(
-            True, manifest.rows_out, manifest.rows_errored, output_bytes, errors
-        )
+    found = _read_partition(fs, path, lambda markers: _openai_batch_chunks(fs, path, markers))
+    if not isinstance(found, Manifest):
+        return found
+    output_bytes = b"".join(read_bytes(fs, posixpath.join(path, p.name)) for p in found.parts)
+    errors = b""
+    if found.openai_errors is not None:
+        errors = read_bytes(fs, posixpath.join(path, found.openai_errors.name))
+    return OpenAIBatchFiles(True, found.rows_out, found.rows_errored, output_bytes, errors)
+
+
+def _openai_batch_chunks(
+    fs: pafs.FileSystem, path: str, markers: list[ChunkMarker]
+) -> OpenAIBatchFiles:
+    """The output and error lines of the chunks committed so far (partition not committed)."""
     from dagster_gpuinfer.worker.openai_batch import openai_error_lines
 
     parts: list[bytes] = []
     error_lines: list[bytes] = []
     rows_out = rows_errored = 0
-    for marker in _chunk_markers_of_any_spec(fs, path):
+    for marker in markers:
         if marker.part is not None:
             parts.append(read_bytes(fs, posixpath.join(path, plain_file_name(marker.part.name))))
         if marker.errors is not None:

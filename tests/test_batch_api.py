@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import dagster as dg
 import openai
@@ -464,10 +466,35 @@ def test_postgres_as_the_store(tmp_path, instance):
             write_chunk(svc, "batch_embed", ids[0], 0, ["req-0", "req-1"])
             assert sdk.batches.retrieve(ids[0]).request_counts.completed == 2
             assert sdk.batches.cancel(ids[0]).status == "cancelled"
+        _finalizers_race_to_publish_one_file(svc.store)
         svc.store.close()
     finally:
         admin.cursor().execute(f"DROP DATABASE {database} WITH (FORCE)")
         admin.close()
+
+
+def _finalizers_race_to_publish_one_file(store) -> None:
+    """Eight finalizers publish one output file at once (a poll, the reconcile loop, other
+    replicas): every one succeeds and one row is left, holding one of their records."""
+    record = {
+        "id": "file-race-output",
+        "tenant": "acme",
+        "purpose": "batch_output",
+        "filename": "race_output.jsonl",
+        "created_at": 1,
+        "status": "processed",
+        "path": "/nowhere",
+    }
+    start = threading.Barrier(8)
+
+    def publish(size: int) -> None:
+        start.wait()
+        store.put_file({**record, "bytes": size})
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(publish, range(8)))  # re-raises a finalizer's error
+    [row] = [f for f in store.list_files("acme") if f["id"] == record["id"]]
+    assert row["bytes"] in range(8) and row["filename"] == record["filename"]
 
 
 def test_health_answers_without_a_key(api):

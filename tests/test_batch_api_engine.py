@@ -21,6 +21,7 @@ from typing import Any
 
 import dagster as dg
 import numpy as np
+import openai
 import pytest
 from batch_api_support import client, free_port, jsonl_ids
 
@@ -210,7 +211,10 @@ def poll(stack: Stack, batch_id: str, until, *, timeout: float = 600, on_value=N
     sdk = client(stack.base_url, stack.key)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        batch = sdk.batches.retrieve(batch_id)
+        try:
+            batch = sdk.batches.retrieve(batch_id)
+        except openai.APIStatusError as error:  # the service's log says why
+            raise AssertionError(f"retrieve {batch_id}: {error}\n{stack.logs()}") from error
         if on_value is not None:
             on_value(batch)
         if until(batch):

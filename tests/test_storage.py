@@ -8,21 +8,24 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from dagster_gpuinfer import OutputSpec
+from dagster_gpuinfer import OutputSpec, storage
 from dagster_gpuinfer.storage import (
     ERRORS_NAME,
     MANIFEST_NAME,
+    ChunkMarker,
     FileEntry,
     Manifest,
     commit_partition,
     filesystem_for,
     partition_dir,
     partition_dir_name,
+    partition_progress,
     read_manifest,
     read_partition,
     table_to_parquet_bytes,
     verify_manifest,
     write_bytes_atomic,
+    write_chunk_marker,
     write_file_entry,
 )
 
@@ -120,3 +123,48 @@ def test_reading_an_uncommitted_partition_says_what_to_do(tmp_path):
     output = OutputSpec(root=str(tmp_path), asset_name="asset")
     with pytest.raises(FileNotFoundError, match="not committed.*materialize it first"):
         read_partition(output, "never")
+
+
+def _partition_with_one_chunk(tmp_path: Path) -> tuple[OutputSpec, object, str]:
+    """A partition mid-run: chunk 0 (2 of its 3 rows) committed, no manifest yet."""
+    output = OutputSpec(root=str(tmp_path), asset_name="asset")
+    fs, path = filesystem_for(partition_dir(output, "p"))
+    write_chunk_marker(fs, path, ChunkMarker(index=0, spec_hash="h", rows_in=2, rows_out=2))
+    return output, fs, path
+
+
+@pytest.mark.parametrize("at", ["list_names", "read_bytes"])
+def test_progress_read_while_the_worker_commits_gives_the_committed_counts(
+    tmp_path, monkeypatch, at
+):
+    """The commit writes the manifest, then deletes the chunk markers: a reader that lists the
+    markers (or opens one listed) as they go must report the committed partition, never
+    raise (the batch API answered 500 to a poll here) nor report fewer rows than before."""
+    output, _, path = _partition_with_one_chunk(tmp_path)
+    assert partition_progress(output, "p") == (False, storage.RowCounts(rows_in=2, rows_out=2))
+    real = getattr(storage, at)
+    chunks = os.path.join(path, storage.CHUNKS_DIR)
+
+    def commit_first(fs, where):
+        if where.startswith(chunks) and not os.path.exists(os.path.join(path, MANIFEST_NAME)):
+            _committed_partition(tmp_path)  # the worker commits: manifest, then cleanup
+        return real(fs, where)
+
+    monkeypatch.setattr(storage, at, commit_first)
+    committed, counts = partition_progress(output, "p")
+    assert committed and counts.rows_out == 3
+
+
+def test_a_marker_deleted_with_no_commit_behind_it_is_not_hidden(tmp_path, monkeypatch):
+    output, _, path = _partition_with_one_chunk(tmp_path)
+    real = storage.read_bytes
+    chunks = os.path.join(path, storage.CHUNKS_DIR)
+
+    def vanish(fs, where):
+        if where.startswith(chunks):
+            os.remove(where)
+        return real(fs, where)
+
+    monkeypatch.setattr(storage, "read_bytes", vanish)
+    with pytest.raises(FileNotFoundError):
+        partition_progress(output, "p")

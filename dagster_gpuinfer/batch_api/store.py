@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 
 from dagster_gpuinfer.batch_api.keys import NewKey, new_key, secret_matches, split_token
 
@@ -202,10 +203,16 @@ class BatchStore:
             conn.execute(FILES.insert().values(**record))
 
     def put_file(self, record: dict[str, Any]) -> None:
-        """Insert or replace a file row by id (output files are rewritten on a re-finalize)."""
+        """Insert or replace a file row by id (output files are rewritten on a re-finalize).
+
+        One upsert (`INSERT ... ON CONFLICT (id) DO UPDATE`), so two finalizers of one batch
+        (a poll and the reconcile loop, or two replicas) both succeed: a delete then an
+        insert let both inserts through on PostgreSQL, and the second broke the unique id."""
+        dialect = {"postgresql": postgresql, "sqlite": sqlite}[self.engine.dialect.name]
+        statement = dialect.insert(FILES).values(**record)
+        changed = {name: statement.excluded[name] for name in record if name != "id"}
         with self.engine.begin() as conn:
-            conn.execute(FILES.delete().where(FILES.c.id == record["id"]))
-            conn.execute(FILES.insert().values(**record))
+            conn.execute(statement.on_conflict_do_update(index_elements=["id"], set_=changed))
 
     def get_file(self, file_id: str, tenant: str) -> dict[str, Any] | None:
         query = sa.select(FILES).where(FILES.c.id == file_id, FILES.c.tenant == tenant)
