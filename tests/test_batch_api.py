@@ -437,6 +437,65 @@ def test_routing_table_loads_from_yaml_and_refuses_duplicates(tmp_path):
         )
 
 
+def test_a_route_serves_chat_lines_with_images_through_the_vision_chat_task(tmp_path, instance):
+    """/v1/chat/completions is chat's unless a route names `task: vision_chat`: its batch
+    pipeline then reads the lines' image_url parts under the route's image limits."""
+    path = tmp_path / "routes.yaml"
+    path.write_text(
+        "routes:\n"
+        "  - {model: text, endpoint: /v1/chat/completions, pipeline: p_text, model_path: /m/t}\n"
+        "  - model: seeing\n"
+        "    endpoint: /v1/chat/completions\n"
+        "    pipeline: p_seeing\n"
+        "    model_path: /m/vlm\n"
+        "    task: vision_chat\n"
+        "    images: {max_image_pixels: 1000000, allowed_url_hosts: [images.example.com]}\n"
+    )
+    table = load_routing_table(str(path))
+    assert [r.task for r in table.routes] == ["chat", "vision_chat"]
+    built = batch_pipelines(table, files_root=str(tmp_path / "files"))
+    spec = built.pipelines["p_seeing"].spec
+    assert spec["task"] == "vision_chat"
+    assert spec["input"]["images"]["max_image_pixels"] == 1_000_000
+    assert spec["input"]["images"]["allowed_url_hosts"] == ["images.example.com"]
+    assert built.pipelines["p_text"].spec["task"] == "chat"
+    svc = BatchService(
+        store=BatchStore(f"sqlite:///{tmp_path}/store.sqlite"),
+        files=FileBytes(str(tmp_path / "files")),
+        routes=table,
+        instance=instance,
+    )
+    with live_service(svc) as base_url:
+        sdk = client(base_url, svc.store.create_key("acme").token)
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        line = {
+            "custom_id": "c-0",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "seeing",
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}
+                ],
+            },
+        }
+        uploaded = upload(sdk, (json.dumps(line) + "\n").encode())
+        batch = sdk.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert batch.status == "in_progress"
+        assert svc.store.get_batch(batch.id)["pipeline"] == "p_seeing"
+    svc.store.close()
+    base = {"model": "a", "endpoint": "/v1/chat/completions", "pipeline": "p", "model_path": "/m"}
+    for bad, message in [
+        ({"task": "embed"}, r"task 'embed' does not serve /v1/chat/completions"),
+        ({"images": {"max_image_pixels": 10}}, "`images` is for image tasks"),
+        ({"task": "vision_chat", "images": {"max_pixels": 10}}, "images.max_pixels"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            RoutingTable(routes=[{**base, **bad}])
+
+
 def test_postgres_as_the_store(tmp_path, instance):
     url = os.environ.get("GPUINFER_TEST_POSTGRES_URL")
     if not url:

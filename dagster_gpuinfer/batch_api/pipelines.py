@@ -79,7 +79,11 @@ def batch_pipelines(
             name=route.pipeline,
             model=route.model_path,
             task=route.task,  # type: ignore[arg-type]
-            input=InputSpec(uri=files.input_template, format="openai_batch"),
+            input=InputSpec(
+                uri=files.input_template,
+                format="openai_batch",
+                **({"images": route.images} if route.images is not None else {}),
+            ),
             input_asset_key=f"{route.pipeline}_input",
             output_root=files.output_root,
             output_format="openai_batch",

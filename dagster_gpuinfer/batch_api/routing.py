@@ -28,7 +28,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dagster_gpuinfer.task_table import ENDPOINTS
+from dagster_gpuinfer.image_options import ImageOptions
+from dagster_gpuinfer.task_table import ENDPOINTS, TASKS
 
 ROUTES_ENV = "GPUINFER_BATCH_ROUTES"
 _PIPELINE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -48,6 +49,15 @@ class Route(BaseModel):
         default_factory=dict, description="Default sampling parameters (generate, chat)."
     )
     chunk_size: int = Field(64, ge=1, description="Rows per chunk: the unit of progress.")
+    task: str = Field(
+        "",
+        description="The task serving the endpoint, where more than one does (`vision_chat` "
+        "on /v1/chat/completions: chat lines whose content parts carry `image_url`); "
+        "default: the endpoint's own task.",
+    )
+    images: ImageOptions | None = Field(
+        None, description="Image tasks: the URL allow-list and the pixel and byte limits."
+    )
 
     @field_validator("endpoint")
     @classmethod
@@ -69,9 +79,28 @@ class Route(BaseModel):
             )
         return pipeline
 
-    @property
-    def task(self) -> str:
-        return ENDPOINTS[self.endpoint][0]
+    @model_validator(mode="before")
+    @classmethod
+    def _default_task(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and not data.get("task") and data.get("endpoint"):
+            own = ENDPOINTS.get(data["endpoint"])
+            return {**data, "task": own[0]} if own else data
+        return data
+
+    @model_validator(mode="after")
+    def _task_serves_endpoint(self) -> Route:
+        serving = sorted(name for name, facts in TASKS.items() if self.endpoint in facts.endpoints)
+        if self.task not in serving:
+            raise ValueError(
+                f"route {self.model!r}: task {self.task!r} does not serve {self.endpoint}; "
+                f"the tasks there: {serving}"
+            )
+        if self.images is not None and not TASKS[self.task].images:
+            raise ValueError(
+                f"route {self.model!r}: `images` is for image tasks; {self.task!r} reads no "
+                "images (set task: vision_chat for chat lines with image_url parts)"
+            )
+        return self
 
     @property
     def partitions_name(self) -> str:
