@@ -19,6 +19,7 @@ from dagster.components.core.package_entry import (
 
 from dagster_gpuinfer import GpuInferenceResource, InferenceSpec, InputSpec, inference_assets
 from dagster_gpuinfer.components import InferencePipelineComponent
+from dagster_gpuinfer.image_options import ImageOptions
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,6 +104,46 @@ def test_yaml_pipeline_builds_what_the_python_factory_builds():
     [sensor] = defs.sensors
     assert sensor.name == "tickets_arrivals"
     assert sensor.default_status == dg.DefaultSensorStatus.STOPPED
+
+
+def test_a_yaml_image_pipeline_builds_what_the_python_factory_builds():
+    """Image columns and the image URL policy are plain `input` fields in YAML; a mistyped
+    image limit is named with its path."""
+    image_yaml = """
+name: product_photos
+model: /models/siglip
+task: image_embed
+input:
+  uri: s3://catalog/photos/{partition_key}.parquet
+  image_column: photo
+  images:
+    allowed_url_hosts: [cdn.example.com]
+    max_image_pixels: 20000000
+    max_side: 512
+output_root: s3://catalog/embeddings
+partitioning: {type: static, keys: [a, b]}
+"""
+    component = InferencePipelineComponent.resolve_from_yaml(image_yaml)
+    python = inference_assets(
+        name="product_photos",
+        model="/models/siglip",
+        task="image_embed",
+        input=InputSpec(
+            uri="s3://catalog/photos/{partition_key}.parquet",
+            image_column="photo",
+            images=ImageOptions(
+                allowed_url_hosts=("cdn.example.com",), max_image_pixels=20_000_000, max_side=512
+            ),
+        ),
+        output_root="s3://catalog/embeddings",
+        partitions_def=dg.StaticPartitionsDefinition(["a", "b"]),
+    )
+    spec = InferenceSpec.model_validate(component.build_pipeline().spec)
+    assert spec == InferenceSpec.model_validate(python.spec)
+    assert spec.input.images.allowed_url_hosts == ("cdn.example.com",)
+    assert build(image_yaml).resolve_assets_def("product_photos").partitions_def is not None
+    with pytest.raises(dg.errors.DagsterInvalidDefinitionError, match=r"input.images.max_pixels"):
+        build(image_yaml.replace("max_image_pixels", "max_pixels"))
 
 
 def test_daily_yaml_pipeline_comes_with_a_schedule_for_the_previous_day():
