@@ -142,7 +142,7 @@ partitioning: {type: static, keys: [a, b]}
     assert spec == InferenceSpec.model_validate(python.spec)
     assert spec.input.images.allowed_url_hosts == ("cdn.example.com",)
     assert build(image_yaml).resolve_assets_def("product_photos").partitions_def is not None
-    with pytest.raises(dg.errors.DagsterInvalidDefinitionError, match=r"input.images.max_pixels"):
+    with pytest.raises(dg.DagsterInvalidDefinitionError, match=r"input.images.max_pixels"):
         build(image_yaml.replace("max_image_pixels", "max_pixels"))
 
 
