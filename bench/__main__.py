@@ -215,17 +215,21 @@ def main(argv: list[str] | None = None) -> int:
         return value
 
     if "throughput" in only:
-        results["throughput"] = {}
+        results.setdefault("throughput", {})
+        measured = set()
         for task in [t.strip() for t in args.tasks.split(",") if t.strip()]:
             value = section(f"throughput-{task}", "bench.throughput:run_throughput", ctx, task)
             if value is not None:
                 results["throughput"][task] = value
+                measured.add(task)
             save()
+        _throughput_done(results, measured)
     for name, runner in RUNNERS.items():
         if name in only:
             value = section(name, runner, ctx)
             if value is not None:
                 results[RESULT_KEYS[name]] = value
+                _section_done(results, name)
             save()
     report = save()
     log.info("results: %s", report)
@@ -233,8 +237,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _keep_earlier_sections(results: dict[str, Any], path: Path, only: set[str]) -> None:
-    """A run of some sections keeps the other sections' latest results, saying so."""
-    if not path.exists() or only == set(SECTIONS):
+    """A run of some sections keeps the other sections' latest results, saying so. The
+    sections it runs keep theirs too until it finishes them (`_section_done` drops the
+    note): a run stopped in a section leaves that section's earlier results, named as
+    such, rather than none."""
+    if not path.exists():
         return
     import json
 
@@ -242,12 +249,37 @@ def _keep_earlier_sections(results: dict[str, Any], path: Path, only: set[str]) 
     if earlier.get("smoke") != results["smoke"]:
         return
     for section, key in RESULT_KEYS.items():
-        if section not in only and key in earlier:
-            results[key] = earlier[key]
-            kept = [n for n in earlier.get("notes", []) if n.startswith(f"{section}: from ")]
-            results["notes"].extend(
-                kept or [f"{section}: from `{earlier.get('command')}` of {earlier.get('started')}"]
-            )
+        if key not in earlier:
+            continue
+        results[key] = earlier[key]
+        kept = [n for n in earlier.get("notes", []) if n.startswith(f"{section}: from ")]
+        origin = f"{section}: from `{earlier.get('command')}` of {earlier.get('started')}"
+        if section in only:
+            kept = [f"{(kept[0] if kept else origin).split(' (')[0]} ({UNFINISHED})"]
+        results["notes"].extend(kept or [origin])
+
+
+UNFINISHED = "this run has not finished it"
+
+
+def _throughput_done(results: dict[str, Any], measured: set[str]) -> None:
+    """The throughput tasks this run measured replace the earlier ones; a task it did not
+    measure keeps its earlier result, and the note says which task that is."""
+    left = sorted(set(results["throughput"]) - measured)
+    if not left:
+        _section_done(results, "throughput")
+        return
+    results["notes"] = [
+        n.replace(UNFINISHED, f"its task(s) {', '.join(left)}")
+        if n.startswith("throughput: from ")
+        else n
+        for n in results["notes"]
+    ]
+
+
+def _section_done(results: dict[str, Any], section: str) -> None:
+    """`section` was measured by this run: its note of earlier results goes."""
+    results["notes"] = [n for n in results["notes"] if not n.startswith(f"{section}: from ")]
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python -m bench.profile_run generate            # the throughput section's uniform workload
     python -m bench.profile_run embed --rate 40
+    python -m bench.profile_run image_embed         # the images section's shard and tiny CLIP
     python -m bench.profile_run generate --smoke    # tiny rows: checks the harness runs
 
 One Dagster run of the throughput section's pipeline (800 prompts x 32 tokens on the tiny
@@ -47,7 +48,7 @@ from bench.cpu_profile import (
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("task", choices=("generate", "embed"))
+    parser.add_argument("task", choices=("generate", "embed", "image_embed"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks it runs")
     parser.add_argument(
         "--rate",
@@ -80,33 +81,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def profile(ctx: BenchContext, task: str, *, rate: int, with_raw: bool) -> dict[str, Any]:
     """Profile one platform run and (optionally) one raw vLLM call on the same rows."""
-    from bench.platform_run import PlatformPipeline, local_resource
-    from bench.throughput import uniform_workload
-    from bench.workloads import write_shard
     from dagster_gpuinfer.storage import MANIFEST_NAME, partition_dir
     from dagster_gpuinfer.worker.engine import engine_kwargs
 
     root = ctx.fresh_dir(f"profile-{task}")
-    model = ctx.embed_model() if task == "embed" else ctx.generate_model()
-    texts, engine, sampling = uniform_workload(task, ctx.sizes)
-    write_shard(root / "inputs" / "shard-0.parquet", texts, id_prefix=task)
-    resource = local_resource(env=ctx.engine_env())
-    pipeline = PlatformPipeline(
-        name=f"profile_{task}",
-        model=model,
-        task=task,
-        input_uri=str(root / "inputs" / "{partition_key}.parquet"),
-        root=root,
-        keys=["shard-0"],
-        resource=resource,
-        engine=engine,
-        sampling=sampling,
-        chunk_size=ctx.sizes.chunk_size,
-    )
+    pipeline, raw_contestant, rows = _workload(ctx, task, root)
     spec = pipeline.worker_spec()
     report: dict[str, Any] = {
         "task": task,
-        "rows": len(texts),
+        "rows": rows,
         "cores": os.cpu_count(),
         "load_average_at_start": list(os.getloadavg()),
         "pyspy_rate": rate,
@@ -135,38 +118,88 @@ def profile(ctx: BenchContext, task: str, *, rate: int, with_raw: bool) -> dict[
         "pyspy_seconds": {k: v / rate for k, v in sorted(stacks.items())},
     }
     if with_raw:
-        report["raw"] = profile_raw(ctx, model, task, texts, report["engine_kwargs"], spec, rate)
+        report["raw"] = profile_raw(ctx, task, raw_contestant(report["engine_kwargs"], spec), rate)
     report["load_average_at_end"] = list(os.getloadavg())
     return report
 
 
-def profile_raw(
-    ctx: BenchContext,
-    model: str,
-    task: str,
-    texts: list[str],
-    kwargs: dict[str, Any],
-    spec: Any,
-    rate: int,
-) -> dict[str, Any]:
-    """One raw `LLM.generate` / `LLM.embed` call in a contestant process, profiled."""
+def _workload(ctx: BenchContext, task: str, root: Path) -> tuple[Any, Any, int]:
+    """`(platform pipeline, raw contestant factory, rows)` of `task`: the throughput
+    section's uniform rows (embed, generate) or the images section's shard (image_embed).
+    The factory takes the platform's engine kwargs and worker spec, so raw runs the same
+    engine on the same rows, and gives `(start the contestant, its run argument)`."""
     from bench.server import ContestantProcess
 
-    sampling = spec.sampling.to_vllm_kwargs() if task != "embed" else None
+    if task == "image_embed":
+        from assets.models import make_tiny_clip
+        from bench.images import _platform_pipeline, write_image_shard
+
+        model = make_tiny_clip(ctx.work_dir / "models" / "tiny-clip")
+        shard = root / "inputs" / "shard-0.parquet"
+        rows = write_image_shard(shard, 64 if ctx.smoke else 960)["rows"]
+        pipeline = _platform_pipeline(model, root)
+
+        def raw_images(kwargs: dict[str, Any], spec: Any) -> tuple[Any, Any]:
+            def start() -> ContestantProcess:
+                return ContestantProcess(
+                    "profile-image_embed-raw",
+                    "bench.images:ImageVllmBackend",
+                    {"model": model, "engine_kwargs": kwargs},
+                    env=ctx.engine_env(),
+                    log_dir=ctx.log_dir,
+                )
+
+            return start, str(shard)
+
+        return pipeline, raw_images, rows
+    from bench.platform_run import PlatformPipeline, local_resource
+    from bench.throughput import uniform_workload
+    from bench.workloads import write_shard
+
+    model = ctx.embed_model() if task == "embed" else ctx.generate_model()
+    texts, engine, sampling = uniform_workload(task, ctx.sizes)
+    write_shard(root / "inputs" / "shard-0.parquet", texts, id_prefix=task)
+    pipeline = PlatformPipeline(
+        name=f"profile_{task}",
+        model=model,
+        task=task,
+        input_uri=str(root / "inputs" / "{partition_key}.parquet"),
+        root=root,
+        keys=["shard-0"],
+        resource=local_resource(env=ctx.engine_env()),
+        engine=engine,
+        sampling=sampling,
+        chunk_size=ctx.sizes.chunk_size,
+    )
+
+    def raw_text(kwargs: dict[str, Any], spec: Any) -> tuple[Any, Any]:
+        sampling = spec.sampling.to_vllm_kwargs() if task != "embed" else None
+
+        def start() -> ContestantProcess:
+            return ContestantProcess(
+                f"profile-{task}-raw",
+                "bench.backends:VllmBackend",
+                dict(model=model, task=task, engine_kwargs=kwargs, sampling=sampling),
+                env=ctx.engine_env(),
+                log_dir=ctx.log_dir,
+            )
+
+        return start, texts
+
+    return pipeline, raw_text, len(texts)
+
+
+def profile_raw(ctx: BenchContext, task: str, contestant: tuple[Any, Any], rate: int) -> dict:
+    """One raw `LLM.generate` / `LLM.embed` call in a contestant process, profiled over the
+    seconds the call itself times (image rows: decoded before its clock starts)."""
     sampler = ProcSampler(os.getpid()).start()
     spy = PySpy(os.getpid(), ctx.work_dir / f"profile-{task}-raw.pyspy.txt", rate=rate)
     try:
-        raw = ContestantProcess(
-            f"profile-{task}-raw",
-            "bench.backends:VllmBackend",
-            dict(model=model, task=task, engine_kwargs=kwargs, sampling=sampling),
-            env=ctx.engine_env(),
-            log_dir=ctx.log_dir,
-        )
+        start, rows = contestant
+        raw = start()  # builds its engine
         built = time.time()
         try:
-            started = time.time()
-            out = raw.call("run", texts)
+            out = raw.call("run", rows)
             ended = time.time()
         finally:
             raw.close()
@@ -179,7 +212,7 @@ def profile_raw(
         "engine_seconds": raw.info.get("engine_seconds"),
         "import_seconds": raw.info.get("import_seconds"),
         "build": split(sampler, built - raw.info["engine_seconds"], built),
-        "window": split(sampler, started, ended),
+        "window": split(sampler, ended - out["seconds"], ended),
         "pyspy_seconds": {k: v / rate for k, v in sorted(stacks.items())},
     }
 

@@ -1,0 +1,70 @@
+"""A bench run of some sections (`--only`) keeps every other section's latest results, and
+the sections it runs keep theirs until it finishes them, each named as earlier results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.__main__ import (
+    UNFINISHED,
+    _keep_earlier_sections,
+    _section_done,
+    _throughput_done,
+)
+
+
+def _earlier(path: Path) -> None:
+    path.write_text(
+        json.dumps(
+            {
+                "smoke": False,
+                "command": "python -m bench --rounds 3",
+                "started": "2026-12-01T03:00:00",
+                "notes": ["memory: from `python -m bench --only memory` of 2026-11-30T10:00:00"],
+                "throughput": {"embed": {"rows": 1}, "generate": {"rows": 2}},
+                "longtail": {"rows": 3},
+                "memory": {"rows": 4},
+            }
+        )
+    )
+
+
+def test_a_section_stopped_before_it_finishes_keeps_its_earlier_results_named_so(tmp_path):
+    path = tmp_path / "results.json"
+    _earlier(path)
+    results: dict = {"smoke": False, "notes": []}
+    _keep_earlier_sections(results, path, {"throughput", "longtail"})
+    assert results["longtail"] == {"rows": 3} and results["memory"] == {"rows": 4}
+    notes = {note.split(":")[0]: note for note in results["notes"]}
+    assert UNFINISHED in notes["longtail"] and "2026-12-01T03:00:00" in notes["longtail"]
+    assert notes["memory"].endswith("of 2026-11-30T10:00:00")  # its own origin, carried
+    assert UNFINISHED not in notes["memory"]
+    # The run is stopped here: what it saves still holds longtail, marked as earlier.
+    results["longtail"] = {"rows": 30}
+    _section_done(results, "longtail")
+    assert not [n for n in results["notes"] if n.startswith("longtail")]
+    assert [n for n in results["notes"] if n.startswith("memory")]
+
+
+def test_throughput_names_the_tasks_this_run_left_at_their_earlier_results(tmp_path):
+    path = tmp_path / "results.json"
+    _earlier(path)
+    results: dict = {"smoke": False, "notes": []}
+    _keep_earlier_sections(results, path, {"throughput"})
+    results["throughput"]["embed"] = {"rows": 10}
+    _throughput_done(results, {"embed"})
+    [note] = [n for n in results["notes"] if n.startswith("throughput")]
+    assert note.endswith("(its task(s) generate)")
+    assert results["throughput"] == {"embed": {"rows": 10}, "generate": {"rows": 2}}
+    results["throughput"]["generate"] = {"rows": 20}
+    _throughput_done(results, {"embed", "generate"})
+    assert not [n for n in results["notes"] if n.startswith("throughput")]
+
+
+def test_a_smoke_run_never_mixes_with_measured_results(tmp_path):
+    path = tmp_path / "results.json"
+    _earlier(path)
+    results: dict = {"smoke": True, "notes": []}
+    _keep_earlier_sections(results, path, {"longtail"})
+    assert "longtail" not in results and results["notes"] == []
