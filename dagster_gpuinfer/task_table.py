@@ -105,6 +105,12 @@ ENDPOINTS: Mapping[str, tuple[str, str]] = MappingProxyType(
 )
 
 
+def tasks_serving(url: str) -> list[str]:
+    """The tasks that serve the batch endpoint `url` (a route picks one; ENDPOINTS names the
+    default)."""
+    return [name for name, facts in TASKS.items() if url in facts.endpoints]
+
+
 def task_facts(name: str) -> TaskFacts:
     """The facts of task `name`.
 

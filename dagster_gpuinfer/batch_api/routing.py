@@ -29,9 +29,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dagster_gpuinfer.image_options import ImageOptions
-from dagster_gpuinfer.task_table import ENDPOINTS, TASKS
+from dagster_gpuinfer.task_table import ENDPOINTS, TASKS, TaskFacts, tasks_serving
 
 ROUTES_ENV = "GPUINFER_BATCH_ROUTES"
+_NO_TASK = TaskFacts("", "pooling", {})  # a task name the table lacks serves no endpoint
 _PIPELINE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -89,8 +90,8 @@ class Route(BaseModel):
 
     @model_validator(mode="after")
     def _task_serves_endpoint(self) -> Route:
-        serving = sorted(name for name, facts in TASKS.items() if self.endpoint in facts.endpoints)
-        if self.task not in serving:
+        serving = tasks_serving(self.endpoint)
+        if self.endpoint not in TASKS.get(self.task, _NO_TASK).endpoints:
             raise ValueError(
                 f"route {self.model!r}: task {self.task!r} does not serve {self.endpoint}; "
                 f"the tasks there: {serving}"
