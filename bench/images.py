@@ -264,8 +264,8 @@ def _raw_engine_kwargs(platform: Any) -> dict[str, Any]:
     """The platform's engine arguments when it runs, else the bench's own."""
     if platform is None:
         return dict(IMAGE_ENGINE_KWARGS)
-    from dagster_gpuinfer.worker.engine import engine_kwargs
+    from bench.platform_run import raw_engine_kwargs
 
-    kwargs = engine_kwargs(platform.worker_spec())
+    kwargs = raw_engine_kwargs(platform.worker_spec())
     kwargs.pop("disable_log_stats", None)
     return kwargs

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.context import KV_CACHE_BYTES, RAY_NAMES, REPO_ROOT, BenchContext, ray_contestants
-from bench.platform_run import PlatformPipeline, local_resource
+from bench.platform_run import PlatformPipeline, local_resource, raw_engine_kwargs
 from bench.server import ContestantProcess
 from bench.stats import paired_ratios, rotations, summarize
 from bench.workloads import generate_texts, write_shard
@@ -86,9 +86,8 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
         for chunk_size in sizes.longtail_chunk_sizes
     }
     spec = next(iter(pipelines.values())).worker_spec()
-    from dagster_gpuinfer.worker.engine import engine_kwargs
 
-    kwargs = engine_kwargs(spec)
+    kwargs = raw_engine_kwargs(spec)
     sampling_kwargs = spec.sampling.to_vllm_kwargs()
     batch_in = write_openai_batch(root / "batch-in.jsonl", texts, model, sampling_kwargs)
     env = dict(resource.env)

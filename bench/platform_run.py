@@ -31,6 +31,16 @@ RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
 
 
+def raw_engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
+    """The `vllm.LLM` keyword arguments raw vLLM (and the other peers) get: the worker's
+    `engine_kwargs(spec)` with the dtype the worker resolves on a CPU without native
+    bfloat16 (`worker/cpu_dtype.py`), so every contestant loads the model in one dtype."""
+    from dagster_gpuinfer.worker.cpu_dtype import resolve_cpu_dtype
+    from dagster_gpuinfer.worker.engine import engine_kwargs
+
+    return resolve_cpu_dtype(engine_kwargs(spec), spec.model)
+
+
 def local_resource(
     *, env: dict[str, str] | None = None, engine_overrides: dict[str, Any] | None = None
 ) -> GpuInferenceResource:

@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def profile(ctx: BenchContext, task: str, *, rate: int, with_raw: bool) -> dict[str, Any]:
     """Profile one platform run and (optionally) one raw vLLM call on the same rows."""
+    from bench.platform_run import raw_engine_kwargs
     from dagster_gpuinfer.storage import MANIFEST_NAME, partition_dir
-    from dagster_gpuinfer.worker.engine import engine_kwargs
 
     root = ctx.fresh_dir(f"profile-{task}")
     pipeline, raw_contestant, rows = _workload(ctx, task, root)
@@ -93,7 +93,7 @@ def profile(ctx: BenchContext, task: str, *, rate: int, with_raw: bool) -> dict[
         "cores": os.cpu_count(),
         "load_average_at_start": list(os.getloadavg()),
         "pyspy_rate": rate,
-        "engine_kwargs": engine_kwargs(spec),
+        "engine_kwargs": raw_engine_kwargs(spec),
     }
     sampler = ProcSampler(os.getpid()).start()
     spy = PySpy(os.getpid(), root / "platform.pyspy.txt", rate=rate)

@@ -23,7 +23,7 @@ import logging
 from typing import Any
 
 from bench.context import KV_CACHE_BYTES, RAY_NAMES, BenchContext, Sizes, ray_contestants
-from bench.platform_run import PlatformPipeline, local_resource
+from bench.platform_run import PlatformPipeline, local_resource, raw_engine_kwargs
 from bench.server import ContestantProcess
 from bench.stats import paired_ratios, rotations, summarize
 from bench.workloads import embed_texts, generate_texts, write_shard
@@ -69,9 +69,7 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
         chunk_size=sizes.chunk_size,
     )
     spec = platform.worker_spec()
-    from dagster_gpuinfer.worker.engine import engine_kwargs
-
-    kwargs = engine_kwargs(spec)
+    kwargs = raw_engine_kwargs(spec)
     sampling_kwargs = spec.sampling.to_vllm_kwargs() if task != "embed" else None
     env = dict(resource.env)
     contestants: dict[str, ContestantProcess] = {}

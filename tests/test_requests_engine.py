@@ -8,6 +8,7 @@ what it left: committed files, the manifest, the asset check results.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,8 @@ from dagster_gpuinfer.storage import filesystem_for, partition_dir, read_manifes
 from dagster_gpuinfer.worker.openai_batch import BatchOutputLine, ChatCompletion, EmbeddingList
 
 pytestmark = pytest.mark.engine
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Whitespace inside JSON is an engine setting in vLLM (the per-request flag is ignored).
 COMPACT_JSON = {
@@ -229,8 +232,11 @@ def test_per_line_temperature_and_seed_match_raw_vllm(chat_run, tmp_path):
         import json, sys
         if __name__ == "__main__":
             from vllm import LLM, SamplingParams
-            llm = LLM(model={chat_run["model"]!r}, max_model_len=256, gpu_memory_utilization=0.2,
-                      enforce_eager=True, seed=0)
+            from dagster_gpuinfer.worker.cpu_dtype import resolve_cpu_dtype
+            model = {chat_run["model"]!r}
+            kwargs = dict(max_model_len=256, gpu_memory_utilization=0.2, enforce_eager=True,
+                          seed=0)
+            llm = LLM(model=model, **resolve_cpu_dtype(kwargs, model))  # the worker's dtype
             messages = {MESSAGES!r}
             prompt = llm.get_tokenizer().apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True)
@@ -244,6 +250,7 @@ def test_per_line_temperature_and_seed_match_raw_vllm(chat_run, tmp_path):
     (tmp_path / "raw.py").write_text(script)
     done = subprocess.run(
         [sys.executable, str(tmp_path / "raw.py"), str(tmp_path / "raw.json")],
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         capture_output=True,
         text=True,
         timeout=600,

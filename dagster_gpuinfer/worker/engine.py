@@ -19,6 +19,7 @@ from dagster_gpuinfer.out_of_memory import memory_problem
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.task_table import task_facts
 from dagster_gpuinfer.worker.completions import choices_of
+from dagster_gpuinfer.worker.cpu_dtype import resolve_cpu_dtype
 from dagster_gpuinfer.worker.errors import SpecError
 from dagster_gpuinfer.worker.image_tasks import vllm_prompt
 from dagster_gpuinfer.worker.lifecycle import EngineWatch, engine_processes_started_by
@@ -137,6 +138,14 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     return kwargs
 
 
+def built_engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
+    """What the worker passes to `vllm.LLM` for `spec`: `engine_kwargs` with compact JSON
+    outputs and the CPU build's dtype (`worker/cpu_dtype.py`). It asks vLLM which platform
+    it runs on, so call it where vLLM is imported anyway; the benchmark gives raw vLLM the
+    same."""
+    return resolve_cpu_dtype(with_compact_json(spec, engine_kwargs(spec)), spec.model)
+
+
 def with_compact_json(spec: InferenceSpec, kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` with structured JSON outputs compact by default (vLLM's
     `disable_any_whitespace`, an engine setting): with vLLM's default grammar a weak model
@@ -212,7 +221,7 @@ class InferenceEngine:
 
         self.spec = spec
         self.task = worker_task(spec.task)
-        kwargs = with_compact_json(spec, engine_kwargs(spec))
+        kwargs = built_engine_kwargs(spec)
         model = os.path.expanduser(spec.model.removeprefix("file://"))
         try:
             self.llm, processes = engine_processes_started_by(lambda: LLM(model=model, **kwargs))

@@ -44,6 +44,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from dagster_gpuinfer.worker.cpu_dtype import resolve_cpu_dtype
+
 log = logging.getLogger("dagster_gpuinfer.worker.follower")
 
 FOLLOWER_MODULE = "dagster_gpuinfer.worker.follower"
@@ -103,7 +105,8 @@ def engine_cli_args(engine_args: dict[str, Any]) -> list[str]:
 
 def headless_command(args: argparse.Namespace) -> list[str]:
     """The command that runs vLLM's headless workers of node rank `args.node_rank`."""
-    engine_args = json.loads(args.engine_args_json or "{}")
+    # The leader resolves dtype auto the same way (worker/cpu_dtype.py): one dtype per group.
+    engine_args = resolve_cpu_dtype(json.loads(args.engine_args_json or "{}"), args.model)
     return [
         sys.executable,
         "-c",
