@@ -439,6 +439,7 @@ def chat_batch_run(tmp_path_factory, tiny_llama_dir):
         yield {"root": root, "pipeline": pipeline, "result": result}
 
 
+@pytest.mark.slow  # OpenAI chat lines in make test: test_requests_engine's chat_run
 def test_chat_batch_answers_in_openai_batch_output_format(chat_batch_run):
     assert chat_batch_run["result"].success
     out_dir = Path(partition_dir(output_of(chat_batch_run["pipeline"]), "batch-1"))
@@ -456,6 +457,7 @@ def test_chat_batch_answers_in_openai_batch_output_format(chat_batch_run):
     assert (out_dir / MANIFEST_NAME).exists()
 
 
+@pytest.mark.slow  # OpenAI chat lines in make test: test_requests_engine's chat_run
 def test_invalid_chats_and_wrong_endpoints_are_quarantined(chat_batch_run):
     errors = read_errors(output_of(chat_batch_run["pipeline"]), "batch-1").to_pylist()
     assert {(e["id"], e["error_type"]) for e in errors} == {

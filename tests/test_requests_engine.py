@@ -301,6 +301,7 @@ def extraction_run(tmp_path_factory, structured_llama_dir):
         yield {"result": result, "table": read_partition(output, "n0"), "output": output}
 
 
+@pytest.mark.slow  # a pipeline-wide schema; per-request ones: chat_run (make test)
 def test_every_output_of_a_json_schema_pipeline_parses_and_validates(extraction_run):
     table = extraction_run["table"]
     assert table.num_rows == 11  # row 5 asked for streaming: quarantined
@@ -313,6 +314,7 @@ def test_every_output_of_a_json_schema_pipeline_parses_and_validates(extraction_
     assert check.passed and check.metadata["rows_invalid_output"].value == 0
 
 
+@pytest.mark.slow  # per-row params from a column; from lines: chat_run (make test)
 def test_params_column_overrides_the_pipeline_defaults_for_its_row(extraction_run):
     table = extraction_run["table"].to_pylist()
     by_id = {row["id"]: row for row in table}
