@@ -72,10 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             smoke=args.smoke,
         )
         report = profile(ctx, args.task, rate=args.rate, with_raw=not args.no_raw)
-    print(render(report))
-    if args.json:
+    if args.json:  # first: a rendering error loses no measurement
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    print(render(report))
     return 0
 
 
@@ -277,10 +277,9 @@ def interpret(report: dict[str, Any]) -> list[str]:
     out = [f"engine build (import vllm + LLM(...)): platform {load:.1f} s"]
     if "raw" in report:
         raw_block = report["raw"]
-        out[0] += (
-            f", raw {raw_block['engine_seconds']:.1f} s (of which import "
-            f"{raw_block['import_seconds']:.1f} s)"
-        )
+        out[0] += f", raw {raw_block['engine_seconds']:.1f} s"
+        if raw_block.get("import_seconds") is not None:
+            out[0] += f" (of which import {raw_block['import_seconds']:.1f} s)"
     engine = window.get(f"cpu {ENGINE_CORE}", 0.0)
     beside = window.get(f"cpu {WORKER}", 0.0) + window.get(f"cpu {RUN_PROCESS}", 0.0)
     out.append(
