@@ -17,8 +17,8 @@ slowest row. Every contestant gets the same rows and the same sampling parameter
 - ray-data-llm (when Ray is installed, as in the throughput section): Ray Data LLM's own
   processor, `build_processor(vLLMEngineProcessorConfig(...))` (vLLM's async engine, one task
   per row, up to 8 batches of 64 overlapping, about 1.1 x max_num_seqs in flight: it streams
-  too); its rate counts from the first batch entering its engine, its end-to-end rate includes
-  the actor's engine build;
+  too); its rate counts the difference of the wall times of all rows and of a probe of 8
+  (`RayLlmProcessorBackend`), its end-to-end rate includes the actor's engine build;
 - ray-map-batches (only with `--ray-map-batches`): a `map_batches` actor, one `LLM.generate`
   per batch of `RAY_BATCH_SIZE` rows (each batch a barrier, the pattern the streaming loop
   replaced).

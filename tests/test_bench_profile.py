@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.backends import ray_llm_window
+from bench.backends import RayLlmProcessorBackend
 from bench.cpu_profile import (
     ENGINE_CORE,
     OTHER,
@@ -157,16 +157,38 @@ def test_proc_sampler_charges_a_child_its_cpu_inside_its_window() -> None:
     assert sampler.machine_busy(child_started, after) >= busy[OTHER] * 0.9
 
 
-def test_ray_llm_window_runs_from_the_first_batch_start_to_the_last_row() -> None:
-    rows = [
-        # batch a: handed on at t=110 (first row postprocessed), slowest row took 8 s
-        {"batch_uuid": "a", "done_at": 110.0, "time_taken_llm": 8.0},
-        {"batch_uuid": "a", "done_at": 110.2, "time_taken_llm": 3.0},
-        # batch b: handed on at t=115, slowest row 9 s: began at 106
-        {"batch_uuid": "b", "done_at": 115.0, "time_taken_llm": 9.0},
-        {"batch_uuid": "b", "done_at": 115.4, "time_taken_llm": 2.0},
-    ]
-    assert ray_llm_window(rows) == (102.0, 115.4)
+def test_ray_llm_rate_counts_the_rows_past_a_probe_of_the_engine_build() -> None:
+    """Ray builds its engine inside each execution and says nothing of when it was ready: the
+    backend times a probe of the first rows, then all of them, and counts the difference."""
+
+    class Timed(RayLlmProcessorBackend):
+        def __init__(self) -> None:  # no Ray: only the timing is under test
+            self.task, self.calls = "generate", []
+
+        def execute(self, texts):
+            self.calls.append(list(texts))
+            wall = 40.0 + 0.05 * len(texts)  # start and engine build, then 50 ms a row
+            rows = [
+                {
+                    "index": i,
+                    "generated_text": t,
+                    "generated_tokens": 3,
+                    "prompt_tokens": 2,
+                    "batch_uuid": str(i // 64),
+                    "inference_error": "",
+                }
+                for i, t in enumerate(texts)
+            ]
+            return wall, rows
+
+    backend = Timed()
+    texts = [f"row {i}" for i in range(200)]
+    out = backend.run(texts)
+    assert backend.calls == [texts[:8], texts]
+    assert out["seconds"] == pytest.approx(0.05 * (200 - 8))
+    assert out["wall_seconds"] == pytest.approx(50.0)
+    assert out["load_seconds"] == pytest.approx(40.4)
+    assert (out["rows"], out["generated_tokens"], out["batches"]) == (200, 600, 4)
 
 
 def _ratio(value: float) -> dict[str, float]:
