@@ -61,10 +61,17 @@ def update_readme_headline(results: dict[str, Any], readme: Path) -> None:
     text = readme.read_text()
     if start not in text or end not in text:
         return
+    earlier = [n for n in results.get("notes", []) if ": from `" in n]
+    kept = (
+        f" Sections that run did not have keep earlier runs' results ({len(earlier)}, each "
+        "named with its command under Notes there)."
+        if earlier
+        else ""
+    )
     block = "\n".join(
         [
-            f"From `{results['command']}` on {results['started']}; all tables in "
-            "[results/RESULTS.md](results/RESULTS.md).",
+            f"Latest run: `{results['command']}` on {results['started']}; all tables in "
+            f"[results/RESULTS.md](results/RESULTS.md).{kept}",
             "",
             *_headline(results),
         ]
@@ -180,9 +187,10 @@ def _peers(results: dict[str, Any]) -> list[str]:
         lines.append(f"- `{name}`{scope}: {_peer_line(name, info, results)}")
     if "ray-data-llm" in names:
         lines.append(
-            "- `ray-data-llm` builds its engine inside each execution: its model load column is "
-            "the execution's wall time minus its rate window (engine build and Ray's pipeline "
-            "start)."
+            "- `ray-data-llm` builds its engine inside each execution and says nothing of when "
+            "it was ready: each round runs a probe of its first 8 rows, then all rows; its rate "
+            "counts the difference of the two wall times, and its model load column is the "
+            "probe's wall (Ray's pipeline start, the engine build, 8 rows)."
         )
     return lines + [""]
 
