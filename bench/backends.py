@@ -206,12 +206,8 @@ class RayLlmProcessorBackend:
     first `PROBE_ROWS` rows (Ray's start, the actor's engine build, a few rows), then all the
     rows; the rate counts the difference of the two wall times (what the rows cost once the
     pipeline and its engine are up), and the full execution's wall is reported beside it. The
-    probe's own rows are not added back: that flatters Ray by a second or two.
-
-    An earlier window, from the postprocessed rows (a batch's first row out minus its slowest
-    `time_taken_llm`, to the last row out), started late: on the long-tailed workload it
-    counted 38-45 s where the difference of the walls is 92-97 s (`bench/README.md`), so it
-    showed Ray at twice raw vLLM's rate.
+    probe's own rows are not added back: that flatters Ray by a second or two. (Why not a
+    window read off the postprocessed rows, as before: `bench/README.md`.)
     """
 
     PROBE_ROWS = 8
@@ -289,7 +285,6 @@ class RayLlmProcessorBackend:
             "seconds": max(wall - probe_wall, 1e-9),
             "wall_seconds": wall,
             "load_seconds": probe_wall,
-            "probe_rows": min(self.PROBE_ROWS, len(texts)),
             "rows": len(rows),
             "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
             "generated_tokens": sum(r["generated_tokens"] for r in rows),

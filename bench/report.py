@@ -63,8 +63,8 @@ def update_readme_headline(results: dict[str, Any], readme: Path) -> None:
         return
     earlier = [n for n in results.get("notes", []) if ": from `" in n]
     kept = (
-        f" Sections that run did not have keep earlier runs' results ({len(earlier)}, each "
-        "named with its command under Notes there)."
+        f" The {len(earlier)} sections it did not run keep earlier runs' results, each named "
+        "with its command under Notes there."
         if earlier
         else ""
     )
@@ -186,11 +186,14 @@ def _peers(results: dict[str, Any]) -> list[str]:
         scope = f" ({', '.join(labels)})" if sum(n == name for n, _ in seen) > 1 else ""
         lines.append(f"- `{name}`{scope}: {_peer_line(name, info, results)}")
     if "ray-data-llm" in names:
+        from bench.backends import RayLlmProcessorBackend
+
+        probe = RayLlmProcessorBackend.PROBE_ROWS
         lines.append(
             "- `ray-data-llm` builds its engine inside each execution and says nothing of when "
-            "it was ready: each round runs a probe of its first 8 rows, then all rows; its rate "
-            "counts the difference of the two wall times, and its model load column is the "
-            "probe's wall (Ray's pipeline start, the engine build, 8 rows)."
+            f"it was ready: each round runs a probe of its first {probe} rows, then all rows; "
+            "its rate counts the difference of the two wall times, and its model load column "
+            f"is the probe's wall (Ray's pipeline start, the engine build, {probe} rows)."
         )
     return lines + [""]
 
