@@ -40,7 +40,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.context import KV_CACHE_BYTES, RAY_NAMES, REPO_ROOT, BenchContext, ray_contestants
+from bench.context import (
+    KV_CACHE_BYTES,
+    RAY_NAMES,
+    REPO_ROOT,
+    BenchContext,
+    Sizes,
+    ray_contestants,
+)
 from bench.platform_run import PlatformPipeline, local_resource, raw_engine_kwargs
 from bench.server import ContestantProcess
 from bench.stats import paired_ratios, rotations, summarize
@@ -57,10 +64,9 @@ def platform_name(chunk_size: int) -> str:
     return f"platform c{chunk_size}"
 
 
-def run_longtail(ctx: BenchContext) -> dict[str, Any]:
-    sizes = ctx.sizes
-    root = ctx.fresh_dir("longtail")
-    model = ctx.generate_model()
+def longtail_workload(sizes: Sizes) -> tuple[list[str], EngineArgs, SamplingParams]:
+    """The section's rows, engine arguments and sampling (also `bench.stream_probe
+    longtail`'s): outputs end at random stop tokens, so lengths are geometric, capped."""
     texts = generate_texts(sizes.longtail_rows, seed=31)
     # Token ids 0-998 of the BERT vocabulary are [PAD], [unused*] and specials: leave them.
     stop_ids = sorted(random.Random(3).sample(range(999, 30522), sizes.longtail_stop_tokens))
@@ -68,6 +74,14 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
     sampling = SamplingParams(
         temperature=1.0, max_tokens=sizes.longtail_max_tokens, extra={"stop_token_ids": stop_ids}
     )
+    return texts, engine, sampling
+
+
+def run_longtail(ctx: BenchContext) -> dict[str, Any]:
+    sizes = ctx.sizes
+    root = ctx.fresh_dir("longtail")
+    model = ctx.generate_model()
+    texts, engine, sampling = longtail_workload(sizes)
     write_shard(root / "inputs" / "shard-0.parquet", texts, id_prefix="lt")
     resource = local_resource(env=ctx.engine_env())
     pipelines = {
@@ -213,7 +227,7 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
     return {
         "rows": len(texts),
         "max_tokens": sizes.longtail_max_tokens,
-        "stop_tokens": len(stop_ids),
+        "stop_tokens": len(sampling.extra["stop_token_ids"]),
         "sampling": {k: v for k, v in sampling_kwargs.items() if k != "stop_token_ids"},
         "engine_kwargs": kwargs,
         "peers": {**peers, RUN_BATCH: {"command": run_batch_runs[0]["command"]}}

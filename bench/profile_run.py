@@ -3,6 +3,7 @@
     python -m bench.profile_run generate            # the throughput section's uniform workload
     python -m bench.profile_run embed --rate 40
     python -m bench.profile_run image_embed         # the images section's shard and tiny CLIP
+    python -m bench.profile_run longtail            # the long-tailed section's rows, chunk 512
     python -m bench.profile_run generate --smoke    # tiny rows: checks the harness runs
 
 One Dagster run of the throughput section's pipeline (800 prompts x 32 tokens on the tiny
@@ -48,7 +49,7 @@ from bench.cpu_profile import (
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("task", choices=("generate", "embed", "image_embed"))
+    parser.add_argument("task", choices=("generate", "embed", "image_embed", "longtail"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks it runs")
     parser.add_argument(
         "--rate",
@@ -117,6 +118,10 @@ def profile(ctx: BenchContext, task: str, *, rate: int, with_raw: bool) -> dict[
         "whole_run": split(sampler, run_started, run_ended),
         "pyspy_seconds": {k: v / rate for k, v in sorted(stacks.items())},
     }
+    if task == "longtail":  # sampled lengths: rates compare generated tokens
+        from bench.longtail import generated_lengths
+
+        report["platform"]["generated_tokens"] = sum(generated_lengths(pipeline))
     if with_raw:
         report["raw"] = profile_raw(ctx, task, raw_contestant(report["engine_kwargs"], spec), rate)
     report["load_average_at_end"] = list(os.getloadavg())
@@ -157,29 +162,37 @@ def _workload(ctx: BenchContext, task: str, root: Path) -> tuple[Any, Any, int]:
     from bench.workloads import write_shard
 
     model = ctx.embed_model() if task == "embed" else ctx.generate_model()
-    texts, engine, sampling = uniform_workload(task, ctx.sizes)
+    chunk_size = ctx.sizes.chunk_size
+    if task == "longtail":
+        from bench.longtail import longtail_workload
+
+        texts, engine, sampling = longtail_workload(ctx.sizes)
+        chunk_size = ctx.sizes.longtail_chunk_sizes[len(ctx.sizes.longtail_chunk_sizes) // 2]
+    else:
+        texts, engine, sampling = uniform_workload(task, ctx.sizes)
+    engine_task = "embed" if task == "embed" else "generate"
     write_shard(root / "inputs" / "shard-0.parquet", texts, id_prefix=task)
     pipeline = PlatformPipeline(
         name=f"profile_{task}",
         model=model,
-        task=task,
+        task=engine_task,
         input_uri=str(root / "inputs" / "{partition_key}.parquet"),
         root=root,
         keys=["shard-0"],
         resource=local_resource(env=ctx.engine_env()),
         engine=engine,
         sampling=sampling,
-        chunk_size=ctx.sizes.chunk_size,
+        chunk_size=chunk_size,
     )
 
     def raw_text(kwargs: dict[str, Any], spec: Any) -> tuple[Any, Any]:
-        sampling = spec.sampling.to_vllm_kwargs() if task != "embed" else None
+        sampling = spec.sampling.to_vllm_kwargs() if engine_task != "embed" else None
 
         def start() -> ContestantProcess:
             return ContestantProcess(
                 f"profile-{task}-raw",
                 "bench.backends:VllmBackend",
-                dict(model=model, task=task, engine_kwargs=kwargs, sampling=sampling),
+                dict(model=model, task=engine_task, engine_kwargs=kwargs, sampling=sampling),
                 env=ctx.engine_env(),
                 log_dir=ctx.log_dir,
             )
@@ -208,6 +221,7 @@ def profile_raw(ctx: BenchContext, task: str, contestant: tuple[Any, Any], rate:
         sampler.stop()
     return {
         "rows": out["rows"],
+        "generated_tokens": out.get("generated_tokens"),
         "seconds": out["seconds"],
         "engine_seconds": raw.info.get("engine_seconds"),
         "import_seconds": raw.info.get("import_seconds"),
@@ -288,6 +302,7 @@ def interpret(report: dict[str, Any]) -> list[str]:
         f"{window.get(f'cpu {PROFILER}', 0.0):.1f}; other processes "
         f"{window['cpu other processes on the machine']:.1f}; idle {window['idle']:.1f}"
     )
+    out += _token_rates(report)
     if "raw" in report:
         raw = report["raw"]["window"]
         raw_engine = raw.get(f"cpu {ENGINE_CORE}", 0.0)
@@ -297,6 +312,24 @@ def interpret(report: dict[str, Any]) -> list[str]:
             f"{raw['cpu other processes on the machine']:.1f}; idle {raw['idle']:.1f}"
         )
     return out
+
+
+def _token_rates(report: dict[str, Any]) -> list[str]:
+    """Generated tokens/s of each side, where lengths are sampled (the long tail)."""
+    platform, raw = report["platform"], report.get("raw") or {}
+    if not platform.get("generated_tokens"):
+        return []
+    line = (
+        f"generated tokens/s: platform {platform['generated_tokens']:,} in "
+        f"{platform['partition_seconds']:.1f} s = "
+        f"{platform['generated_tokens'] / platform['partition_seconds']:,.0f}"
+    )
+    if raw.get("generated_tokens"):
+        line += (
+            f"; raw {raw['generated_tokens']:,} in {raw['seconds']:.1f} s = "
+            f"{raw['generated_tokens'] / raw['seconds']:,.0f}"
+        )
+    return [line]
 
 
 if __name__ == "__main__":

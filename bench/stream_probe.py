@@ -8,6 +8,10 @@ throughput section's uniform workloads and engine arguments.
 
     python -m bench.stream_probe generate --rounds 4 --chunk-size 512
     python -m bench.stream_probe embed
+    python -m bench.stream_probe longtail --chunk-size 128   # the long-tailed section's rows
+
+Generation rates are rows/s on the uniform rows and generated tokens/s on the long-tailed
+ones (sampled: lengths differ run to run).
 """
 
 from __future__ import annotations
@@ -20,18 +24,19 @@ from typing import Any
 
 from bench.backends import EngineBackend
 from bench.context import FULL
+from bench.longtail import longtail_workload
 from bench.throughput import uniform_workload
 from dagster_gpuinfer.spec import InferenceSpec, InputSpec, OutputSpec, SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("task", choices=("generate", "embed"))
+    parser.add_argument("task", choices=("generate", "embed", "longtail"))
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--chunk-size", type=int, default=512)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="stream-probe-") as work:
-        if args.task == "generate":
+        if args.task in ("generate", "longtail"):
             from assets.models import make_tiny_llama
 
             model = make_tiny_llama(f"{work}/tiny-llama")
@@ -39,10 +44,13 @@ def main(argv: list[str] | None = None) -> int:
             from assets.models import minilm_path
 
             model = minilm_path()
-        texts, engine, sampling = uniform_workload(args.task, FULL)
+        if args.task == "longtail":
+            texts, engine, sampling = longtail_workload(FULL)
+        else:
+            texts, engine, sampling = uniform_workload(args.task, FULL)
         spec = InferenceSpec(
             model=model,
-            task=args.task,
+            task="embed" if args.task == "embed" else "generate",
             engine=engine,
             sampling=sampling or SamplingParams(),
             input=InputSpec(uri=f"{work}/in/{{partition_key}}.parquet"),
@@ -52,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         backend = EngineBackend(spec_json=spec.model_dump_json())
 
         def raw() -> dict[str, Any]:
-            if args.task == "generate":
+            if args.task != "embed":
                 return backend.raw_generate(texts)
             started = time.perf_counter()
             outputs = backend.engine.llm.embed(texts, use_tqdm=False)
@@ -61,14 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         def stream() -> dict[str, Any]:
             return backend.stream(texts, chunk_size=args.chunk_size, group_prefixes=True)
 
+        unit = "generated_tokens" if args.task == "longtail" else "rows"
         ratios = []
         try:
             for round_index in range(args.rounds):
                 rates = {}
                 for name, run in (("stream", stream), ("raw", raw)):
                     out = run()
-                    rates[name] = out["rows"] / out["seconds"]
-                    print(f"round {round_index} {name:6s} {rates[name]:8.1f} rows/s", flush=True)
+                    rates[name] = out[unit] / out["seconds"]
+                    print(f"round {round_index} {name:6s} {rates[name]:8.1f} {unit}/s", flush=True)
                 ratios.append(rates["stream"] / rates["raw"])
         finally:
             backend.close()

@@ -369,3 +369,92 @@ def test_an_engine_failing_mid_window_keeps_committed_chunks_and_the_retry_resum
     assert computed and manifest.rows_in == ROWS
     table = read_partition(spec.output, "s0")
     assert table.column("id").to_pylist() == [f"s0-{i}" for i in range(ROWS)]  # each once
+
+
+# ------------------------------------------------------------- image prompts rendered ahead
+
+
+class RenderingEngine(FakeEngine):
+    """A fake whose `render` stands for vLLM's input processing (the image processor): an
+    image's width names its row (width 10 + row number); a 3-pixel-wide image is refused."""
+
+    renders = True
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.render_threads: set[str] = set()
+        self.submitted_images: list = []
+
+    def render(self, token_ids, images):
+        from dagster_gpuinfer.worker.engine import RequestRejected
+
+        self.render_threads.add(threading.current_thread().name)
+        (image,) = images
+        if image.size[0] == 3:
+            raise RequestRejected("the engine refused the request (ValueError: too narrow)")
+        return {"type": "fake", "row": image.size[0] - 10}
+
+    def submit(self, request_id, token_ids, params=None, images=None, rendered=None):
+        self.submitted_images.append(images)
+        assert rendered is not None and rendered["type"] == "fake"
+        super().submit(request_id, [ord(c) for c in str(rendered["row"])], params)
+
+
+def _errors_of(root: Path, message: ChunkCommitted) -> list[dict]:
+    if message.marker.errors is None:
+        return []
+    (path,) = (root / "out").rglob(message.marker.errors.name)
+    return pq.read_table(path).to_pylist()
+
+
+def _png(width: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, 8), "red").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_image_prompts_are_rendered_in_the_read_ahead_and_a_refused_one_is_its_rows_error(
+    tmp_path,
+):
+    spec = InferenceSpec.model_validate(
+        {
+            "model": "/m",
+            "task": "image_embed",
+            "input": {"uri": str(tmp_path / "in" / "{partition_key}.parquet")},
+            "output": {"root": str(tmp_path / "out"), "asset_name": "img"},
+            "chunk_size": CHUNK,
+        }
+    )
+    refused = 5  # this row's image is 3 pixels wide
+    work: queue.Queue[WorkChunk | None] = queue.Queue()
+    for index in range(3):
+        rows = [
+            (i, f"s-{i}", (_png(3 if i == refused else 10 + i), None))
+            for i in range(index * CHUNK, (index + 1) * CHUNK)
+        ]
+        work.put(WorkChunk("s", "att00001", RawChunk(index, "s.parquet", rows=rows, rows_in=CHUNK)))
+    work.put(None)
+    engine = RenderingEngine(window=4)
+    committed: list[ChunkCommitted] = []
+
+    rows = EngineLoop(engine, spec, work.get, committed.append).run()
+
+    assert rows == 3 * CHUNK - 1
+    assert engine.render_threads == {"gpuinfer-prepare"}  # never on the engine's thread
+    assert engine.submitted_images == [None] * rows  # the decoded images were not kept
+    embedded = {}
+    for message in committed:
+        table = _read_part(tmp_path, message)
+        for row_id, vector in zip(
+            table.column("id").to_pylist(), table.column("embedding").to_pylist(), strict=True
+        ):
+            embedded[row_id] = int(vector[0])
+    # Each row's rendered prompt reached the engine as that row's request.
+    assert embedded == {f"s-{i}": i for i in range(3 * CHUNK) if i != refused}
+    errors = [e for m in committed for e in _errors_of(tmp_path, m)]
+    assert [(e["id"], e["error_type"]) for e in errors] == [(f"s-{refused}", "rejected_by_engine")]
+    assert "too narrow" in errors[0]["message"]

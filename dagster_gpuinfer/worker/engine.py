@@ -248,6 +248,9 @@ class InferenceEngine:
             spec.max_requests_in_flight or self.WINDOW_PER_MAX_NUM_SEQS * self.max_num_seqs
         )
         self.requests = request_builder(spec, self.llm)
+        # vLLM's renderer (input processing: for image tasks the model's HF image processor),
+        # for `render` from the read-ahead; None in a vLLM without one: `submit` renders.
+        self._renderer = getattr(self.llm, "renderer", None)
         # Tasks that stream (`facts.streams`) submit requests with these defaults; score and
         # classify run whole chunks through `LLM.score` / `LLM.classify` (`run_chunk`).
         self.default_params: Any = self.task.default_params(self)
@@ -273,12 +276,40 @@ class InferenceEngine:
         """Sequences submitted and not yet finished (a request with `n` > 1 counts n)."""
         return self._sequences
 
+    @property
+    def renders(self) -> bool:
+        """Whether `render` can prepare requests ahead of `submit` (vLLM 0.32's renderer)."""
+        return self._renderer is not None
+
+    def render(self, token_ids: list[int], images: list[Any] | None) -> Any:
+        """vLLM's input processing of one prompt (for image prompts the model's image
+        processor: resizing, patches, placeholder tokens), done where the caller runs: the
+        read-ahead, off the thread that steps the engine. This is what vLLM's own offline
+        pooling does (`Renderer.render_cmpl` in the renderer's threads while the engine
+        steps); `submit(..., rendered=...)` then skips it.
+
+        Raises:
+            RequestRejected: vLLM refused the prompt (that row is quarantined).
+        """
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+        renderer = self._renderer
+        prompt = parse_model_prompt(
+            self.llm.llm_engine.model_config, vllm_prompt(token_ids, images)
+        )
+        try:
+            (engine_input,) = renderer.render_cmpl([prompt], renderer.default_cmpl_tok_params)
+        except Exception as exc:
+            raise _refused(exc) from exc
+        return engine_input
+
     def submit(
         self,
         request_id: str,
         token_ids: list[int],
         params: Any = None,
         images: list[Any] | None = None,
+        rendered: Any = None,
     ) -> None:
         """Add one pre-tokenized request to the engine.
 
@@ -288,19 +319,20 @@ class InferenceEngine:
             params: This request's `vllm.SamplingParams` (generate, chat) or
                 `vllm.PoolingParams` (embed); None takes the spec's.
             images: The row's decoded images (image tasks), sent as `multi_modal_data`.
+            rendered: The prompt as `render` returned it (then `token_ids` and `images` are
+                not read again).
         """
         if params is None:
             params = self.default_params
         elif self.task.facts.samples:
             params.output_kind = self._final_only
+        prompt = rendered if rendered is not None else vllm_prompt(token_ids, images)
         try:
-            self.llm.llm_engine.add_request(request_id, vllm_prompt(token_ids, images), params)
+            self.llm.llm_engine.add_request(request_id, prompt, params)
         except Exception as exc:
             if type(exc).__name__ == "EngineDeadError":
                 raise
-            raise RequestRejected(
-                f"the engine refused the request ({type(exc).__name__}: {str(exc)[:300]})"
-            ) from exc
+            raise _refused(exc) from exc
         sequences = max(int(getattr(params, "n", 1) or 1), 1)
         self._in_flight[request_id] = sequences
         self._sequences += sequences
@@ -331,6 +363,12 @@ class InferenceEngine:
                 engine_core.shutdown(timeout=grace)
             except TypeError:  # an engine client whose shutdown takes no timeout
                 engine_core.shutdown()
+
+
+def _refused(exc: Exception) -> RequestRejected:
+    return RequestRejected(
+        f"the engine refused the request ({type(exc).__name__}: {str(exc)[:300]})"
+    )
 
 
 def request_builder(spec: InferenceSpec, llm: Any) -> Any:
