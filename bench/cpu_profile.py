@@ -66,6 +66,7 @@ _WORKER_FRAMES = (
     ("engine shutdown", ("InferenceEngine.shutdown (",)),
     ("commit (manifest, markers)", ("commit_chunks (", "RunCoordinator._settle (")),
     ("write (Parquet part files)", ("write_chunk (",)),
+    ("render (vLLM input processing: image processor)", ("render_images (",)),
     ("prepare (validate, tokenize)", ("RowValidator.validate (",)),
     ("read (shard reader)", ("RunCoordinator._feed (", "ShardReader.")),
     ("vLLM output processing (detokenize)", ("InferenceEngine.step (",)),
@@ -87,6 +88,8 @@ def classify_stack(kind: str, thread: str, frames: str) -> str:
         for bucket, needles in _WORKER_FRAMES:
             if any(n in frames for n in needles):
                 return f"worker: {bucket}"
+        if thread.startswith("gpuinfer-image"):
+            return "worker: image decode (the decoder's pool)"
         if "gpuinfer-telemetry" in thread or "metrics" in frames:
             return "worker: telemetry, metrics"
         if "_find_and_load" in frames:

@@ -9,8 +9,11 @@ CLIP (`assets.models.make_tiny_clip`), and:
 - raw: `LLM.embed([{"prompt": "", "multi_modal_data": {"image": img}}])` over the same
   images decoded beforehand (decoding not timed), with the platform's engine arguments;
 - transformers: `CLIPProcessor` + `CLIPModel.get_image_features`, batches of 64, same images;
-- platform: a Dagster run of an `image_embed` pipeline over the shard (decoding included,
-  in the read-ahead): images/s over the partition's inference time.
+- platform: a Dagster run of an `image_embed` pipeline over the shard: images/s over the
+  partition's wall time in the worker (reading, decoding and vLLM's image processing in the
+  read-ahead, inference, writing, commit), the span the other sections time. Not over its
+  chunks' inference spans (`inference_seconds`): those start at a chunk's first request, so
+  they leave out the read-ahead's work before it (the first chunk's decoding and rendering).
 
 Rounds interleave raw and transformers (each in its own process, loaded once); the platform
 runs once per round. The ratio platform/raw says what the platform costs; decode/raw says
@@ -216,7 +219,7 @@ def run_images(ctx: BenchContext) -> dict[str, Any]:
             if platform is not None:
                 platform.clear_outputs()
                 timing = platform.run(platform.keys)
-                rates["platform"].append(timing.rows / timing.inference_seconds["shard-0"])
+                rates["platform"].append(timing.rows / timing.partition_seconds["shard-0"])
             log.info(
                 "images round %d: %s",
                 round_index,

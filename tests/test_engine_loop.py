@@ -380,8 +380,9 @@ class RenderingEngine(FakeEngine):
 
     renders = True
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, *, explode: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
+        self.explode = explode
         self.render_threads: set[str] = set()
         self.submitted_images: list = []
 
@@ -390,6 +391,8 @@ class RenderingEngine(FakeEngine):
 
         self.render_threads.add(threading.current_thread().name)
         (image,) = images
+        if self.explode:
+            raise RuntimeError("the image processor crashed (fake)")
         if image.size[0] == 3:
             raise RequestRejected("the engine refused the request (ValueError: too narrow)")
         return {"type": "fake", "row": image.size[0] - 10}
@@ -417,9 +420,8 @@ def _png(width: int) -> bytes:
     return buffer.getvalue()
 
 
-def test_image_prompts_are_rendered_in_the_read_ahead_and_a_refused_one_is_its_rows_error(
-    tmp_path,
-):
+def _image_run(tmp_path: Path, engine, refused: int):
+    """Three chunks of image rows (row `refused`'s image 3 pixels wide) through the loop."""
     spec = InferenceSpec.model_validate(
         {
             "model": "/m",
@@ -429,7 +431,6 @@ def test_image_prompts_are_rendered_in_the_read_ahead_and_a_refused_one_is_its_r
             "chunk_size": CHUNK,
         }
     )
-    refused = 5  # this row's image is 3 pixels wide
     work: queue.Queue[WorkChunk | None] = queue.Queue()
     for index in range(3):
         rows = [
@@ -438,13 +439,21 @@ def test_image_prompts_are_rendered_in_the_read_ahead_and_a_refused_one_is_its_r
         ]
         work.put(WorkChunk("s", "att00001", RawChunk(index, "s.parquet", rows=rows, rows_in=CHUNK)))
     work.put(None)
-    engine = RenderingEngine(window=4)
     committed: list[ChunkCommitted] = []
-
     rows = EngineLoop(engine, spec, work.get, committed.append).run()
+    return rows, committed
+
+
+def test_image_prompts_are_rendered_in_the_read_ahead_and_a_refused_one_is_its_rows_error(
+    tmp_path,
+):
+    refused = 5
+    engine = RenderingEngine(window=4)
+
+    rows, committed = _image_run(tmp_path, engine, refused)
 
     assert rows == 3 * CHUNK - 1
-    assert engine.render_threads == {"gpuinfer-prepare"}  # never on the engine's thread
+    assert engine.render_threads == {"gpuinfer-render"}  # never on the engine's thread
     assert engine.submitted_images == [None] * rows  # the decoded images were not kept
     embedded = {}
     for message in committed:
@@ -458,3 +467,12 @@ def test_image_prompts_are_rendered_in_the_read_ahead_and_a_refused_one_is_its_r
     errors = [e for m in committed for e in _errors_of(tmp_path, m)]
     assert [(e["id"], e["error_type"]) for e in errors] == [(f"s-{refused}", "rejected_by_engine")]
     assert "too narrow" in errors[0]["message"]
+    stages = {"gpuinfer-prepare", "gpuinfer-render", "gpuinfer-write"}
+    assert stages.isdisjoint(_loop_threads())  # the render stage ended with the others
+
+
+def test_a_render_thread_that_dies_fails_the_loop_and_leaves_no_stage_running(tmp_path):
+    with pytest.raises(RuntimeError, match="image processor crashed"):
+        _image_run(tmp_path, RenderingEngine(window=4, explode=True), refused=-1)
+    stages = {"gpuinfer-prepare", "gpuinfer-render", "gpuinfer-write"}
+    assert stages.isdisjoint(_loop_threads())

@@ -2,15 +2,17 @@
 
 An engine serves chunks (`WorkChunk`: rows of one shard, ids already screened where the shard
 is read) that it takes from its run's queue, wherever they come from: one shard or several,
-in any order. Three threads share the work:
+in any order. Three threads share the work (four for image tasks):
 
-- prepare (ahead): takes the next chunk when the read-ahead has room, validates it, renders
-  chat templates and tokenizes it;
+- prepare (ahead): takes the next chunk when the read-ahead has room, validates it (image
+  tasks: decodes its images in the decoder's pool), renders chat templates and tokenizes it;
 - engine (this thread): keeps `engine.window` requests in flight (`submit` / `step`), taking
   rows from the read-ahead grouped by shared prompt prefix (`spec.group_prefixes`), so the
   engine never drains to a chunk's slowest row;
 - write (behind): when the last row of a chunk is done, writes its part file and its errors,
-  then its marker (the chunk's commit), and reports the chunk as committed.
+  then its marker (the chunk's commit), and reports the chunk as committed;
+- render (image tasks only, between prepare and engine): vLLM's input processing of each
+  image prompt (`render_images`), so one chunk's images decode while the one before renders.
 
 The chunk stays the unit of commit and resume, and memory stays bounded by the window and
 the read-ahead, never by the shard. Outputs are keyed by row: each request carries its row's
@@ -88,9 +90,14 @@ class _ChunkInFlight:
     engine_seconds: float = 0.0  # its rows' share of the engine's time (`EngineTimeShares`)
     result: Any = None  # score/classify: the chunk's `PoolingResult`, computed whole
     rejected: dict[int, str] = field(default_factory=dict)  # prompt position -> why
-    # Image prompts rendered in the read-ahead (`render_images`): position -> vLLM's input,
-    # or the `RequestRejected` its rendering raised; taken at submit.
+    # Image prompts rendered by the render thread (`render_images`): position -> vLLM's
+    # input, or the `RequestRejected` its rendering raised; taken at submit. `rendering` is
+    # set while the render thread works through the chunk: positions below `rendered_count`
+    # are ready.
     rendered: dict[int, Any] = field(default_factory=dict)
+    rendering: threading.Condition | None = None
+    rendered_count: int = 0
+    render_failed: BaseException | None = None  # what the render thread died of
     whole: bool = False  # score/classify: the chunk is one request (`WholeChunks`)
 
     def __post_init__(self) -> None:
@@ -197,10 +204,18 @@ class EngineLoop:
         self.finished: queue.Queue[_ChunkInFlight | None] = queue.Queue()
         self.stopping = threading.Event()
         self.window = _RequestWindow(engine, spec, self.finished, self.stopping)
-        self.threads = (
+        threads = [
             _Worker("gpuinfer-prepare", self._prepare),
             _Worker("gpuinfer-write", self._write),
-        )
+        ]
+        # Image prompts: vLLM's input processing (the model's image processor) runs in a
+        # stage of its own between preparing and the engine, so one chunk's images decode
+        # while the one before is rendered (`render_images`).
+        self.validated: queue.Queue[_ChunkInFlight | None] | None = None
+        if task.facts.images and getattr(engine, "renders", False):
+            self.validated = queue.Queue(maxsize=1)
+            threads.append(_Worker("gpuinfer-render", self._render))
+        self.threads = tuple(threads)
 
     def stop(self) -> None:
         """Ask `run` to return now (from any thread); chunks not yet written are dropped."""
@@ -224,7 +239,7 @@ class EngineLoop:
                 self.window.step()
             if not self.stopping.is_set():
                 self.finished.put(None)  # the writer writes what is left, then ends
-                self.threads[1].join()
+                self.threads[1].join()  # the writer
         except BaseException:
             self.stopping.set()
             raise
@@ -242,6 +257,7 @@ class EngineLoop:
 
     def _prepare(self) -> None:
         """The prepare thread: take, validate and tokenize chunks while there is room."""
+        ahead = self.prepared if self.validated is None else self.validated
         while not self.stopping.is_set():
             try:
                 work = self.take(timeout=POLL_SECONDS)
@@ -251,10 +267,26 @@ class EngineLoop:
                 break
             whole = isinstance(self.window.engine, WholeChunks)
             item = _ChunkInFlight(work, self.validator.validate(work.chunk), whole=whole)
-            render_images(self.window.engine, item)
-            if not _put_until(self.prepared, item, self.stopping):
+            if not _put_until(ahead, item, self.stopping):
                 return
-        _put_until(self.prepared, None, self.stopping)  # after a stop nobody reads it
+        _put_until(ahead, None, self.stopping)  # after a stop nobody reads it
+
+    def _render(self) -> None:
+        """The render thread (image tasks): hands each validated chunk to the engine thread,
+        then runs its prompts through vLLM's input processing in order; the engine thread
+        submits each prompt once it is rendered, so the first request of a chunk does not
+        wait for its last image."""
+        assert self.validated is not None
+        while not self.stopping.is_set():
+            try:
+                item = self.validated.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                continue
+            if item is not None and item.valid.images:
+                item.rendering = threading.Condition()
+            if not _put_until(self.prepared, item, self.stopping) or item is None:
+                return
+            render_images(self.window.engine, item, self.stopping)
 
     def _write(self) -> None:
         """The writer thread: each finished chunk's part file, errors and marker, in turn."""
@@ -296,24 +328,50 @@ def _write_chunk(spec: InferenceSpec, where: PartitionOutput, item: _ChunkInFlig
     )
 
 
-def render_images(engine: Any, item: _ChunkInFlight) -> None:
-    """Run vLLM's input processing of a chunk's image prompts here, in the read-ahead
+def render_images(engine: Any, item: _ChunkInFlight, stopping: threading.Event) -> None:
+    """Run vLLM's input processing of a chunk's image prompts here, in the render thread
     (`InferenceEngine.render`), so the engine thread only adds them: the model's image
     processor costs milliseconds an image on a CPU, and done at submit it stalled the loop
-    between engine steps (the image-embed bench: ~0.7 of raw `LLM.embed`, which renders in
-    threads of its own). Each rendered prompt replaces the row's decoded images, so memory
-    holds one form of each image; a prompt vLLM refuses is kept as its `RequestRejected`,
-    which quarantines that row at submit."""
-    if item.whole or not item.valid.images or not getattr(engine, "renders", False):
+    between engine steps. One thread, as vLLM's own offline pooling renders (its processor
+    cache is not thread-safe). Each rendered prompt replaces the row's decoded images, so
+    memory holds one form of each image; a prompt vLLM refuses is kept as its
+    `RequestRejected`, which quarantines that row at submit."""
+    condition = item.rendering
+    if condition is None:
         return
-    for position, images in enumerate(item.valid.images):
-        if not images:
-            continue
-        try:
-            item.rendered[position] = engine.render(item.valid.token_ids[position], images)
-        except RequestRejected as exc:
-            item.rendered[position] = exc
-        item.valid.images[position] = []
+    try:
+        for position, images in enumerate(item.valid.images):
+            if stopping.is_set():
+                return
+            if images:
+                try:
+                    rendered = engine.render(item.valid.token_ids[position], images)
+                except RequestRejected as exc:
+                    rendered = exc
+                item.valid.images[position] = []
+            with condition:
+                if images:
+                    item.rendered[position] = rendered
+                item.rendered_count = position + 1
+                condition.notify_all()
+    except BaseException as exc:
+        item.render_failed = exc  # raised by the engine thread too, where it waits
+        raise
+    finally:
+        with condition:
+            item.rendering = None  # all rendered, stopped or failed: nobody waits on it
+            condition.notify_all()
+
+
+def _wait_rendered(item: _ChunkInFlight, position: int) -> None:
+    """Block until the render thread has rendered `position` of `item` (or ended)."""
+    condition = item.rendering
+    if condition is not None:
+        with condition:
+            while item.rendering is not None and item.rendered_count <= position:
+                condition.wait(POLL_SECONDS)
+    if item.render_failed is not None:
+        raise item.render_failed
 
 
 class WholeChunks:
@@ -420,6 +478,7 @@ class _RequestWindow:
         self.sequence += 1
         if item.first_submitted is None:
             item.first_submitted = time.perf_counter()
+        _wait_rendered(item, position)
         images = item.valid.images[position] if item.valid.images else None
         extra = {"images": images} if images else {}  # image tasks only
         rendered = item.rendered.pop(position, None)
