@@ -274,6 +274,4 @@ def _raw_engine_kwargs(platform: Any) -> dict[str, Any]:
         return dict(IMAGE_ENGINE_KWARGS)
     from bench.platform_run import raw_engine_kwargs
 
-    kwargs = raw_engine_kwargs(platform.worker_spec())
-    kwargs.pop("disable_log_stats", None)
-    return kwargs
+    return raw_engine_kwargs(platform.worker_spec())  # vLLM's stats on, as in the worker

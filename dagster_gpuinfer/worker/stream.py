@@ -57,6 +57,10 @@ from dagster_gpuinfer.worker.validate import RowValidator, ValidChunk
 log = logging.getLogger("dagster_gpuinfer.worker")
 
 POLL_SECONDS = 0.2
+# Image prompts the render thread hands the engine thread at a time: one at a time gives the
+# engine batches of one (more engine steps, each with its overhead); a whole chunk delays
+# its first request by the chunk's rendering.
+RENDER_BATCH = 64
 
 
 @dataclass
@@ -349,11 +353,13 @@ def render_images(engine: Any, item: _ChunkInFlight, stopping: threading.Event) 
                 except RequestRejected as exc:
                     rendered = exc
                 item.valid.images[position] = []
-            with condition:
-                if images:
-                    item.rendered[position] = rendered
-                item.rendered_count = position + 1
-                condition.notify_all()
+            if images:
+                item.rendered[position] = rendered  # read only once rendered_count passes it
+            done = position + 1
+            if done % RENDER_BATCH == 0 or done == len(item.valid.images):
+                with condition:
+                    item.rendered_count = done
+                    condition.notify_all()
     except BaseException as exc:
         item.render_failed = exc  # raised by the engine thread too, where it waits
         raise
