@@ -249,7 +249,7 @@ class InferenceEngine:
         )
         self.requests = request_builder(spec, self.llm)
         # vLLM's renderer (input processing: for image tasks the model's HF image processor),
-        # for `render` from the read-ahead; None in a vLLM without one: `submit` renders.
+        # for `render` from the render thread; None in a vLLM without one: `submit` renders.
         self._renderer = getattr(self.llm, "renderer", None)
         # Tasks that stream (`facts.streams`) submit requests with these defaults; score and
         # classify run whole chunks through `LLM.score` / `LLM.classify` (`run_chunk`).
@@ -284,9 +284,9 @@ class InferenceEngine:
     def render(self, token_ids: list[int], images: list[Any] | None) -> Any:
         """vLLM's input processing of one prompt (for image prompts the model's image
         processor: resizing, patches, placeholder tokens), done where the caller runs: the
-        read-ahead, off the thread that steps the engine. This is what vLLM's own offline
-        pooling does (`Renderer.render_cmpl` in the renderer's threads while the engine
-        steps); `submit(..., rendered=...)` then skips it.
+        loop's render thread, off the thread that steps the engine. This is what vLLM's own
+        offline pooling does (`Renderer.render_cmpl` in the renderer's executor while the
+        engine steps); `submit(..., rendered=...)` then skips it.
 
         Raises:
             RequestRejected: vLLM refused the prompt (that row is quarantined).

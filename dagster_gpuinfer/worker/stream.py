@@ -352,9 +352,10 @@ def render_images(engine: Any, item: _ChunkInFlight, stopping: threading.Event) 
                     rendered = engine.render(item.valid.token_ids[position], images)
                 except RequestRejected as exc:
                     rendered = exc
+                # Read by the engine thread once `rendered_count` passes it; the rendered
+                # input is in place before the decoded images go.
+                item.rendered[position] = rendered
                 item.valid.images[position] = []
-            if images:
-                item.rendered[position] = rendered  # read only once rendered_count passes it
             done = position + 1
             if done % RENDER_BATCH == 0 or done == len(item.valid.images):
                 with condition:
