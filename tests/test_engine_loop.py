@@ -21,7 +21,7 @@ import pytest
 from dagster_gpuinfer import InferenceSpec, read_partition
 from dagster_gpuinfer.storage import Manifest, read_chunk_markers
 from dagster_gpuinfer.worker import coordinator as coordinator_module
-from dagster_gpuinfer.worker.commit import PartitionOutput
+from dagster_gpuinfer.worker.commit import PartitionOutput, read_chunk_errors
 from dagster_gpuinfer.worker.coordinator import RunCoordinator
 from dagster_gpuinfer.worker.readers import RawChunk
 from dagster_gpuinfer.worker.stream import ChunkCommitted, EngineLoop, WholeChunks, WorkChunk
@@ -403,13 +403,6 @@ class RenderingEngine(FakeEngine):
         super().submit(request_id, [ord(c) for c in str(rendered["row"])], params)
 
 
-def _errors_of(root: Path, message: ChunkCommitted) -> list[dict]:
-    if message.marker.errors is None:
-        return []
-    (path,) = (root / "out").rglob(message.marker.errors.name)
-    return pq.read_table(path).to_pylist()
-
-
 def _png(width: int) -> bytes:
     import io
 
@@ -420,17 +413,25 @@ def _png(width: int) -> bytes:
     return buffer.getvalue()
 
 
-def _image_run(tmp_path: Path, engine, refused: int):
-    """Three chunks of image rows (row `refused`'s image 3 pixels wide) through the loop."""
-    spec = InferenceSpec.model_validate(
+# The loop's own threads (the image decoder's pool belongs to the validator and outlives it).
+_STAGES = {"gpuinfer-prepare", "gpuinfer-render", "gpuinfer-write"}
+
+
+def _image_spec(root: Path) -> InferenceSpec:
+    return InferenceSpec.model_validate(
         {
             "model": "/m",
             "task": "image_embed",
-            "input": {"uri": str(tmp_path / "in" / "{partition_key}.parquet")},
-            "output": {"root": str(tmp_path / "out"), "asset_name": "img"},
+            "input": {"uri": str(root / "in" / "{partition_key}.parquet")},
+            "output": {"root": str(root / "out"), "asset_name": "img"},
             "chunk_size": CHUNK,
         }
     )
+
+
+def _image_run(tmp_path: Path, engine, refused: int):
+    """Three chunks of image rows (row `refused`'s image 3 pixels wide) through the loop."""
+    spec = _image_spec(tmp_path)
     work: queue.Queue[WorkChunk | None] = queue.Queue()
     for index in range(3):
         rows = [
@@ -444,7 +445,7 @@ def _image_run(tmp_path: Path, engine, refused: int):
     return rows, committed
 
 
-def test_image_prompts_are_rendered_in_the_read_ahead_and_a_refused_one_is_its_rows_error(
+def test_image_prompts_are_rendered_in_their_own_stage_and_a_refused_one_is_its_rows_error(
     tmp_path,
 ):
     refused = 5
@@ -464,15 +465,19 @@ def test_image_prompts_are_rendered_in_the_read_ahead_and_a_refused_one_is_its_r
             embedded[row_id] = int(vector[0])
     # Each row's rendered prompt reached the engine as that row's request.
     assert embedded == {f"s-{i}": i for i in range(3 * CHUNK) if i != refused}
-    errors = [e for m in committed for e in _errors_of(tmp_path, m)]
+    where = PartitionOutput.of(_image_spec(tmp_path), "s")
+    errors = [
+        e
+        for m in committed
+        if m.marker.errors
+        for e in read_chunk_errors(where, m.marker).to_pylist()
+    ]
     assert [(e["id"], e["error_type"]) for e in errors] == [(f"s-{refused}", "rejected_by_engine")]
     assert "too narrow" in errors[0]["message"]
-    stages = {"gpuinfer-prepare", "gpuinfer-render", "gpuinfer-write"}
-    assert stages.isdisjoint(_loop_threads())  # the render stage ended with the others
+    assert _STAGES.isdisjoint(_loop_threads())  # the render stage ended with the others
 
 
 def test_a_render_thread_that_dies_fails_the_loop_and_leaves_no_stage_running(tmp_path):
     with pytest.raises(RuntimeError, match="image processor crashed"):
         _image_run(tmp_path, RenderingEngine(window=4, explode=True), refused=-1)
-    stages = {"gpuinfer-prepare", "gpuinfer-render", "gpuinfer-write"}
-    assert stages.isdisjoint(_loop_threads())
+    assert _STAGES.isdisjoint(_loop_threads())

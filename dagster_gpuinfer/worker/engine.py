@@ -251,6 +251,10 @@ class InferenceEngine:
         # vLLM's renderer (input processing: for image tasks the model's HF image processor),
         # for `render` from the render thread; None in a vLLM without one: `submit` renders.
         self._renderer = getattr(self.llm, "renderer", None)
+        if self._renderer is not None:
+            from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+            self._parse_prompt = parse_model_prompt
         # Tasks that stream (`facts.streams`) submit requests with these defaults; score and
         # classify run whole chunks through `LLM.score` / `LLM.classify` (`run_chunk`).
         self.default_params: Any = self.task.default_params(self)
@@ -291,10 +295,8 @@ class InferenceEngine:
         Raises:
             RequestRejected: vLLM refused the prompt (that row is quarantined).
         """
-        from vllm.renderers.inputs.preprocess import parse_model_prompt
-
         renderer = self._renderer
-        prompt = parse_model_prompt(
+        prompt = self._parse_prompt(
             self.llm.llm_engine.model_config, vllm_prompt(token_ids, images)
         )
         try:

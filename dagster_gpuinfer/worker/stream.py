@@ -486,11 +486,11 @@ class _RequestWindow:
         if item.first_submitted is None:
             item.first_submitted = time.perf_counter()
         _wait_rendered(item, position)
-        images = item.valid.images[position] if item.valid.images else None
-        extra = {"images": images} if images else {}  # image tasks only
         rendered = item.rendered.pop(position, None)
-        if rendered is not None:
-            extra = {"rendered": rendered}
+        images = item.valid.images[position] if item.valid.images else None
+        extra = (  # image tasks only: the render stage's input, else the decoded images
+            {"rendered": rendered} if rendered is not None else {"images": images} if images else {}
+        )
         try:
             if isinstance(rendered, RequestRejected):
                 raise rendered
