@@ -106,11 +106,11 @@ class FakeEngine:
         return done
 
 
-def _spec(root: Path, keys: list[str]) -> InferenceSpec:
+def _spec(root: Path, keys: list[str], task: str = "embed") -> InferenceSpec:
     return InferenceSpec.model_validate(
         {
             "model": "/m",
-            "task": "embed",
+            "task": task,
             "input": {"uri": str(root / "in" / "{partition_key}.parquet")},
             "output": {"root": str(root / "out"), "asset_name": "emb"},
             "chunk_size": CHUNK,
@@ -417,21 +417,9 @@ def _png(width: int) -> bytes:
 _STAGES = {"gpuinfer-prepare", "gpuinfer-render", "gpuinfer-write"}
 
 
-def _image_spec(root: Path) -> InferenceSpec:
-    return InferenceSpec.model_validate(
-        {
-            "model": "/m",
-            "task": "image_embed",
-            "input": {"uri": str(root / "in" / "{partition_key}.parquet")},
-            "output": {"root": str(root / "out"), "asset_name": "img"},
-            "chunk_size": CHUNK,
-        }
-    )
-
-
 def _image_run(tmp_path: Path, engine, refused: int):
     """Three chunks of image rows (row `refused`'s image 3 pixels wide) through the loop."""
-    spec = _image_spec(tmp_path)
+    spec = _spec(tmp_path, ["s"], task="image_embed")
     work: queue.Queue[WorkChunk | None] = queue.Queue()
     for index in range(3):
         rows = [
@@ -465,7 +453,7 @@ def test_image_prompts_are_rendered_in_their_own_stage_and_a_refused_one_is_its_
             embedded[row_id] = int(vector[0])
     # Each row's rendered prompt reached the engine as that row's request.
     assert embedded == {f"s-{i}": i for i in range(3 * CHUNK) if i != refused}
-    where = PartitionOutput.of(_image_spec(tmp_path), "s")
+    where = PartitionOutput.of(_spec(tmp_path, ["s"], task="image_embed"), "s")
     errors = [
         e
         for m in committed
