@@ -7,7 +7,9 @@ CLIP (`assets.models.make_tiny_clip`), and:
 - decode: `worker/images.ImageDecoder` alone over the shard's encoded images (the pool the
   worker's read-ahead uses), images/s and encoded MB/s, overall and per size;
 - raw: `LLM.embed([{"prompt": "", "multi_modal_data": {"image": img}}])` over the same
-  images decoded beforehand (decoding not timed), with the platform's engine arguments;
+  images decoded beforehand (decoding not timed), with the platform's engine arguments, on an
+  engine built for the round in a process of its own (`bench.server.run_fresh`), as the
+  platform's worker builds one for its run; `raw warm` is a second call on that engine;
 - transformers: `CLIPProcessor` + `CLIPModel.get_image_features`, batches of 64, same images;
 - platform: a Dagster run of an `image_embed` pipeline over the shard: images/s over the
   partition's wall time in the worker (reading, decoding and vLLM's image processing in the
@@ -15,8 +17,8 @@ CLIP (`assets.models.make_tiny_clip`), and:
   chunks' inference spans (`inference_seconds`): those start at a chunk's first request, so
   they leave out the read-ahead's work before it (the first chunk's decoding and rendering).
 
-Rounds interleave raw and transformers (each in its own process, loaded once); the platform
-runs once per round. The ratio platform/raw says what the platform costs; decode/raw says
+Each round runs raw (built for the round), transformers (its own process, loaded once) and
+the platform. The ratio platform/raw says what the platform costs; decode/raw says
 whether decoding or the engine bounds a run.
 """
 
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.context import KV_CACHE_BYTES, BenchContext
-from bench.server import ContestantProcess
+from bench.server import ContestantProcess, run_fresh
 from bench.stats import paired_ratios, summarize
 
 log = logging.getLogger("bench")
@@ -131,9 +133,6 @@ class ImageVllmBackend:
             "import_seconds": imported - started,
             "pid": os.getpid(),
         }
-        warmup = [{"prompt": "", "multi_modal_data": {"image": i}} for i in _warmup_images()]
-        self.llm.embed(warmup, use_tqdm=False)  # its first round is not its first call (the
-        # platform gets no such call: a conservative ratio)
 
     def run(self, shard: str) -> dict[str, Any]:
         images = decoded_images(shard)
@@ -146,12 +145,6 @@ class ImageVllmBackend:
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
         if engine_core is not None:
             engine_core.shutdown()
-
-
-def _warmup_images() -> list[Any]:
-    from assets.images import draw_shape
-
-    return [draw_shape("circle", "red", (64, 64), seed=i) for i in range(8)]
 
 
 class ImageTransformersBackend:
@@ -194,14 +187,8 @@ def run_images(ctx: BenchContext) -> dict[str, Any]:
     result["decode"] = measure_decode(str(shard), rounds)
     log.info("images: decode %s images/s", result["decode"]["images_per_s"]["median"])
     platform = _platform_pipeline(model, root)
+    raw_kwargs = {"model": model, "engine_kwargs": _raw_engine_kwargs(platform)}
     contestants = {
-        "raw": ContestantProcess(
-            "images-raw",
-            "bench.images:ImageVllmBackend",
-            {"model": model, "engine_kwargs": _raw_engine_kwargs(platform)},
-            env=ctx.engine_env(),
-            log_dir=ctx.log_dir,
-        ),
         "transformers": ContestantProcess(
             "images-hf",
             "bench.images:ImageTransformersBackend",
@@ -210,9 +197,19 @@ def run_images(ctx: BenchContext) -> dict[str, Any]:
             log_dir=ctx.log_dir,
         ),
     }
-    rates: dict[str, list[float]] = {"platform": [], "raw": [], "transformers": []}
+    rates: dict[str, list[float]] = {"platform": [], "raw": [], "raw warm": [], "transformers": []}
     try:
         for round_index in range(rounds):
+            fresh = run_fresh(
+                f"images-raw-r{round_index}",
+                "bench.images:ImageVllmBackend",
+                raw_kwargs,
+                (str(shard),),
+                env=ctx.engine_env(),
+                log_dir=ctx.log_dir,
+            )
+            rates["raw"].append(fresh.first["rows"] / fresh.first["seconds"])
+            rates["raw warm"].append(fresh.warm["rows"] / fresh.warm["seconds"])
             for name, contestant in contestants.items():
                 out = contestant.call("run", str(shard))
                 rates[name].append(out["rows"] / out["seconds"])
@@ -233,7 +230,11 @@ def run_images(ctx: BenchContext) -> dict[str, Any]:
         "raw/transformers": paired_ratios(rates["raw"], rates["transformers"]).__dict__
     }
     if rates["platform"]:
-        result["ratios"]["platform/raw"] = paired_ratios(rates["platform"], rates["raw"]).__dict__
+        for raw in ("raw", "raw warm"):
+            result["ratios"][f"platform/{raw}"] = paired_ratios(
+                rates["platform"], rates[raw]
+            ).__dict__
+    result["ratios"]["raw warm/raw"] = paired_ratios(rates["raw warm"], rates["raw"]).__dict__
     decode_median = result["decode"]["images_per_s"]["median"]
     raw_median = summarize(rates["raw"]).median
     result["bound_by"] = "decode" if decode_median < raw_median else "engine"

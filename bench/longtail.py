@@ -9,7 +9,9 @@ slowest row. Every contestant gets the same rows and the same sampling parameter
 - platform cN: a Dagster run of an `inference_assets` pipeline with chunk_size N; its rate is
   generated tokens over the partition's wall time in the worker (starts once the engine is
   built); its end-to-end rate divides by the whole Dagster run instead;
-- raw-vllm: one `LLM.generate` over all rows, engine arguments as the worker's;
+- raw-vllm: one `LLM.generate` over all rows, engine arguments as the worker's, on an engine
+  built for the round in a process of its own (`bench.server.run_fresh`), as the platform's
+  worker builds one for its run; `raw-vllm warm` is a second call on that engine;
 - run-batch: `python -m vllm.entrypoints.openai.run_batch` on the rows as an OpenAI Batch
   file of chat requests (vLLM's own batch runner; 0.32 serves no `/v1/completions` there,
   so each row is one user message); it builds its engine inside, so only its end-to-end rate
@@ -49,13 +51,14 @@ from bench.context import (
     ray_contestants,
 )
 from bench.platform_run import PlatformPipeline, local_resource, raw_engine_kwargs
-from bench.server import ContestantProcess
+from bench.server import ContestantProcess, run_fresh
 from bench.stats import paired_ratios, rotations, summarize
 from bench.workloads import generate_texts, write_shard
 from dagster_gpuinfer import EngineArgs, SamplingParams
 
 log = logging.getLogger("bench")
 RAW = "raw-vllm"
+RAW_WARM = "raw-vllm warm"  # raw's second call on its round's engine
 RUN_BATCH = "run-batch"
 RAY_BATCH_SIZE = 512
 
@@ -105,15 +108,10 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
     sampling_kwargs = spec.sampling.to_vllm_kwargs()
     batch_in = write_openai_batch(root / "batch-in.jsonl", texts, model, sampling_kwargs)
     env = dict(resource.env)
-    raw = ContestantProcess(
-        "longtail-raw",
-        "bench.backends:VllmBackend",
-        dict(model=model, task="generate", engine_kwargs=kwargs, sampling=sampling_kwargs),
-        env=env,
-        log_dir=ctx.log_dir,
-    )
-    contestants = {RAW: raw}  # the ones that run in a process of their own
-    peers: dict[str, Any] = {RAW: raw.info}
+    raw_kwargs = dict(model=model, task="generate", engine_kwargs=kwargs, sampling=sampling_kwargs)
+    contestants: dict[str, ContestantProcess] = {}  # kept across rounds (Ray's own process)
+    peers: dict[str, Any] = {}
+    raw_engine_seconds: list[float] = []
     for name, (backend, extra) in ray_contestants(ctx, map_batch_size=RAY_BATCH_SIZE).items():
         log.info("longtail: starting %s", name)
         try:
@@ -138,7 +136,7 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
         peers[name] = contestants[name].info
     names = [platform_name(c) for c in pipelines] + [RAW, RUN_BATCH]
     names += [n for n in RAY_NAMES if n in contestants]
-    rates: dict[str, list[float]] = {n: [] for n in names}  # generated tokens/s
+    rates: dict[str, list[float]] = {n: [] for n in [*names, RAW_WARM]}  # generated tokens/s
     end_to_end: dict[str, list[float]] = {n: [] for n in names if n != RAW}
     platform_runs: list[dict[str, Any]] = []
     run_batch_runs: list[dict[str, Any]] = []
@@ -146,7 +144,21 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
     try:
         for round_index, order in enumerate(rotations(names, sizes.rounds)):
             for name in order:
-                if name in contestants:
+                if name == RAW:
+                    fresh = run_fresh(
+                        f"longtail-raw-r{round_index}",
+                        "bench.backends:VllmBackend",
+                        raw_kwargs,
+                        (texts,),
+                        env=env,
+                        log_dir=ctx.log_dir,
+                    )
+                    peers.setdefault(RAW, fresh.info)
+                    raw_engine_seconds.append(fresh.info["engine_seconds"])
+                    out, warm = fresh.first, fresh.warm
+                    rates[RAW_WARM].append(warm["generated_tokens"] / warm["seconds"])
+                    rows, tokens, seconds = out["rows"], out["generated_tokens"], out["seconds"]
+                elif name in contestants:
                     out = contestants[name].call("run", texts)
                     rows, tokens, seconds = out["rows"], out["generated_tokens"], out["seconds"]
                     if name in RAY_NAMES:  # its wall time includes the actor's engine build
@@ -214,6 +226,11 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
         f"{platform_name(c)}/{RAW}": paired_ratios(rates[platform_name(c)], rates[RAW]).__dict__
         for c in pipelines
     }
+    for c in pipelines:  # against raw's second call: the platform's engine never had one
+        ratios[f"{platform_name(c)}/{RAW_WARM}"] = paired_ratios(
+            rates[platform_name(c)], rates[RAW_WARM]
+        ).__dict__
+    ratios[f"{RAW_WARM}/{RAW}"] = paired_ratios(rates[RAW_WARM], rates[RAW]).__dict__
     for ray_name in (n for n in RAY_NAMES if n in contestants):
         for c in pipelines:
             ratios[f"{platform_name(c)}/{ray_name}"] = paired_ratios(
@@ -247,8 +264,9 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
                 "tokens_per_s_summary": summarize(rates[name]).__dict__,
                 "end_to_end_tokens_per_s_summary": summarize(end_to_end.get(name, [])).__dict__,
             }
-            for name in names
+            for name in [*names, RAW_WARM]
         },
+        "raw_engine_seconds": raw_engine_seconds,
         "ratios": ratios,
         "platform_runs": platform_runs,
         "run_batch_runs": run_batch_runs,

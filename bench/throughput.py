@@ -7,7 +7,9 @@ Per task (embed with MiniLM, generate with the tiny Llama), the same shard goes 
   (read, validate and tokenize, infer, write, commit), which starts after the engine is built;
   the run's fixed cost (Dagster, worker start, engine build, shutdown) is reported apart;
 - raw-vllm: `vllm.LLM(...)` with the very engine arguments and environment the worker gets,
-  one `.embed(texts)` / `.generate(texts, ...)` call;
+  one `.embed(texts)` / `.generate(texts, ...)` call, on an engine built for the round in a
+  process of its own (`bench.server.run_fresh`), as the platform's worker builds one for its
+  run; `raw-vllm warm` is a second call on that engine;
 - transformers: a plain batched Hugging Face loop;
 - ray-data-llm: Ray Data LLM's own processor, `build_processor(vLLMEngineProcessorConfig(
   ...))` with the same engine arguments (when Ray is installed; `bench.backends`);
@@ -24,7 +26,7 @@ from typing import Any
 
 from bench.context import KV_CACHE_BYTES, RAY_NAMES, BenchContext, Sizes, ray_contestants
 from bench.platform_run import PlatformPipeline, local_resource, raw_engine_kwargs
-from bench.server import ContestantProcess
+from bench.server import ContestantProcess, run_fresh
 from bench.stats import paired_ratios, rotations, summarize
 from bench.workloads import embed_texts, generate_texts, write_shard
 from dagster_gpuinfer import EngineArgs, SamplingParams
@@ -33,6 +35,7 @@ log = logging.getLogger("bench")
 
 PLATFORM = "platform"
 RAW = "raw-vllm"
+RAW_WARM = "raw-vllm warm"  # raw's second call on its round's engine
 HF = "transformers"
 
 
@@ -84,16 +87,8 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
         "sampling": sampling_kwargs,
         "chunk_size": sizes.chunk_size,
     }
+    raw_kwargs = dict(model=model, task=task, engine_kwargs=kwargs, sampling=sampling_kwargs)
     try:
-        log.info("%s: starting raw vLLM", task)
-        contestants[RAW] = ContestantProcess(
-            f"{task}-{RAW}",
-            "bench.backends:VllmBackend",
-            dict(model=model, task=task, engine_kwargs=kwargs, sampling=sampling_kwargs),
-            env=env,
-            log_dir=ctx.log_dir,
-        )
-        loads[RAW] = contestants[RAW].info["engine_seconds"]
         log.info("%s: starting transformers", task)
         contestants[HF] = ContestantProcess(
             f"{task}-{HF}",
@@ -103,7 +98,7 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
             log_dir=ctx.log_dir,
         )
         loads[HF] = contestants[HF].info["engine_seconds"]
-        peers = {RAW: contestants[RAW].info}
+        peers: dict[str, Any] = {}
         ray_peers = ray_contestants(ctx, map_batch_size=sizes.chunk_size)
         for name, (backend, extra) in ray_peers.items():
             log.info("%s: starting %s", task, name)
@@ -124,8 +119,9 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
             peers[name] = contestants[name].info
         result["peers"] = peers
         names = [PLATFORM, RAW, HF] + [n for n in RAY_NAMES if n in contestants]
-        rows_per_s: dict[str, list[float]] = {n: [] for n in names}
-        tokens_per_s: dict[str, list[float]] = {n: [] for n in names}
+        rows_per_s: dict[str, list[float]] = {n: [] for n in [*names, RAW_WARM]}
+        tokens_per_s: dict[str, list[float]] = {n: [] for n in [*names, RAW_WARM]}
+        raw_builds: list[float] = []
         platform_runs: list[dict[str, Any]] = []
         ray_loads: dict[str, list[float]] = {n: [] for n in RAY_NAMES}
         ray_end_to_end: dict[str, list[float]] = {n: [] for n in RAY_NAMES}
@@ -153,7 +149,22 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
                         }
                     )
                 else:
-                    out = contestants[name].call("run", texts)
+                    if name == RAW:
+                        fresh = run_fresh(
+                            f"{task}-{RAW}-r{round_index}",
+                            "bench.backends:VllmBackend",
+                            raw_kwargs,
+                            (texts,),
+                            env=env,
+                            log_dir=ctx.log_dir,
+                        )
+                        peers.setdefault(RAW, fresh.info)
+                        raw_builds.append(fresh.info["engine_seconds"])
+                        out, warm = fresh.first, fresh.warm
+                        rows_per_s[RAW_WARM].append(warm["rows"] / warm["seconds"])
+                        tokens_per_s[RAW_WARM].append(warm[token_key] / warm["seconds"])
+                    else:
+                        out = contestants[name].call("run", texts)
                     seconds, rows, tokens = out["seconds"], out["rows"], out[token_key]
                     if name in RAY_NAMES:  # it builds its engine inside each execution
                         ray_loads[name].append(out["load_seconds"])
@@ -176,6 +187,7 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
             if values:
                 loads[name] = summarize(values).median
         loads[PLATFORM] = summarize([r["model_load_seconds"] for r in platform_runs]).median
+        loads[RAW] = summarize(raw_builds).median
         result["contestants"] = {
             name: {
                 "rows_per_s": rows_per_s[name],
@@ -189,11 +201,12 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
                     else {}
                 ),
             }
-            for name in names
+            for name in [*names, RAW_WARM]
         }
         result["platform_runs"] = platform_runs
+        result["raw_engine_seconds"] = raw_builds
         result["ratios"] = {}
-        for other in names[1:]:
+        for other in [*names[1:], RAW_WARM]:
             result["ratios"][f"{PLATFORM}/{other}"] = {
                 "rows_per_s": paired_ratios(rows_per_s[PLATFORM], rows_per_s[other]).__dict__,
                 "tokens_per_s": paired_ratios(tokens_per_s[PLATFORM], tokens_per_s[other]).__dict__,
@@ -201,6 +214,16 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
         result["ratios"][f"{RAW}/{HF}"] = {
             "rows_per_s": paired_ratios(rows_per_s[RAW], rows_per_s[HF]).__dict__,
             "tokens_per_s": paired_ratios(tokens_per_s[RAW], tokens_per_s[HF]).__dict__,
+        }
+        result["ratios"][f"{RAW_WARM}/{RAW}"] = {
+            "rows_per_s": paired_ratios(rows_per_s[RAW_WARM], rows_per_s[RAW]).__dict__,
+            "tokens_per_s": paired_ratios(tokens_per_s[RAW_WARM], tokens_per_s[RAW]).__dict__,
+        }
+        # Engine build, one span for both (vLLM's import + `LLM(...)`), paired within rounds.
+        result["ratios"][f"{PLATFORM} engine build/{RAW}"] = {
+            "seconds": paired_ratios(
+                [r["model_load_seconds"] for r in platform_runs], raw_builds
+            ).__dict__,
         }
         end_to_end = [r["end_to_end_rows_per_s"] for r in platform_runs]
         result["ratios"][f"{PLATFORM} end-to-end/{RAW}"] = {
