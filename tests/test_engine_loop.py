@@ -143,8 +143,14 @@ def _work(key: str, chunks: int, attempt: str = "att00001") -> list[WorkChunk]:
     return work
 
 
-def _loop_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("gpuinfer-")]
+@pytest.fixture
+def loop_threads():
+    """The loop's threads (`gpuinfer-*`) alive now that the test started: other tests' are
+    not this loop's."""
+    before = set(threading.enumerate())
+    return lambda: [
+        t.name for t in threading.enumerate() if t.name.startswith("gpuinfer-") and t not in before
+    ]
 
 
 def _read_part(root: Path, message: ChunkCommitted) -> pa.Table:
@@ -167,7 +173,7 @@ def _run_all(tmp_path: Path, engine, *, chunks: int) -> tuple[int, list[ChunkCom
 # --------------------------------------------------------------------------- the loop alone
 
 
-def test_rows_finishing_out_of_order_keep_their_chunks_order_and_come_once(tmp_path):
+def test_rows_finishing_out_of_order_keep_their_chunks_order_and_come_once(tmp_path, loop_threads):
     engine = FakeEngine(window=4, step_seconds=0.002)
     rows, committed = _run_all(tmp_path, engine, chunks=5)
 
@@ -186,7 +192,7 @@ def test_rows_finishing_out_of_order_keep_their_chunks_order_and_come_once(tmp_p
         ]
         seen += ids
     assert sorted(seen) == sorted(f"s-{i}" for i in range(5 * CHUNK))  # every row, once
-    assert _loop_threads() == []
+    assert loop_threads() == []
 
 
 def test_chunk_engine_seconds_share_out_the_fakes_step_time(tmp_path):
@@ -200,7 +206,7 @@ def test_chunk_engine_seconds_share_out_the_fakes_step_time(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["stop", "engine fails"])
-def test_a_stop_with_full_queues_returns_promptly_and_leaves_no_thread(tmp_path, how):
+def test_a_stop_with_full_queues_returns_promptly_and_leaves_no_thread(tmp_path, how, loop_threads):
     """Read-ahead full, the prepared queue full, the window full, more work in `take`; and
     in the failure case, `take` empty (no more work yet). Today's loop had no stop, and after
     a failure its prepare thread stayed blocked in `take()` for ever."""
@@ -246,7 +252,7 @@ def test_a_stop_with_full_queues_returns_promptly_and_leaves_no_thread(tmp_path,
     if how == "stop":
         assert returned - asked[0] < 1.0
         assert work.qsize() > 0  # work was left: it was a stop, not the end
-    assert _loop_threads() == []  # the prepare thread is not left blocked in take()
+    assert loop_threads() == []  # the prepare thread is not left blocked in take()
     assert committed == [] and not list((tmp_path / "out").rglob("*.json"))
 
 
@@ -345,7 +351,9 @@ def _marker_dir(spec: InferenceSpec, key: str):
     return where.fs, where.path, where.spec_hash
 
 
-def test_an_engine_failing_mid_window_keeps_committed_chunks_and_the_retry_resumes(tmp_path):
+def test_an_engine_failing_mid_window_keeps_committed_chunks_and_the_retry_resumes(
+    tmp_path, loop_threads
+):
     _write_shards(tmp_path, ["s0"])
     spec = _spec(tmp_path, ["s0"])
     first_chunk = threading.Event()
@@ -358,7 +366,7 @@ def test_an_engine_failing_mid_window_keeps_committed_chunks_and_the_retry_resum
     assert 1 <= len(markers) < 3
     parts = {p.name for p in (tmp_path / "out").rglob("part-*")}
     assert parts == {m.part.name for m in markers.values()}  # no part without its marker
-    assert _loop_threads() == []
+    assert loop_threads() == []
 
     retry = FakeEngine(window=4, step_seconds=0.001)
     manifests, done, error = _serve(spec, retry)
@@ -384,13 +392,21 @@ class RenderingEngine(FakeEngine):
         super().__init__(**kwargs)
         self.explode = explode
         self.render_threads: set[str] = set()
+        self.fit_threads: set[str] = set()
+        self.rendered_heights: set[int] = set()
         self.submitted_images: list = []
+
+    def image_fit(self, image):
+        """The model's resize (`InferenceEngine.image_fit`): to 4 pixels high, width kept."""
+        self.fit_threads.add(threading.current_thread().name.rsplit("_", 1)[0])
+        return image.resize((image.size[0], 4))
 
     def render(self, token_ids, images):
         from dagster_gpuinfer.worker.engine import RequestRejected
 
         self.render_threads.add(threading.current_thread().name)
         (image,) = images
+        self.rendered_heights.add(image.size[1])
         if self.explode:
             raise RuntimeError("the image processor crashed (fake)")
         if image.size[0] == 3:
@@ -413,10 +429,6 @@ def _png(width: int) -> bytes:
     return buffer.getvalue()
 
 
-# The loop's own threads (the image decoder's pool belongs to the validator and outlives it).
-_STAGES = {"gpuinfer-prepare", "gpuinfer-render", "gpuinfer-write"}
-
-
 def _image_run(tmp_path: Path, engine, refused: int):
     """Three chunks of image rows (row `refused`'s image 3 pixels wide) through the loop."""
     spec = _spec(tmp_path, ["s"], task="image_embed")
@@ -434,7 +446,7 @@ def _image_run(tmp_path: Path, engine, refused: int):
 
 
 def test_image_prompts_are_rendered_in_their_own_stage_and_a_refused_one_is_its_rows_error(
-    tmp_path,
+    tmp_path, loop_threads
 ):
     refused = 5
     engine = RenderingEngine(window=4)
@@ -443,6 +455,9 @@ def test_image_prompts_are_rendered_in_their_own_stage_and_a_refused_one_is_its_
 
     assert rows == 3 * CHUNK - 1
     assert engine.render_threads == {"gpuinfer-render"}  # never on the engine's thread
+    # The model's resize ran in the decoder's pool, and rendering saw only resized images.
+    assert engine.fit_threads == {"gpuinfer-image"}
+    assert engine.rendered_heights == {4}
     assert engine.submitted_images == [None] * rows  # the decoded images were not kept
     embedded = {}
     for message in committed:
@@ -462,10 +477,13 @@ def test_image_prompts_are_rendered_in_their_own_stage_and_a_refused_one_is_its_
     ]
     assert [(e["id"], e["error_type"]) for e in errors] == [(f"s-{refused}", "rejected_by_engine")]
     assert "too narrow" in errors[0]["message"]
-    assert _STAGES.isdisjoint(_loop_threads())  # the render stage ended with the others
+    # The render stage and the image decoder's pool ended with the loop.
+    assert loop_threads() == []
 
 
-def test_a_render_thread_that_dies_fails_the_loop_and_leaves_no_stage_running(tmp_path):
+def test_a_render_thread_that_dies_fails_the_loop_and_leaves_no_stage_running(
+    tmp_path, loop_threads
+):
     with pytest.raises(RuntimeError, match="image processor crashed"):
         _image_run(tmp_path, RenderingEngine(window=4, explode=True), refused=-1)
-    assert _STAGES.isdisjoint(_loop_threads())
+    assert loop_threads() == []

@@ -321,7 +321,11 @@ def test_every_image_embed_row_is_a_prompt_or_its_own_error(clip_tokenizer, kind
 
     rows = [(i, f"r{i}-{kind}", _ROW_KINDS[kind]) for i, kind in enumerate(kinds)]
     validator = RowValidator(task="image_embed", tokenizer=clip_tokenizer, max_model_len=77)
-    out = validator.validate(RawChunk(index=0, source="s.parquet", rows=rows, rows_in=len(rows)))
+    try:
+        chunk = RawChunk(index=0, source="s.parquet", rows=rows, rows_in=len(rows))
+        out = validator.validate(chunk)
+    finally:
+        validator.close()
     errored = {e.id: e.error_type for e in out.errors}
     assert len(out.ids) + len(errored) == len(rows)  # every row in exactly one place
     assert set(out.ids).isdisjoint(errored)

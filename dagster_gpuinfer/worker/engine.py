@@ -21,6 +21,7 @@ from dagster_gpuinfer.task_table import task_facts
 from dagster_gpuinfer.worker.completions import choices_of
 from dagster_gpuinfer.worker.cpu_dtype import resolve_cpu_dtype
 from dagster_gpuinfer.worker.errors import SpecError
+from dagster_gpuinfer.worker.image_fit import model_image_fit
 from dagster_gpuinfer.worker.image_tasks import vllm_prompt
 from dagster_gpuinfer.worker.lifecycle import EngineWatch, engine_processes_started_by
 from dagster_gpuinfer.worker.metrics import current_metrics
@@ -248,6 +249,10 @@ class InferenceEngine:
             spec.max_requests_in_flight or self.WINDOW_PER_MAX_NUM_SEQS * self.max_num_seqs
         )
         self.requests = request_builder(spec, self.llm)
+        # Image tasks: the model's image resize, for the decoder's pool when it is exact.
+        self.image_fit = model_image_fit(self.llm) if task_facts(spec.task).images else None
+        if self.image_fit is not None:
+            log.info("images are resized to the model's input size in the decoder's pool")
         # vLLM's renderer (input processing: for image tasks the model's HF image processor),
         # for `render` from the render thread; None in a vLLM without one: `submit` renders.
         self._renderer = getattr(self.llm, "renderer", None)

@@ -29,7 +29,7 @@ import posixpath
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -336,6 +336,9 @@ class ImageDecoder:
         options: The pipeline's image options (`decode_threads`: pool size, default cores).
         storage: For `s3://` references.
         source: The reader of references (tests inject one with a fake http opener).
+        fit: The model's image processor's own resize (`worker/image_fit.py`), run on each
+            decoded image in the pool, so the render thread finds it at the model's size;
+            None leaves decoded images at their size.
     """
 
     def __init__(
@@ -344,16 +347,21 @@ class ImageDecoder:
         storage: StorageOptions | None = None,
         *,
         source: ImageSource | None = None,
+        fit: Callable[[Image.Image], Image.Image] | None = None,
     ) -> None:
         self.options = options
         self.source = source or ImageSource(options, storage)
+        self.fit = fit
         threads = options.decode_threads or os.cpu_count() or 1
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpuinfer-image")
 
     def load(self, ref: Any, base_uri: str | None = None) -> DecodedImage:
         """One reference read and decoded; raises `ImageFault`."""
         data = self.source.read(ref, base_uri)
-        return decode_image(data, self.options, f"image {describe(ref)}")
+        decoded = decode_image(data, self.options, f"image {describe(ref)}")
+        if self.fit is not None:
+            decoded.image = self.fit(decoded.image)
+        return decoded
 
     def _load_or_fault(self, ref: Any, base_uri: str | None) -> DecodedImage | ImageFault:
         try:
@@ -396,8 +404,10 @@ class ImageDecoder:
             out.append(fault if fault is not None else images)  # type: ignore[arg-type]
         return out
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+    def close(self, *, wait: bool = False) -> None:
+        """Stop the pool: queued decodes are cancelled; `wait` joins its threads (a fetch
+        under way ends within `fetch_timeout_seconds`)."""
+        self.pool.shutdown(wait=wait, cancel_futures=True)
 
 
 def chat_image_parts(messages: Any) -> tuple[list[Any], list[str]]:

@@ -197,6 +197,7 @@ class EngineLoop:
             limits=spec.limits,
             images=spec.input.images,
             storage=spec.storage,
+            image_fit=getattr(engine, "image_fit", None),
         )
         task = worker_task(spec.task)
         if not task.facts.streams:
@@ -251,6 +252,7 @@ class EngineLoop:
             self.stopping.set()
             for thread in self.threads:
                 thread.join()
+            self.validator.close()  # the image decoder's pool: no thread outlives the loop
         self._raise_thread_error()
         return self.window.rows
 

@@ -127,6 +127,8 @@ class RowValidator:
         limits: the pipeline's `RowLimits` (prompt characters, parameter depth).
         images: image tasks: the pipeline's `ImageOptions` (URL policy, limits, threads).
         storage: image tasks: the storage options `s3://` images are read with.
+        image_fit: image tasks: the model's image resize, run in the decoder's pool
+            (`InferenceEngine.image_fit`); None: images stay at their decoded size.
     """
 
     def __init__(
@@ -139,8 +141,10 @@ class RowValidator:
         limits: RowLimits | None = None,
         images: ImageOptions | None = None,
         storage: StorageOptions | None = None,
+        image_fit: Any = None,
     ) -> None:
         self.task = worker_task(task)
+        self.image_fit = image_fit
         self.image_options = images or ImageOptions()
         self.storage = storage
         self._decoder: Any = None
@@ -157,8 +161,14 @@ class RowValidator:
         if self._decoder is None:
             from dagster_gpuinfer.worker.images import ImageDecoder
 
-            self._decoder = ImageDecoder(self.image_options, self.storage)
+            self._decoder = ImageDecoder(self.image_options, self.storage, fit=self.image_fit)
         return self._decoder
+
+    def close(self) -> None:
+        """Image tasks: stop the decoder's pool and join its threads (made again if used)."""
+        if self._decoder is not None:
+            self._decoder.close(wait=True)
+            self._decoder = None
 
     def image_row_candidate(
         self, row: int, row_id: str, request: RowRequest, prompt: str, refs: list[Any]
