@@ -87,6 +87,7 @@ dev: prepare
 # The suite's Ray Data contestant comes from the optional `bench` extra, installed here only.
 bench: prepare
 	$(PY) -m pip install -q -c $(LOCK) -e ".[$(EXTRAS),bench]"
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m bench
 
 # Regenerate the lock after changing dependencies: pins every package of a fresh install.
