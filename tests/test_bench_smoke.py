@@ -16,15 +16,17 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-# `make test` runs the sections the README's headline comes from and the cheap ones; the
-# others (each section its engine starts) run in the slow case, `make test-all`.
+# `make test` runs the sections the README's headline comes from and the cheap ones, the
+# throughput section on embeddings (generation's engine path runs in the long-tail section);
+# the others (each section its engine starts) and throughput on generation run in the slow
+# case, `make test-all`.
 HEADLINE_SECTIONS = "throughput,longtail,prefix,control-plane"
 OTHER_SECTIONS = "replicas,amortization,memory,images"
 
 
-def run_smoke(tmp_path: Path, only: str) -> tuple[dict, Path]:
-    """`python -m bench --smoke --only <only>`: its results.json (asserted error-free) and
-    its results folder."""
+def run_smoke(tmp_path: Path, only: str, tasks: str = "embed,generate") -> tuple[dict, Path]:
+    """`python -m bench --smoke --only <only> --tasks <tasks>`: its results.json (asserted
+    error-free) and its results folder."""
     results = tmp_path / "results"
     env = {
         **os.environ,
@@ -42,6 +44,8 @@ def run_smoke(tmp_path: Path, only: str) -> tuple[dict, Path]:
             "--smoke",
             "--only",
             only,
+            "--tasks",
+            tasks,
             "--results",
             str(results),
             "--work",
@@ -68,12 +72,8 @@ def run_smoke(tmp_path: Path, only: str) -> tuple[dict, Path]:
 
 @pytest.mark.engine
 def test_bench_smoke_runs_the_headline_sections_and_writes_the_report(tmp_path: Path) -> None:
-    data, results = run_smoke(tmp_path, HEADLINE_SECTIONS)
-    for task, rows in (("embed", 24), ("generate", 12)):
-        res = data["throughput"][task]
-        assert {"platform", "raw-vllm", "transformers"} <= set(res["contestants"])
-        assert res["rows"] == rows
-        assert "platform/raw-vllm" in res["ratios"]
+    data, results = run_smoke(tmp_path, HEADLINE_SECTIONS, tasks="embed")
+    assert_throughput_ran(data, "embed", rows=24)
     # The platform and the raw engine were given the very same engine arguments.
     assert data["throughput"]["embed"]["engine_kwargs"]["runner"] == "pooling"
 
@@ -101,10 +101,21 @@ def test_bench_smoke_runs_the_headline_sections_and_writes_the_report(tmp_path: 
         assert (results / plot).stat().st_size > 0
 
 
+def assert_throughput_ran(data: dict, task: str, *, rows: int) -> None:
+    """Each contestant of the throughput section ran `task`, raw vLLM on a fresh engine and
+    again warm, and the paired engine-build ratio is there."""
+    res = data["throughput"][task]
+    assert {"platform", "raw-vllm", "raw-vllm warm", "transformers"} <= set(res["contestants"])
+    assert res["rows"] == rows
+    assert {"platform/raw-vllm", "raw-vllm warm/raw-vllm"} <= set(res["ratios"])
+    assert res["ratios"]["platform engine build/raw-vllm"]["seconds"]["n"] == data["rounds"]
+
+
 @pytest.mark.engine
 @pytest.mark.slow
 def test_bench_smoke_runs_the_other_sections(tmp_path: Path) -> None:
-    data, results = run_smoke(tmp_path, OTHER_SECTIONS)
+    data, results = run_smoke(tmp_path, OTHER_SECTIONS + ",throughput", tasks="generate")
+    assert_throughput_ran(data, "generate", rows=12)
     replicas = data["replicas"]
     assert set(replicas["settings"]) == {"1", "2"}
     assert all(run["model_loads"] == run["replicas"] for run in replicas["runs"])
