@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.context import KV_CACHE_BYTES, BenchContext
-from bench.server import ContestantProcess, run_fresh
+from bench.server import ContestantProcess, FreshEachRound
 from bench.stats import paired_ratios, summarize
 
 log = logging.getLogger("bench")
@@ -187,7 +187,13 @@ def run_images(ctx: BenchContext) -> dict[str, Any]:
     result["decode"] = measure_decode(str(shard), rounds)
     log.info("images: decode %s images/s", result["decode"]["images_per_s"]["median"])
     platform = _platform_pipeline(model, root)
-    raw_kwargs = {"model": model, "engine_kwargs": _raw_engine_kwargs(platform)}
+    raw = FreshEachRound(
+        "images-raw",
+        "bench.images:ImageVllmBackend",
+        {"model": model, "engine_kwargs": _raw_engine_kwargs(platform)},
+        env=ctx.engine_env(),
+        log_dir=ctx.log_dir,
+    )
     contestants = {
         "transformers": ContestantProcess(
             "images-hf",
@@ -200,14 +206,7 @@ def run_images(ctx: BenchContext) -> dict[str, Any]:
     rates: dict[str, list[float]] = {"platform": [], "raw": [], "raw warm": [], "transformers": []}
     try:
         for round_index in range(rounds):
-            fresh = run_fresh(
-                f"images-raw-r{round_index}",
-                "bench.images:ImageVllmBackend",
-                raw_kwargs,
-                (str(shard),),
-                env=ctx.engine_env(),
-                log_dir=ctx.log_dir,
-            )
+            fresh = raw.run(round_index, str(shard))
             rates["raw"].append(fresh.first["rows"] / fresh.first["seconds"])
             rates["raw warm"].append(fresh.warm["rows"] / fresh.warm["seconds"])
             for name, contestant in contestants.items():

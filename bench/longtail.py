@@ -51,7 +51,7 @@ from bench.context import (
     ray_contestants,
 )
 from bench.platform_run import PlatformPipeline, local_resource, raw_engine_kwargs
-from bench.server import ContestantProcess, run_fresh
+from bench.server import ContestantProcess, FreshEachRound
 from bench.stats import paired_ratios, rotations, summarize
 from bench.workloads import generate_texts, write_shard
 from dagster_gpuinfer import EngineArgs, SamplingParams
@@ -108,10 +108,15 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
     sampling_kwargs = spec.sampling.to_vllm_kwargs()
     batch_in = write_openai_batch(root / "batch-in.jsonl", texts, model, sampling_kwargs)
     env = dict(resource.env)
-    raw_kwargs = dict(model=model, task="generate", engine_kwargs=kwargs, sampling=sampling_kwargs)
+    raw = FreshEachRound(
+        "longtail-raw",
+        "bench.backends:VllmBackend",
+        dict(model=model, task="generate", engine_kwargs=kwargs, sampling=sampling_kwargs),
+        env=env,
+        log_dir=ctx.log_dir,
+    )
     contestants: dict[str, ContestantProcess] = {}  # kept across rounds (Ray's own process)
     peers: dict[str, Any] = {}
-    raw_engine_seconds: list[float] = []
     for name, (backend, extra) in ray_contestants(ctx, map_batch_size=RAY_BATCH_SIZE).items():
         log.info("longtail: starting %s", name)
         try:
@@ -145,16 +150,8 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
         for round_index, order in enumerate(rotations(names, sizes.rounds)):
             for name in order:
                 if name == RAW:
-                    fresh = run_fresh(
-                        f"longtail-raw-r{round_index}",
-                        "bench.backends:VllmBackend",
-                        raw_kwargs,
-                        (texts,),
-                        env=env,
-                        log_dir=ctx.log_dir,
-                    )
+                    fresh = raw.run(round_index, texts)
                     peers.setdefault(RAW, fresh.info)
-                    raw_engine_seconds.append(fresh.info["engine_seconds"])
                     out, warm = fresh.first, fresh.warm
                     rates[RAW_WARM].append(warm["generated_tokens"] / warm["seconds"])
                     rows, tokens, seconds = out["rows"], out["generated_tokens"], out["seconds"]
@@ -266,7 +263,7 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
             }
             for name in [*names, RAW_WARM]
         },
-        "raw_engine_seconds": raw_engine_seconds,
+        "raw_engine_seconds": raw.engine_seconds,
         "ratios": ratios,
         "platform_runs": platform_runs,
         "run_batch_runs": run_batch_runs,

@@ -164,6 +164,44 @@ def run_fresh(
         return FreshRun(info=process.info, first=first, warm=warm)
 
 
+class FreshEachRound:
+    """A contestant built anew for each round (`run_fresh`), with what its builds reported.
+
+    `info` is the first build's (versions, engine kwargs); `engine_seconds` has every round's
+    engine build, in round order.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        backend: str,
+        kwargs: dict[str, Any],
+        *,
+        env: dict[str, str] | None = None,
+        log_dir: Path,
+    ) -> None:
+        self.name, self.backend, self.kwargs = name, backend, kwargs
+        self.env, self.log_dir = env, log_dir
+        self.info: dict[str, Any] | None = None
+        self.engine_seconds: list[float] = []
+
+    def run(self, round_index: int, *args: Any) -> FreshRun:
+        """Build the contestant for this round and call its `run(*args)` twice."""
+        fresh = run_fresh(
+            f"{self.name}-r{round_index}",
+            self.backend,
+            self.kwargs,
+            args,
+            env=self.env,
+            log_dir=self.log_dir,
+        )
+        if self.info is None:
+            self.info = fresh.info
+        if "engine_seconds" in fresh.info:
+            self.engine_seconds.append(fresh.info["engine_seconds"])
+        return fresh
+
+
 def _accept(
     listener: Listener, process: subprocess.Popen, *, timeout: float, log: Path
 ) -> Connection:

@@ -26,7 +26,7 @@ from typing import Any
 
 from bench.context import KV_CACHE_BYTES, RAY_NAMES, BenchContext, Sizes, ray_contestants
 from bench.platform_run import PlatformPipeline, local_resource, raw_engine_kwargs
-from bench.server import ContestantProcess, run_fresh
+from bench.server import ContestantProcess, FreshEachRound
 from bench.stats import paired_ratios, rotations, summarize
 from bench.workloads import embed_texts, generate_texts, write_shard
 from dagster_gpuinfer import EngineArgs, SamplingParams
@@ -87,7 +87,13 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
         "sampling": sampling_kwargs,
         "chunk_size": sizes.chunk_size,
     }
-    raw_kwargs = dict(model=model, task=task, engine_kwargs=kwargs, sampling=sampling_kwargs)
+    raw = FreshEachRound(
+        f"{task}-{RAW}",
+        "bench.backends:VllmBackend",
+        dict(model=model, task=task, engine_kwargs=kwargs, sampling=sampling_kwargs),
+        env=env,
+        log_dir=ctx.log_dir,
+    )
     try:
         log.info("%s: starting transformers", task)
         contestants[HF] = ContestantProcess(
@@ -121,7 +127,6 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
         names = [PLATFORM, RAW, HF] + [n for n in RAY_NAMES if n in contestants]
         rows_per_s: dict[str, list[float]] = {n: [] for n in [*names, RAW_WARM]}
         tokens_per_s: dict[str, list[float]] = {n: [] for n in [*names, RAW_WARM]}
-        raw_builds: list[float] = []
         platform_runs: list[dict[str, Any]] = []
         ray_loads: dict[str, list[float]] = {n: [] for n in RAY_NAMES}
         ray_end_to_end: dict[str, list[float]] = {n: [] for n in RAY_NAMES}
@@ -150,16 +155,8 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
                     )
                 else:
                     if name == RAW:
-                        fresh = run_fresh(
-                            f"{task}-{RAW}-r{round_index}",
-                            "bench.backends:VllmBackend",
-                            raw_kwargs,
-                            (texts,),
-                            env=env,
-                            log_dir=ctx.log_dir,
-                        )
+                        fresh = raw.run(round_index, texts)
                         peers.setdefault(RAW, fresh.info)
-                        raw_builds.append(fresh.info["engine_seconds"])
                         out, warm = fresh.first, fresh.warm
                         rows_per_s[RAW_WARM].append(warm["rows"] / warm["seconds"])
                         tokens_per_s[RAW_WARM].append(warm[token_key] / warm["seconds"])
@@ -187,7 +184,7 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
             if values:
                 loads[name] = summarize(values).median
         loads[PLATFORM] = summarize([r["model_load_seconds"] for r in platform_runs]).median
-        loads[RAW] = summarize(raw_builds).median
+        loads[RAW] = summarize(raw.engine_seconds).median
         result["contestants"] = {
             name: {
                 "rows_per_s": rows_per_s[name],
@@ -204,7 +201,7 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
             for name in [*names, RAW_WARM]
         }
         result["platform_runs"] = platform_runs
-        result["raw_engine_seconds"] = raw_builds
+        result["raw_engine_seconds"] = raw.engine_seconds
         result["ratios"] = {}
         for other in [*names[1:], RAW_WARM]:
             result["ratios"][f"{PLATFORM}/{other}"] = {
@@ -222,7 +219,7 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
         # Engine build, one span for both (vLLM's import + `LLM(...)`), paired within rounds.
         result["ratios"][f"{PLATFORM} engine build/{RAW}"] = {
             "seconds": paired_ratios(
-                [r["model_load_seconds"] for r in platform_runs], raw_builds
+                [r["model_load_seconds"] for r in platform_runs], raw.engine_seconds
             ).__dict__,
         }
         end_to_end = [r["end_to_end_rows_per_s"] for r in platform_runs]
