@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
@@ -164,6 +164,7 @@ def run_fresh(
         return FreshRun(info=process.info, first=first, warm=warm)
 
 
+@dataclass
 class FreshEachRound:
     """A contestant built anew for each round (`run_fresh`), with what its builds reported.
 
@@ -171,19 +172,13 @@ class FreshEachRound:
     engine build, in round order.
     """
 
-    def __init__(
-        self,
-        name: str,
-        backend: str,
-        kwargs: dict[str, Any],
-        *,
-        env: dict[str, str] | None = None,
-        log_dir: Path,
-    ) -> None:
-        self.name, self.backend, self.kwargs = name, backend, kwargs
-        self.env, self.log_dir = env, log_dir
-        self.info: dict[str, Any] | None = None
-        self.engine_seconds: list[float] = []
+    name: str
+    backend: str
+    kwargs: dict[str, Any]
+    log_dir: Path
+    env: dict[str, str] | None = None
+    info: dict[str, Any] | None = None
+    engine_seconds: list[float] = field(default_factory=list)
 
     def run(self, round_index: int, *args: Any) -> FreshRun:
         """Build the contestant for this round and call its `run(*args)` twice."""
