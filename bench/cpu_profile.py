@@ -216,9 +216,13 @@ class ProcSampler:
         """CPU seconds per process kind between two wall-clock times (interpolated)."""
         by_kind: dict[str, float] = defaultdict(float)
         for pid, cmdline in self.cmdlines.items():
-            used = _at(self.samples, end, pid) - _at(self.samples, start, pid)
-            by_kind[process_kind(cmdline, root_pid=self.root_pid, pid=pid)] += max(used, 0.0)
+            kind = process_kind(cmdline, root_pid=self.root_pid, pid=pid)
+            by_kind[kind] += self.cpu_of(pid, start, end)
         return dict(by_kind)
+
+    def cpu_of(self, pid: int, start: float, end: float) -> float:
+        """CPU seconds of one process between two wall-clock times (interpolated)."""
+        return max(_at(self.samples, end, pid) - _at(self.samples, start, pid), 0.0)
 
     def machine_busy(self, start: float, end: float) -> float:
         """CPU seconds the whole machine was busy between two times (every process)."""

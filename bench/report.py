@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 HEADLINE_TARGET = 0.95
+
+
+def _in_order(table: dict[str, Any]) -> list[tuple[str, Any]]:
+    """A results table's entries in a stable order: names with numbers by their value
+    (c128, c512, c2048), whether the table comes from this run or from results.json, which
+    is written with sorted keys."""
+    return sorted(
+        table.items(),
+        key=lambda kv: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", kv[0])],
+    )
 
 
 def _fmt(summary: dict[str, Any] | None, digits: int = 2) -> str:
@@ -84,7 +95,7 @@ def update_readme_headline(results: dict[str, Any], readme: Path) -> None:
 def _headline(results: dict[str, Any]) -> list[str]:
     rows = []
     for task, res in results.get("throughput", {}).items():
-        for key, ratio in res["ratios"].items():
+        for key, ratio in _in_order(res["ratios"]):
             if "seconds" in ratio:  # the engine build's, a row of its own below
                 continue
             rows.append(
@@ -93,7 +104,7 @@ def _headline(results: dict[str, Any]) -> list[str]:
             )
     longtail = results.get("longtail")
     if longtail:
-        for key, ratio in longtail["ratios"].items():
+        for key, ratio in _in_order(longtail["ratios"]):
             rows.append(f"| generate, long-tailed | {key} | | {_fmt(ratio)} |")
     replicas = results.get("replicas")
     if replicas:
@@ -239,7 +250,7 @@ def _throughput(throughput: dict[str, Any]) -> list[str]:
             f"| contestant | rows/s | {unit} | model load s |",
             "|---|---|---|---|",
         ]
-        for name, c in res["contestants"].items():
+        for name, c in _in_order(res["contestants"]):
             load = c.get("model_load_seconds")
             lines.append(
                 f"| {name} | {_fmt(c['rows_per_s_summary'], 1)} | "
@@ -278,7 +289,7 @@ def _longtail(lt: dict[str, Any]) -> list[str]:
         "(engine build included) |",
         "|---|---|---|",
     ]
-    for name, c in lt["contestants"].items():
+    for name, c in _in_order(lt["contestants"]):
         inner = (
             "n/a (builds its engine inside)"
             if name == "run-batch"
@@ -286,7 +297,7 @@ def _longtail(lt: dict[str, Any]) -> list[str]:
         )
         lines.append(f"| {name} | {inner} | {_fmt(c['end_to_end_tokens_per_s_summary'], 0)} |")
     lines += ["", "| ratio (paired within rounds) | tokens/s |", "|---|---|"]
-    lines += [f"| {k} | {_fmt(v)} |" for k, v in lt["ratios"].items()]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in _in_order(lt["ratios"])]
     split = lt.get("worker_split_summary", {})
     lines += [
         "",
@@ -433,12 +444,12 @@ def _images(images: dict[str, Any]) -> list[str]:
         "| contestant | images/s |",
         "|---|---|",
     ]
-    lines += [f"| {name} | {_fmt(v, 1)} |" for name, v in images["images_per_s"].items()]
+    lines += [f"| {name} | {_fmt(v, 1)} |" for name, v in _in_order(images["images_per_s"])]
     lines.append(
         f"| decode alone ({decode['threads']} threads) | {_fmt(decode['images_per_s'], 1)} |"
     )
     lines += ["", "| ratio | value |", "|---|---|"]
-    lines += [f"| {name} | {_fmt(v)} |" for name, v in images["ratios"].items()]
+    lines += [f"| {name} | {_fmt(v)} |" for name, v in _in_order(images["ratios"])]
     sizes = ", ".join(f"{k}: {v}" for k, v in decode["images_per_s_by_size"].items())
     return lines + [
         "",
