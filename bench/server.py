@@ -166,18 +166,14 @@ def run_fresh(
 
 @dataclass
 class FreshEachRound:
-    """A contestant built anew for each round (`run_fresh`), with what its builds reported.
-
-    `info` is the first build's (versions, engine kwargs); `engine_seconds` has every round's
-    engine build, in round order.
-    """
+    """A contestant built anew for each round (`run_fresh`); `engine_seconds` has every
+    round's engine build, in round order."""
 
     name: str
     backend: str
     kwargs: dict[str, Any]
     log_dir: Path
     env: dict[str, str] | None = None
-    info: dict[str, Any] | None = None
     engine_seconds: list[float] = field(default_factory=list)
 
     def run(self, round_index: int, *args: Any) -> FreshRun:
@@ -190,10 +186,7 @@ class FreshEachRound:
             env=self.env,
             log_dir=self.log_dir,
         )
-        if self.info is None:
-            self.info = fresh.info
-        if "engine_seconds" in fresh.info:
-            self.engine_seconds.append(fresh.info["engine_seconds"])
+        self.engine_seconds.append(fresh.info["engine_seconds"])
         return fresh
 
 
