@@ -20,6 +20,11 @@ from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.task_table import task_facts
 from dagster_gpuinfer.worker.completions import choices_of
 from dagster_gpuinfer.worker.cpu_dtype import resolve_cpu_dtype
+from dagster_gpuinfer.worker.cpu_seeds import (
+    SEED_REFUSED,
+    resolve_cpu_chunked_prefill,
+    seeds_unsafe,
+)
 from dagster_gpuinfer.worker.errors import SpecError
 from dagster_gpuinfer.worker.image_fit import model_image_fit
 from dagster_gpuinfer.worker.image_tasks import vllm_prompt
@@ -141,10 +146,13 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
 
 def built_engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     """What the worker passes to `vllm.LLM` for `spec`: `engine_kwargs` with compact JSON
-    outputs and the CPU build's dtype (`worker/cpu_dtype.py`). It asks vLLM which platform
-    it runs on, so call it where vLLM is imported anyway; the benchmark gives raw vLLM the
-    same."""
-    return resolve_cpu_dtype(with_compact_json(spec, engine_kwargs(spec)), spec.model)
+    outputs, the CPU build's dtype (`worker/cpu_dtype.py`) and, on the CPU build, no
+    chunked prefill for sampling tasks (`worker/cpu_seeds.py`). It asks vLLM which
+    platform it runs on, so call it where vLLM is imported anyway; the benchmark gives raw
+    vLLM the same."""
+    kwargs = with_compact_json(spec, engine_kwargs(spec))
+    kwargs = resolve_cpu_chunked_prefill(kwargs, samples=task_facts(spec.task).samples)
+    return resolve_cpu_dtype(kwargs, spec.model)
 
 
 def with_compact_json(spec: InferenceSpec, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -249,6 +257,9 @@ class InferenceEngine:
             spec.max_requests_in_flight or self.WINDOW_PER_MAX_NUM_SEQS * self.max_num_seqs
         )
         self.requests = request_builder(spec, self.llm)
+        if self.requests.refuse_seeds and self.requests.defaults.get("seed") is not None:
+            self.shutdown()
+            raise SpecError(f"sampling.seed is {self.requests.defaults['seed']}: {SEED_REFUSED}")
         # Image tasks: the model's image resize, for the decoder's pool when it is exact.
         self.image_fit = model_image_fit(self.llm) if task_facts(spec.task).images else None
         if self.image_fit is not None:
@@ -393,8 +404,15 @@ def request_builder(spec: InferenceSpec, llm: Any) -> Any:
             tokenizer,
         )
 
-    defaults = spec.sampling.to_vllm_kwargs() if task_facts(spec.task).samples else {}
-    return RequestBuilder(task=spec.task, defaults=defaults, verify=verify, limits=spec.limits)
+    samples = task_facts(spec.task).samples
+    defaults = spec.sampling.to_vllm_kwargs() if samples else {}
+    return RequestBuilder(
+        task=spec.task,
+        defaults=defaults,
+        verify=verify,
+        limits=spec.limits,
+        refuse_seeds=samples and seeds_unsafe(llm),
+    )
 
 
 def _is_memory_error(message: str) -> bool:

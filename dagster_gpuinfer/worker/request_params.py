@@ -36,6 +36,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dagster_gpuinfer.spec import RowLimits, StructuredOutputs
+from dagster_gpuinfer.worker.cpu_seeds import SEED_REFUSED
 from dagster_gpuinfer.worker.errors import cap_message
 from dagster_gpuinfer.worker.structured import pattern_problem
 
@@ -197,6 +198,8 @@ class RequestBuilder:
         defaults: `InferenceSpec.sampling.to_vllm_kwargs()`.
         verify: called with each row's `vllm.SamplingParams` (a copy) to check it against the
             running engine (`SamplingParams.verify`); raises ValueError on a rejected value.
+        refuse_seeds: the engine would die on a seeded request (`cpu_seeds.seeds_unsafe`):
+            a row's `seed` is its `unsupported_parameter`.
     """
 
     def __init__(
@@ -206,6 +209,7 @@ class RequestBuilder:
         defaults: dict[str, Any],
         verify: Any = None,
         limits: RowLimits | None = None,
+        refuse_seeds: bool = False,
     ) -> None:
         # The task table's worker half imports this module: look the task up at build time.
         from dagster_gpuinfer.worker.tasks import worker_task
@@ -215,6 +219,7 @@ class RequestBuilder:
         self.defaults = dict(defaults)
         self.verify = verify
         self.limits = limits or RowLimits()
+        self.refuse_seeds = refuse_seeds
         default_structured = self.defaults.get("structured_outputs")
         self.default_constraint = (
             StructuredOutputs.model_validate(default_structured) if default_structured else None
@@ -260,6 +265,10 @@ class RequestBuilder:
                     key,
                     f"parameter {key!r} is not supported{hint}",
                 )
+        if self.refuse_seeds and params.get("seed") is not None:
+            raise ParameterError(
+                "unsupported_parameter", "seed", f"parameter 'seed' is refused here: {SEED_REFUSED}"
+            )
         return self.worker_task.request(self, params)
 
     def generation_request(self, params: dict[str, Any]) -> RowRequest:
