@@ -52,6 +52,7 @@ class VllmBackend:
         task: str,
         engine_kwargs: dict[str, Any],
         sampling: dict[str, Any] | None = None,
+        row_seeds: bool = False,
     ) -> None:
         # The span the worker reports as its engine build (`InferenceEngine.__init__`):
         # vLLM's import plus `LLM(...)`, so the two "model load" columns measure one thing.
@@ -68,6 +69,7 @@ class VllmBackend:
             "vllm": _vllm_version(),
         }
         self.sampling = SamplingParams(**(sampling or {})) if task != "embed" else None
+        self.row_seeds = row_seeds
 
     def run(self, texts: list[str]) -> dict[str, Any]:
         started = time.perf_counter()
@@ -82,7 +84,10 @@ class VllmBackend:
                 "generated_tokens": 0,
                 "dim": len(outputs[0].outputs.embedding),
             }
-        outputs = self.llm.generate(texts, self.sampling, use_tqdm=False)
+        params = self.sampling
+        if self.row_seeds:  # row i sampled with seed i, as every contestant's row i
+            params = [_with_seed(self.sampling, i) for i in range(len(texts))]
+        outputs = self.llm.generate(texts, params, use_tqdm=False)
         seconds = time.perf_counter() - started
         return {
             "seconds": seconds,
@@ -95,6 +100,12 @@ class VllmBackend:
 
     def close(self) -> None:
         _shutdown_llm(self.llm)
+
+
+def _with_seed(params: Any, seed: int) -> Any:
+    seeded = params.clone()
+    seeded.seed = seed
+    return seeded
 
 
 class TransformersBackend:
@@ -225,6 +236,7 @@ class RayLlmProcessorBackend:
         batch_size: int = RAY_LLM_BATCH_SIZE,
         max_concurrent_batches: int = RAY_LLM_MAX_CONCURRENT_BATCHES,
         num_cpus: int = 2,
+        row_seeds: bool = False,
     ) -> None:
         import ray
 
@@ -235,6 +247,7 @@ class RayLlmProcessorBackend:
         ray.shutdown()
         self.model, self.task = model, task
         self.engine_kwargs, self.sampling = dict(engine_kwargs), dict(sampling or {})
+        self.row_seeds = row_seeds
         self.config_kwargs = {
             "batch_size": batch_size,
             "max_concurrent_batches": max_concurrent_batches,
@@ -276,6 +289,13 @@ class RayLlmProcessorBackend:
 
             def preprocess(row: dict[str, Any]) -> dict[str, Any]:
                 return {"prompt": row["text"]}
+        elif self.row_seeds:  # row i sampled with seed i, as every contestant's row i
+
+            def preprocess(row: dict[str, Any]) -> dict[str, Any]:
+                return {
+                    "prompt": row["text"],
+                    "sampling_params": {**sampling, "seed": row["index"]},
+                }
         else:
 
             def preprocess(row: dict[str, Any]) -> dict[str, Any]:
@@ -351,6 +371,7 @@ class RayDataBackend:
         sampling: dict[str, Any] | None = None,
         batch_size: int = 256,
         num_cpus: int = 2,
+        row_seeds: bool = False,
     ) -> None:
         import ray
 
@@ -366,6 +387,7 @@ class RayDataBackend:
         self.model, self.task = model, task
         self.engine_kwargs, self.sampling = engine_kwargs, sampling or {}
         self.batch_size = batch_size
+        self.row_seeds = row_seeds
         self.info = {
             "engine_seconds": time.perf_counter() - started,
             "pid": os.getpid(),
@@ -377,7 +399,9 @@ class RayDataBackend:
 
         actor = _make_ray_actor(self.model, self.task, self.engine_kwargs, self.sampling)
         started = time.perf_counter()
-        ds = ray.data.from_items([{"text": t} for t in texts])
+        ds = ray.data.from_items(
+            [{"text": t, "seed": i if self.row_seeds else -1} for i, t in enumerate(texts)]
+        )
         ds = ds.map_batches(
             actor, batch_size=self.batch_size, concurrency=1, num_gpus=1, batch_format="pandas"
         )
@@ -418,7 +442,12 @@ def _make_ray_actor(
                 batch["embedding"] = [np.asarray(o.outputs.embedding, np.float32) for o in outputs]
                 batch["generated_tokens"] = 0
             else:
-                outputs = self.llm.generate(texts, self.sampling, use_tqdm=False)
+                seeds = batch["seed"].tolist()
+                params = [
+                    _with_seed(self.sampling, int(seed)) if seed >= 0 else self.sampling
+                    for seed in seeds
+                ]
+                outputs = self.llm.generate(texts, params, use_tqdm=False)
                 batch["generated_text"] = [o.outputs[0].text for o in outputs]
                 batch["generated_tokens"] = [len(o.outputs[0].token_ids) for o in outputs]
             batch["prompt_tokens"] = [len(o.prompt_token_ids or ()) for o in outputs]

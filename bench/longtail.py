@@ -1,10 +1,13 @@
 """Long-tailed generation: the platform's streaming worker against raw vLLM and `vllm run-batch`.
 
-Outputs end at random stop tokens: rows are sampled (temperature 1, no per-request seed) and
-`stop_token_ids` holds `longtail_stop_tokens` random token ids, so each generated token ends
-its row with a small fixed chance and lengths run from a few tokens to `max_tokens`
-(geometric, capped): the work where a barrier per chunk drains the engine to each chunk's
-slowest row. Every contestant gets the same rows and the same sampling parameters:
+Outputs end at random stop tokens: rows are sampled (temperature 1) and `stop_token_ids`
+holds `longtail_stop_tokens` random token ids, so each generated token ends its row with a
+small fixed chance and lengths run from a few tokens to `max_tokens` (geometric, capped): the
+work where a barrier per chunk drains the engine to each chunk's slowest row. Row i is
+sampled with seed i (`row_params`: the platform reads it from the shard's params column, the
+peers put it in each request), so every contestant generates the same tokens for each row
+and rounds do the same work: the tail is the same tail for all. Every contestant gets the
+same rows and the same sampling parameters:
 
 - platform cN: a Dagster run of an `inference_assets` pipeline with chunk_size N; its rate is
   generated tokens over the partition's wall time in the worker (starts once the engine is
@@ -25,8 +28,8 @@ slowest row. Every contestant gets the same rows and the same sampling parameter
   per batch of `RAY_BATCH_SIZE` rows (each batch a barrier, the pattern the streaming loop
   replaced).
 
-Sampled outputs differ run to run, so rates are generated tokens per second (the length
-distribution is the same for all; its summary is reported).
+Rates are generated tokens per second; each contestant's generated-token total is reported
+beside it (`tokens`), and they agree when the seeded rows gave every contestant the same work.
 """
 
 from __future__ import annotations
@@ -80,12 +83,19 @@ def longtail_workload(sizes: Sizes) -> tuple[list[str], EngineArgs, SamplingPara
     return texts, engine, sampling
 
 
+def row_params(rows: int) -> list[str]:
+    """Each row's own parameters (the shard's params column): row i's seed is i."""
+    return [json.dumps({"seed": i}) for i in range(rows)]
+
+
 def run_longtail(ctx: BenchContext) -> dict[str, Any]:
     sizes = ctx.sizes
     root = ctx.fresh_dir("longtail")
     model = ctx.generate_model()
     texts, engine, sampling = longtail_workload(sizes)
-    write_shard(root / "inputs" / "shard-0.parquet", texts, id_prefix="lt")
+    write_shard(
+        root / "inputs" / "shard-0.parquet", texts, id_prefix="lt", params=row_params(len(texts))
+    )
     resource = local_resource(env=ctx.engine_env())
     pipelines = {
         chunk_size: PlatformPipeline(
@@ -99,6 +109,7 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
             engine=engine,
             sampling=sampling,
             chunk_size=chunk_size,
+            params_column="params",
         )
         for chunk_size in sizes.longtail_chunk_sizes
     }
@@ -111,7 +122,13 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
     raw = FreshEachRound(
         "longtail-raw",
         "bench.backends:VllmBackend",
-        dict(model=model, task="generate", engine_kwargs=kwargs, sampling=sampling_kwargs),
+        dict(
+            model=model,
+            task="generate",
+            engine_kwargs=kwargs,
+            sampling=sampling_kwargs,
+            row_seeds=True,
+        ),
         env=env,
         log_dir=ctx.log_dir,
     )
@@ -128,6 +145,7 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
                     task="generate",
                     engine_kwargs=kwargs,
                     sampling=sampling_kwargs,
+                    row_seeds=True,
                     **extra,
                 ),
                 env=env,
@@ -142,6 +160,7 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
     names = [platform_name(c) for c in pipelines] + [RAW, RUN_BATCH]
     names += [n for n in RAY_NAMES if n in contestants]
     rates: dict[str, list[float]] = {n: [] for n in [*names, RAW_WARM]}  # generated tokens/s
+    generated: dict[str, list[int]] = {n: [] for n in [*names, RAW_WARM]}  # tokens a round
     end_to_end: dict[str, list[float]] = {n: [] for n in names if n != RAW}
     platform_runs: list[dict[str, Any]] = []
     run_batch_runs: list[dict[str, Any]] = []
@@ -154,6 +173,7 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
                     peers.setdefault(RAW, fresh.info)
                     out, warm = fresh.first, fresh.warm
                     rates[RAW_WARM].append(warm["generated_tokens"] / warm["seconds"])
+                    generated[RAW_WARM].append(warm["generated_tokens"])
                     rows, tokens, seconds = out["rows"], out["generated_tokens"], out["seconds"]
                 elif name in contestants:
                     out = contestants[name].call("run", texts)
@@ -208,6 +228,7 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
                 if rows != len(texts):
                     raise RuntimeError(f"longtail {name}: {rows} rows out of {len(texts)}")
                 rates[name].append(tokens / seconds)
+                generated[name].append(tokens)
                 log.info(
                     "longtail round %d %-14s %8.1f generated tokens/s (%d tokens, %.1fs)",
                     round_index,
@@ -242,6 +263,7 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
         "rows": len(texts),
         "max_tokens": sizes.longtail_max_tokens,
         "stop_tokens": len(sampling.extra["stop_token_ids"]),
+        "row_seeds": True,  # row i sampled with seed i (`row_params`)
         "sampling": {k: v for k, v in sampling_kwargs.items() if k != "stop_token_ids"},
         "engine_kwargs": kwargs,
         "peers": {**peers, RUN_BATCH: {"command": run_batch_runs[0]["command"]}}
@@ -257,6 +279,7 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
         "contestants": {
             name: {
                 "tokens_per_s": rates[name],
+                "tokens": generated[name],
                 "end_to_end_tokens_per_s": end_to_end.get(name, []),
                 "tokens_per_s_summary": summarize(rates[name]).__dict__,
                 "end_to_end_tokens_per_s_summary": summarize(end_to_end.get(name, [])).__dict__,
@@ -287,10 +310,11 @@ def generated_lengths(pipeline: PlatformPipeline) -> list[int]:
 
 
 def write_openai_batch(path: Path, texts: list[str], model: str, sampling: dict[str, Any]) -> Path:
-    """The rows as OpenAI Batch API requests, same sampling. vLLM 0.32's run-batch serves
-    `/v1/chat/completions` (not `/v1/completions`), so each row is one user message: its
-    prompt gains the chat template's few tokens; the generated lengths, which decide the
-    work here, follow the same stop tokens."""
+    """The rows as OpenAI Batch API requests, same sampling, row i with seed i. vLLM 0.32's
+    run-batch serves `/v1/chat/completions` (not `/v1/completions`), so each row is one user
+    message: its prompt gains the chat template's few tokens (so its tokens differ from the
+    other contestants'); the generated lengths, which decide the work here, follow the same
+    stop tokens."""
     body_params = {k: v for k, v in sampling.items() if v is not None}
     if "max_tokens" in body_params:  # the chat API's name for it
         body_params["max_completion_tokens"] = body_params.pop("max_tokens")
@@ -306,6 +330,7 @@ def write_openai_batch(path: Path, texts: list[str], model: str, sampling: dict[
                             "model": model,
                             "messages": [{"role": "user", "content": text}],
                             **body_params,
+                            "seed": i,
                         },
                     }
                 )

@@ -41,9 +41,7 @@ def raw_engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     from dagster_gpuinfer.worker.cpu_seeds import resolve_cpu_chunked_prefill
     from dagster_gpuinfer.worker.engine import engine_kwargs
 
-    kwargs = resolve_cpu_chunked_prefill(
-        engine_kwargs(spec), samples=task_facts(spec.task).samples
-    )
+    kwargs = resolve_cpu_chunked_prefill(engine_kwargs(spec), samples=task_facts(spec.task).samples)
     return resolve_cpu_dtype(kwargs, spec.model)
 
 
@@ -87,6 +85,7 @@ class PlatformPipeline:
         name: Asset name (its folder under `root/outputs`).
         model, task, engine, sampling, chunk_size: as in `inference_assets`.
         input_uri: Shard template with `{partition_key}`.
+        params_column: The shards' column of per-row parameters (`InputSpec.params_column`).
         root: Folder for outputs and the Dagster instance.
         keys: The partition keys.
         resource: The `GpuInferenceResource` the runs use.
@@ -107,6 +106,7 @@ class PlatformPipeline:
         chunk_size: int = 512,
         partitions_per_run: int | None = None,
         replicas: int = 1,
+        params_column: str | None = None,
     ) -> None:
         self.name = name
         self.keys = keys
@@ -117,7 +117,9 @@ class PlatformPipeline:
             name=name,
             model=model,
             task=task,
-            input=InputSpec(uri=input_uri, id_column="id", text_column="text"),
+            input=InputSpec(
+                uri=input_uri, id_column="id", text_column="text", params_column=params_column
+            ),
             output_root=self.output_root,
             partitions_def=partitions_def,
             engine=engine,

@@ -282,8 +282,14 @@ def _longtail(lt: dict[str, Any]) -> list[str]:
         f"{lt['rows']} rows of the tiny Llama, sampled (temperature 1), each ending at one "
         f"of {lt['stop_tokens']} random stop token ids or at max_tokens={lt['max_tokens']}: "
         f"generated lengths mean {lengths['mean'] or 0:.0f}, median {lengths['median']}, "
-        f"p90 {lengths['p90']}, max {lengths['max']}, min {lengths['min']}. Rates are "
-        "generated tokens/s (sampled outputs differ run to run).",
+        f"p90 {lengths['p90']}, max {lengths['max']}, min {lengths['min']}. "
+        + (
+            "Row i is sampled with seed i by every contestant, so the platform and raw vLLM "
+            "generate the same tokens (run-batch's chat template changes its prompts). "
+            "Rates are generated tokens/s."
+            if lt.get("row_seeds")
+            else "Rates are generated tokens/s (sampled outputs differ run to run)."
+        ),
         "",
         "| contestant | tokens/s (engine ready to last commit) | tokens/s end to end "
         "(engine build included) |",

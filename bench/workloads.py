@@ -50,10 +50,16 @@ def prefix_texts(rows: int, *, headers: int, header_examples: int, seed: int = 1
     return texts
 
 
-def write_shard(path: Path, texts: list[str], *, id_prefix: str) -> Path:
-    """One input shard as Parquet with `id` and `text` columns."""
+def write_shard(
+    path: Path, texts: list[str], *, id_prefix: str, params: list[str] | None = None
+) -> Path:
+    """One input shard as Parquet with `id` and `text` columns, and a `params` column of
+    per-row parameters (JSON objects) when `params` is given."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.table({"id": [f"{id_prefix}-{i:07d}" for i in range(len(texts))], "text": texts})
+    columns = {"id": [f"{id_prefix}-{i:07d}" for i in range(len(texts))], "text": texts}
+    if params is not None:
+        columns["params"] = params
+    table = pa.table(columns)
     tmp = path.with_suffix(".tmp")
     pq.write_table(table, tmp)
     tmp.rename(path)

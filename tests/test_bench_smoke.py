@@ -86,6 +86,11 @@ def test_bench_smoke_runs_the_headline_sections_and_writes_the_report(tmp_path: 
     for chunk_size in data["sizes"]["longtail_chunk_sizes"]:
         assert f"platform c{chunk_size}/raw-vllm" in longtail["ratios"]
     assert 1 <= longtail["lengths"]["min"] <= longtail["lengths"]["max"] <= longtail["max_tokens"]
+    # Row i is sampled with seed i everywhere: the platform (from its params column) and raw
+    # vLLM (per-request params), fresh or warm, generate the same tokens every round.
+    tokens = {name: c["tokens"] for name, c in longtail["contestants"].items()}
+    same_prompts = [n for n in tokens if n.startswith("platform") or n.startswith("raw-vllm")]
+    assert len({t for n in same_prompts for t in tokens[n]}) == 1, tokens
     assert set(longtail["worker_split_summary"]) == {"start", "load", "inference", "shutdown"}
 
     control = data["control_plane"]
