@@ -253,6 +253,8 @@ class InferenceEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.max_num_seqs = int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+        # The KV cache's block: the prefix cache reuses whole blocks (`stream.prefix_order`).
+        self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
         self.window = (
             spec.max_requests_in_flight or self.WINDOW_PER_MAX_NUM_SEQS * self.max_num_seqs
         )

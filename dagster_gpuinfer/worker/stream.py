@@ -61,6 +61,8 @@ POLL_SECONDS = 0.2
 # engine batches of one (more engine steps, each with its overhead); a whole chunk delays
 # its first request by the chunk's rendering.
 RENDER_BATCH = 64
+# vLLM's KV block size on GPUs, for an engine that does not say its own (`block_size`).
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -427,6 +429,7 @@ class _RequestWindow:
         self.finished = finished
         self.metrics = current_metrics()
         self.group = spec.group_prefixes and task_facts(spec.task).groups_prefixes
+        self.block_size = int(getattr(engine, "block_size", DEFAULT_BLOCK_SIZE))
         self.engine_time = EngineTimeShares(
             pooling=task_facts(spec.task).pooling, max_running=engine.max_num_seqs
         )
@@ -478,7 +481,9 @@ class _RequestWindow:
                 batch = list(self.incoming)
                 self.incoming.clear()
                 if self.group and len(batch) > 1:
-                    batch.sort(key=lambda entry: entry[0].valid.token_ids[entry[1]])
+                    batch = prefix_order(
+                        batch, lambda entry: entry[0].valid.token_ids[entry[1]], self.block_size
+                    )
                 self.current.extend(batch)
             self._submit(*self.current.popleft())
 
@@ -530,6 +535,43 @@ class _RequestWindow:
         if finished:
             self.metrics.requests_finished(rows)
         self.rows += rows
+
+
+def prefix_order(batch: list[Any], tokens_of: Any, block_size: int) -> list[Any]:
+    """`batch` sorted by prompt tokens when that puts more whole KV blocks of shared prefix
+    side by side than the input order does (what vLLM's prefix cache can reuse: it hashes
+    whole blocks of `block_size` tokens); otherwise `batch` in input order.
+
+    Sorting prompts that share no whole block gains no cache hit and only permutes the rows:
+    the order in which rows of unknown lengths reach the engine decides how long its tail
+    is, and the sorted permutation is no better than the caller's order. So the caller's
+    order is kept then, as `LLM.generate` keeps it (a user who ordered rows, say longest
+    first, keeps that order)."""
+    ordered = sorted(batch, key=tokens_of)
+    if _shared_blocks(ordered, tokens_of, block_size) > _shared_blocks(
+        batch, tokens_of, block_size
+    ):
+        return ordered
+    return batch
+
+
+def _shared_blocks(rows: list[Any], tokens_of: Any, block_size: int) -> int:
+    """Whole blocks of prompt prefix each row shares with the row before it."""
+    shared = 0
+    previous = None
+    for row in rows:
+        tokens = tokens_of(row)
+        if previous is not None:
+            limit = min(len(previous), len(tokens)) // block_size * block_size
+            start = 0
+            while (
+                start < limit
+                and previous[start : start + block_size] == tokens[start : start + block_size]
+            ):
+                start += block_size
+                shared += 1
+        previous = tokens
+    return shared
 
 
 def _put_until(target: queue.Queue[Any], item: Any, stopping: threading.Event) -> bool:
