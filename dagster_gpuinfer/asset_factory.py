@@ -288,7 +288,8 @@ def inference_assets(
         chunk_size: Rows per chunk (the unit of writing, commit and resume).
         max_requests_in_flight: Requests each engine keeps in flight across chunks and
             shards; default 2 x the engine's `max_num_seqs` (for experts).
-        group_prefixes: Submit generation rows grouped by shared prompt prefix.
+        group_prefixes: Submit generation rows grouped by shared prompt prefix where that
+            brings whole KV blocks of shared prefix together (else in input order).
         limits: Bounds on one row (`RowLimits`: line bytes, prompt characters, JSON depth,
             `n`, `n` x `top_logprobs`); a row past one is quarantined. Default: RowLimits().
         max_error_rate: Quarantined share of rows above which the error-rate check fails.

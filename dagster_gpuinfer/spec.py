@@ -499,7 +499,8 @@ class InferenceSpec(_Strict):
     group_prefixes: bool = Field(
         True,
         description="Submit generation requests grouped by shared prompt prefix across the "
-        "read-ahead (feeds vLLM's prefix cache); outputs stay keyed by row.",
+        "read-ahead where that brings whole KV blocks of shared prefix together (feeds "
+        "vLLM's prefix cache; else input order); outputs stay keyed by row.",
     )
     limits: RowLimits = Field(
         default_factory=RowLimits,

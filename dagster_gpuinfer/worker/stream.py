@@ -7,8 +7,9 @@ in any order. Three threads share the work (four for image tasks):
 - prepare (ahead): takes the next chunk when the read-ahead has room, validates it (image
   tasks: decodes its images in the decoder's pool), renders chat templates and tokenizes it;
 - engine (this thread): keeps `engine.window` requests in flight (`submit` / `step`), taking
-  rows from the read-ahead grouped by shared prompt prefix (`spec.group_prefixes`), so the
-  engine never drains to a chunk's slowest row;
+  rows from the read-ahead grouped by shared prompt prefix (`spec.group_prefixes`, where
+  that brings whole KV blocks together: `prefix_order`), so the engine never drains to a
+  chunk's slowest row;
 - write (behind): when the last row of a chunk is done, writes its part file and its errors,
   then its marker (the chunk's commit), and reports the chunk as committed;
 - render (image tasks only, between prepare and engine): vLLM's input processing of each
