@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from dagster_gpuinfer.worker.readers import RawChunk
-from dagster_gpuinfer.worker.validate import RowValidator, parse_messages
+from dagster_gpuinfer.worker.validate import RowValidator, fast_backend, parse_messages
 
 
 @pytest.fixture(scope="module")
 def chat_tokenizer(tiny_llama_dir):
     return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(chat_tokenizer, minilm_dir):
+    return [chat_tokenizer, AutoTokenizer.from_pretrained(minilm_dir)]
 
 
 def chunk(rows, index=0):
@@ -123,3 +130,34 @@ def test_ids_screened_in_shard_order_keep_the_first_occurrence_across_chunks(cha
     engine_side = RowValidator(task="generate", tokenizer=chat_tokenizer, max_model_len=16)
     validated = [engine_side.validate(c) for c in (second, first)]  # any order
     assert [v.ids for v in validated] == [["c"], ["a", "b"]]
+
+
+@given(st.lists(st.text(max_size=60), min_size=1, max_size=8), st.booleans())
+@settings(max_examples=150, deadline=None)
+def test_prompts_tokenize_to_the_ids_the_tokenizer_call_gives(tokenizers, prompts, special):
+    """The prepare thread calls a fast tokenizer's backend directly (`fast_backend`); the
+    ids are those of `tokenizer(prompts)`, for each test model's tokenizer. (The tiny
+    Llama's tokenizer.json sets truncation: its first call goes through the tokenizer,
+    which turns that off, as every such call does; later ones use the backend.)"""
+    for tokenizer in tokenizers:
+        task = "generate" if special else "chat"  # chat prompts get no special tokens
+        validator = RowValidator(task=task, tokenizer=tokenizer, max_model_len=64)
+        first = validator._tokenize(prompts)
+        assert fast_backend(tokenizer) is not None
+        expected = [
+            list(ids) for ids in tokenizer(prompts, add_special_tokens=special)["input_ids"]
+        ]
+        assert first == expected
+        assert validator._tokenize(prompts) == expected
+
+
+def test_a_tokenizer_with_truncation_set_is_called_as_before(chat_tokenizer):
+    backend = chat_tokenizer.backend_tokenizer
+    backend.enable_truncation(max_length=3)
+    try:
+        assert fast_backend(chat_tokenizer) is None
+        validator = RowValidator(task="generate", tokenizer=chat_tokenizer, max_model_len=64)
+        ids = validator._tokenize(["a river runs through the old stone town"])
+        assert ids == [chat_tokenizer("a river runs through the old stone town")["input_ids"]]
+    finally:
+        backend.no_truncation()

@@ -321,7 +321,7 @@ class RequestBuilder:
             raise _rejected(exc, given) from None
         if self.verify is not None:
             try:
-                self.verify(sampling.clone())
+                self.verify(_for_verify(sampling))
             except (*rejected, RuntimeError) as exc:
                 raise _rejected(exc, given) from None
         logprobs_k = kwargs.get("logprobs")
@@ -463,6 +463,21 @@ def typed_params(model: type[BaseModel], params: dict[str, Any]) -> Any:
             key,
             f"parameter {key!r} has an invalid value {shown}: {cap_message(error['msg'], 300)}",
         ) from None
+
+
+def _for_verify(sampling: Any) -> Any:
+    """A copy of `sampling` that `SamplingParams.verify` may change without touching the
+    row's: verify reassigns top-level fields (`prompt_logprob_token_ids`) and sets
+    `structured_outputs._backend`, so a shallow copy with its own `structured_outputs` will
+    do. `SamplingParams.clone()` deep-copies every list instead and runs `__post_init__`
+    again: with the long-tail bench's 517 `stop_token_ids` that was 0.25 ms of the 0.33 ms a
+    row took to validate (cProfile of `RowValidator.validate` over 2,048 rows)."""
+    import copy
+
+    copied = copy.copy(sampling)
+    if sampling.structured_outputs is not None:
+        copied.structured_outputs = copy.copy(sampling.structured_outputs)
+    return copied
 
 
 def _rejected(exc: Exception, given: set[str]) -> ParameterError:
