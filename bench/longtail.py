@@ -119,18 +119,12 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
     sampling_kwargs = spec.sampling.to_vllm_kwargs()
     batch_in = write_openai_batch(root / "batch-in.jsonl", texts, model, sampling_kwargs)
     env = dict(resource.env)
+    # every peer: the worker's engine arguments and sampling, row i seeded i
+    peer_kwargs = dict(
+        model=model, task="generate", engine_kwargs=kwargs, sampling=sampling_kwargs, row_seeds=True
+    )
     raw = FreshEachRound(
-        "longtail-raw",
-        "bench.backends:VllmBackend",
-        dict(
-            model=model,
-            task="generate",
-            engine_kwargs=kwargs,
-            sampling=sampling_kwargs,
-            row_seeds=True,
-        ),
-        env=env,
-        log_dir=ctx.log_dir,
+        "longtail-raw", "bench.backends:VllmBackend", peer_kwargs, env=env, log_dir=ctx.log_dir
     )
     contestants: dict[str, ContestantProcess] = {}  # kept across rounds (Ray's own process)
     peers: dict[str, Any] = {}
@@ -140,14 +134,7 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
             contestants[name] = ContestantProcess(
                 f"longtail-{name}",
                 backend,
-                dict(
-                    model=model,
-                    task="generate",
-                    engine_kwargs=kwargs,
-                    sampling=sampling_kwargs,
-                    row_seeds=True,
-                    **extra,
-                ),
+                {**peer_kwargs, **extra},
                 env=env,
                 python=ctx.ray_python,
                 log_dir=ctx.log_dir,

@@ -39,16 +39,15 @@ def long_prompts(rows: int, words: int) -> list[str]:
     ]
 
 
-def test_seeded_rows_longer_than_a_steps_budget_keep_the_worker_alive(tmp_path, tiny_llama_dir):
-    # 40 rows of ~200 tokens: 8,000 prompt tokens against the CPU build's 4,096 a step, so
-    # with chunked prefill the first step would end inside a seeded row's prompt.
-    prompts = long_prompts(40, 190)
-    seeds = [json.dumps({"seed": 1000 + i}) for i in range(len(prompts))]
+def seeded_pipeline(tmp_path: Path, model: str, params: list[str | None], **overrides):
+    """40 rows of ~200 tokens (8,000 prompt tokens against the CPU build's 4,096 a step: with
+    chunked prefill the first step ends inside a row's prompt), each with its `params`."""
+    prompts = long_prompts(len(params), 190)
     ids = [f"r{i:02d}" for i in range(len(prompts))]
-    write_parquet(tmp_path / "in" / "p0.parquet", {"id": ids, "prompt": prompts, "params": seeds})
-    pipeline = inference_assets(
+    write_parquet(tmp_path / "in" / "p0.parquet", {"id": ids, "prompt": prompts, "params": params})
+    options = dict(
         name="seeded",
-        model=tiny_llama_dir,
+        model=model,
         task="generate",
         input=InputSpec(
             uri=str(tmp_path / "in" / "{partition_key}.parquet"),
@@ -62,18 +61,25 @@ def test_seeded_rows_longer_than_a_steps_budget_keep_the_worker_alive(tmp_path, 
         sampling={"temperature": 1.0, "max_tokens": 6, "extra": {"ignore_eos": True}},
         chunk_size=40,
     )
+    return inference_assets(**{**options, **overrides}), ids, prompts
+
+
+def test_seeded_rows_longer_than_a_steps_budget_keep_the_worker_alive(tmp_path, tiny_llama_dir):
+    seeds = [1000 + i for i in range(40)]
+    pipeline, ids, prompts = seeded_pipeline(
+        tmp_path, tiny_llama_dir, [json.dumps({"seed": seed}) for seed in seeds]
+    )
     with dg.instance_for_test() as instance:
         result = materialize_partitions(
             pipeline, ["p0"], resource=cpu_resource(), instance=instance, raise_on_error=False
         )
-        assert result.success, [e.message for e in result.all_events if e.is_failure]
+        assert result.success, failure_message(result)
     table = read_partition(OutputSpec(**pipeline.spec["output"]), "p0")
     assert table.num_rows == len(prompts)
     ours = dict(zip(table.column("id").to_pylist(), table.column("text").to_pylist(), strict=True))
     # The same seeds through raw vLLM, rows in reverse order, in batches of one: a seeded
     # row's text depends on its prompt and seed only.
-    seeds_in_order = [1000 + i for i in range(len(prompts))]
-    raw = raw_seeded_texts(tmp_path, tiny_llama_dir, prompts[::-1], seeds_in_order[::-1])
+    raw = raw_seeded_texts(tmp_path, tiny_llama_dir, prompts[::-1], seeds[::-1])
     assert [ours[i] for i in ids] == raw[::-1]
     assert len(set(raw)) > 1
 
@@ -119,34 +125,15 @@ def raw_seeded_texts(tmp_path: Path, model: str, prompts: list[str], seeds: list
     return json.loads((tmp_path / "raw.json").read_text())
 
 
-def seeded_pipeline(tmp_path: Path, model: str, **overrides):
-    """The long rows, a few with a seed, on an engine the pipeline keeps chunked prefill on."""
-    prompts = long_prompts(40, 190)
-    ids = [f"r{i:02d}" for i in range(len(prompts))]
-    params = [json.dumps({"seed": i}) if i % 10 == 3 else None for i in range(len(prompts))]
-    write_parquet(tmp_path / "in" / "p0.parquet", {"id": ids, "prompt": prompts, "params": params})
-    options = dict(
-        name="chunked",
-        model=model,
-        task="generate",
-        input=InputSpec(
-            uri=str(tmp_path / "in" / "{partition_key}.parquet"),
-            id_column="id",
-            text_column="prompt",
-            params_column="params",
-        ),
-        output_root=str(tmp_path / "out"),
-        partitions_def=dg.StaticPartitionsDefinition(["p0"]),
-        engine={"max_model_len": 256, "extra": {"enable_chunked_prefill": True}},
-        sampling={"temperature": 1.0, "max_tokens": 4},
-        chunk_size=40,
-        max_error_rate=0.5,
-    )
-    return inference_assets(**{**options, **overrides}), ids
+# Chunked prefill kept on by the pipeline; rows 3, 13, 23 and 33 carry a seed.
+CHUNKED = {"max_model_len": 256, "extra": {"enable_chunked_prefill": True}}
+SOME_SEEDED = [json.dumps({"seed": i}) if i % 10 == 3 else None for i in range(40)]
 
 
 def test_with_chunked_prefill_kept_on_seeded_rows_are_refused_not_fatal(tmp_path, tiny_llama_dir):
-    pipeline, ids = seeded_pipeline(tmp_path, tiny_llama_dir)
+    pipeline, ids, _ = seeded_pipeline(
+        tmp_path, tiny_llama_dir, SOME_SEEDED, engine=CHUNKED, max_error_rate=0.5
+    )
     with dg.instance_for_test() as instance:
         result = materialize_partitions(
             pipeline, ["p0"], resource=cpu_resource(), instance=instance, raise_on_error=False
@@ -167,8 +154,12 @@ def test_with_chunked_prefill_kept_on_seeded_rows_are_refused_not_fatal(tmp_path
 def test_a_pipeline_seed_with_chunked_prefill_kept_on_fails_before_any_row(
     tmp_path, tiny_llama_dir
 ):
-    pipeline, _ = seeded_pipeline(
-        tmp_path, tiny_llama_dir, sampling={"temperature": 1.0, "max_tokens": 4, "seed": 7}
+    pipeline, _, _ = seeded_pipeline(
+        tmp_path,
+        tiny_llama_dir,
+        SOME_SEEDED,
+        engine=CHUNKED,
+        sampling={"temperature": 1.0, "max_tokens": 4, "seed": 7},
     )
     with dg.instance_for_test() as instance:
         result = materialize_partitions(
