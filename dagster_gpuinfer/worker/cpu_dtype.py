@@ -21,6 +21,13 @@ from typing import Any
 log = logging.getLogger("dagster_gpuinfer.worker")
 
 
+def vllm_on_cpu() -> bool:
+    """vLLM runs on its CPU platform (the CPU build)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def native_bf16() -> bool:
     """The CPU computes in bfloat16 natively (AVX512_BF16 or AMX; what vLLM's CPU build
     checks), or is not x86, where this module does not judge."""
@@ -62,9 +69,7 @@ def resolve_cpu_dtype(
     if kwargs.get("dtype", "auto") != "auto" or checkpoint_dtype(model) != "float32":
         return kwargs
     if on_cpu is None:
-        from vllm.platforms import current_platform
-
-        on_cpu = current_platform.is_cpu()
+        on_cpu = vllm_on_cpu()
     if not on_cpu or (native_bf16() if native is None else native):
         return kwargs
     log.info(

@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from dagster_gpuinfer.worker.cpu_dtype import vllm_on_cpu
+
 log = logging.getLogger("dagster_gpuinfer.worker")
 
 SEED_REFUSED = (
@@ -54,11 +56,7 @@ def resolve_cpu_chunked_prefill(
     budget, longest = kwargs.get("max_num_batched_tokens"), kwargs.get("max_model_len")
     if budget is not None and (longest is None or budget < longest):
         return kwargs  # vLLM admits no prompt over the budget without chunked prefill
-    if on_cpu is None:
-        from vllm.platforms import current_platform
-
-        on_cpu = current_platform.is_cpu()
-    if not on_cpu:
+    if not (vllm_on_cpu() if on_cpu is None else on_cpu):
         return kwargs
     log.info(
         "enable_chunked_prefill -> False on vLLM's CPU build: a seeded request whose prompt a "
@@ -70,9 +68,7 @@ def resolve_cpu_chunked_prefill(
 def seeds_unsafe(llm: Any, *, on_cpu: bool | None = None) -> bool:
     """The built engine would die on a seeded request: the CPU build with chunked prefill on
     (the pipeline turned it on, or set a `max_num_batched_tokens` that keeps it on)."""
-    if on_cpu is None:
-        from vllm.platforms import current_platform
-
-        on_cpu = current_platform.is_cpu()
     scheduler = llm.llm_engine.vllm_config.scheduler_config
-    return bool(on_cpu and getattr(scheduler, "enable_chunked_prefill", False))
+    if not getattr(scheduler, "enable_chunked_prefill", False):
+        return False
+    return vllm_on_cpu() if on_cpu is None else on_cpu
