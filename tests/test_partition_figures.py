@@ -347,3 +347,25 @@ def test_pooling_steps_go_to_the_rows_they_finish_not_to_rows_waiting():
     shares.stepped(0.25, [(str(i), second) for i in range(4, 8)])
     assert first.engine_seconds == pytest.approx(0.5)
     assert second.engine_seconds == pytest.approx(0.5)
+
+
+def test_the_worker_start_figure_is_within_what_the_parent_saw(tmp_path):
+    """`run_start_seconds` (process start to job start) must fit inside the time the
+    launching process measured around it: a figure read off the wall clock against a boot
+    time rounded to the second ran long by that second's fraction."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import time; time.sleep(0.3);"
+        "from dagster_gpuinfer.worker.job import process_age_seconds;"
+        "print(process_age_seconds())"
+    )
+    for _ in range(3):
+        before = time.perf_counter()
+        out = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+        ).stdout
+        elapsed = time.perf_counter() - before
+        age = float(out.strip())
+        assert 0.3 <= age <= elapsed, (age, elapsed)

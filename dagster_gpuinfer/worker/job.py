@@ -200,12 +200,26 @@ ReplicaMessage = ReplicaLoaded | ReplicaChunk | ReplicaFinished | ReplicaUserErr
 
 
 def process_age_seconds() -> float:
-    """Seconds since this process started (interpreter start, imports, Pipes setup)."""
+    """Seconds since this process started (interpreter start, imports, Pipes setup).
+
+    On Linux both ends are read on the boot clock: the process's start tick from
+    `/proc/self/stat` against `CLOCK_BOOTTIME`. psutil's `create_time()` adds that tick to
+    `/proc/stat`'s boot time, a whole second, so the age it gives is long by the boot
+    time's lost fraction (0.27 s on one machine here, up to 1 s), which made the run's time
+    outside the worker come out negative."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22 of proc(5); fields[0] is field 3
+        now = time.clock_gettime(time.CLOCK_BOOTTIME)
+        return max(now - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass  # not Linux: psutil's wall-clock figure, coarser but there
     try:
         import psutil  # vLLM's dependency, present wherever the worker runs
 
         return max(time.time() - psutil.Process().create_time(), 0.0)
-    except Exception:  # pragma: no cover - psutil missing or /proc unreadable
+    except Exception:  # pragma: no cover - psutil missing
         return 0.0
 
 
