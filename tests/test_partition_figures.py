@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import queue
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -349,13 +351,10 @@ def test_pooling_steps_go_to_the_rows_they_finish_not_to_rows_waiting():
     assert second.engine_seconds == pytest.approx(0.5)
 
 
-def test_the_worker_start_figure_is_within_what_the_parent_saw(tmp_path):
+def test_the_worker_start_figure_is_within_what_the_parent_saw():
     """`run_start_seconds` (process start to job start) must fit inside the time the
     launching process measured around it: a figure read off the wall clock against a boot
     time rounded to the second ran long by that second's fraction."""
-    import subprocess
-    import sys
-
     probe = (
         "import time; time.sleep(0.3);"
         "from dagster_gpuinfer.worker.job import process_age_seconds;"
