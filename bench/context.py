@@ -153,6 +153,29 @@ def package_version(*names: str) -> str | None:
     return None
 
 
+def cpu_description(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name and whether it has native bfloat16 (AVX512_BF16 or AMX, which
+    decides the dtype the worker picks for a float32 checkpoint, and so a token's cost), read
+    from /proc/cpuinfo; "" where that cannot be read. Rates compare only on the same CPU."""
+    try:
+        with open(cpuinfo, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError:
+        return ""
+    fields = dict(
+        (key.strip(), value.strip())
+        for key, _, value in (line.partition(":") for line in text.splitlines())
+        if value
+    )
+    name = fields.get("model name", "")
+    if not name:
+        return ""
+    flags = set(fields.get("flags", "").split())
+    bf16 = "native bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "no native bfloat16"
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name}, {isa}, {bf16}"
+
+
 def find_ray_python(explicit: str | None) -> tuple[str | None, str]:
     """A Python that imports `ray.data.llm` and `vllm`: the given one, `GPUINFER_BENCH_RAY_PYTHON`,
     or this one. Returns it (or None) and a sentence saying which and why."""

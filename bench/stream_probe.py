@@ -11,7 +11,9 @@ throughput section's uniform workloads and engine arguments.
     python -m bench.stream_probe longtail --chunk-size 128   # the long-tailed section's rows
 
 Generation rates are rows/s on the uniform rows and generated tokens/s on the long-tailed
-ones (sampled: lengths differ run to run).
+ones. The long-tailed rows are sampled with row i seeded i, as in the section, so both
+contestants generate the same tokens and each round says whether their outputs matched
+(`--unseeded` samples without seeds: lengths then differ run to run).
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("task", choices=("generate", "embed", "longtail"))
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument(
+        "--unseeded", action="store_true", help="long tail: sample without per-row seeds"
+    )
     args = parser.parse_args(argv)
+    seeded = args.task == "longtail" and not args.unseeded
     with tempfile.TemporaryDirectory(prefix="stream-probe-") as work:
         if args.task in ("generate", "longtail"):
             from assets.models import make_tiny_llama
@@ -61,23 +67,32 @@ def main(argv: list[str] | None = None) -> int:
 
         def raw() -> dict[str, Any]:
             if args.task != "embed":
-                return backend.raw_generate(texts)
+                return backend.raw_generate(texts, row_seeds=seeded)
             started = time.perf_counter()
             outputs = backend.engine.llm.embed(texts, use_tqdm=False)
             return {"seconds": time.perf_counter() - started, "rows": len(outputs)}
 
         def stream() -> dict[str, Any]:
-            return backend.stream(texts, chunk_size=args.chunk_size, group_prefixes=True)
+            return backend.stream(
+                texts, chunk_size=args.chunk_size, group_prefixes=True, row_seeds=seeded
+            )
 
         unit = "generated_tokens" if args.task == "longtail" else "rows"
         ratios = []
         try:
             for round_index in range(args.rounds):
-                rates = {}
+                rates, outs = {}, {}
                 for name, run in (("stream", stream), ("raw", raw)):
-                    out = run()
+                    out = outs[name] = run()
                     rates[name] = out[unit] / out["seconds"]
-                    print(f"round {round_index} {name:6s} {rates[name]:8.1f} {unit}/s", flush=True)
+                    print(
+                        f"round {round_index} {name:6s} {rates[name]:8.1f} {unit}/s "
+                        f"({out[unit]} in {out['seconds']:.1f} s)",
+                        flush=True,
+                    )
+                if args.task != "embed":
+                    same = outs["stream"]["fingerprint"] == outs["raw"]["fingerprint"]
+                    print(f"round {round_index} same outputs: {same}", flush=True)
                 ratios.append(rates["stream"] / rates["raw"])
         finally:
             backend.close()

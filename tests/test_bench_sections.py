@@ -68,3 +68,24 @@ def test_a_smoke_run_never_mixes_with_measured_results(tmp_path):
     results: dict = {"smoke": True, "notes": []}
     _keep_earlier_sections(results, path, {"longtail"})
     assert "longtail" not in results and results["notes"] == []
+
+
+def test_the_machine_line_names_the_cpu_and_its_bfloat16(tmp_path):
+    """Rates compare only on one CPU: the report names the model and whether it computes in
+    bfloat16 natively (which sets the worker's dtype for a float32 checkpoint)."""
+    from bench.context import cpu_description
+
+    def described(flags: str) -> str:
+        info = tmp_path / "cpuinfo"
+        block = f"processor\t: {{n}}\nmodel name\t: Example CPU @ 2.80GHz\nflags\t\t: {flags}\n\n"
+        info.write_text(block.format(n=0) + block.format(n=1))
+        return cpu_description(str(info))
+
+    assert described("fpu avx2 avx512f avx512_bf16 amx_tile") == (
+        "Example CPU @ 2.80GHz, AVX-512, native bfloat16"
+    )
+    assert described("fpu avx2 avx512f avx512_vnni") == (
+        "Example CPU @ 2.80GHz, AVX-512, no native bfloat16"
+    )
+    assert described("fpu avx2") == "Example CPU @ 2.80GHz, AVX2, no native bfloat16"
+    assert cpu_description(str(tmp_path / "absent")) == ""
