@@ -13,7 +13,10 @@ throughput section's uniform workloads and engine arguments.
 Generation rates are rows/s on the uniform rows and generated tokens/s on the long-tailed
 ones. The long-tailed rows are sampled with row i seeded i, as in the section, so both
 contestants generate the same tokens and each round says whether their outputs matched
-(`--unseeded` samples without seeds: lengths then differ run to run).
+(`--unseeded` samples without seeds: lengths then differ run to run). One untimed raw call
+warms the engine first (a fresh engine's first call ran 8% slower than its second on the
+long tail, on the Xeon of `bench/results/icx`; `--no-warmup` times it), and the two
+contestants swap places every round.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--unseeded", action="store_true", help="long tail: sample without per-row seeds"
     )
+    parser.add_argument("--no-warmup", action="store_true", help="time the engine's first call too")
     args = parser.parse_args(argv)
     seeded = args.task == "longtail" and not args.unseeded
     with tempfile.TemporaryDirectory(prefix="stream-probe-") as work:
@@ -80,9 +84,13 @@ def main(argv: list[str] | None = None) -> int:
         unit = "generated_tokens" if args.task == "longtail" else "rows"
         ratios = []
         try:
+            if not args.no_warmup:  # a fresh engine's first call is slower; neither pays it
+                out = raw()
+                print(f"warm-up raw call {out[unit] / out['seconds']:8.1f} {unit}/s", flush=True)
             for round_index in range(args.rounds):
                 rates, outs = {}, {}
-                for name, run in (("stream", stream), ("raw", raw)):
+                order = (("stream", stream), ("raw", raw))
+                for name, run in order if round_index % 2 == 0 else order[::-1]:
                     out = outs[name] = run()
                     rates[name] = out[unit] / out["seconds"]
                     print(
