@@ -16,7 +16,6 @@ apart by the parent) and does the work in `run(...)`, which returns its own timi
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from typing import Any
@@ -535,11 +534,13 @@ class EngineBackend:
     ) -> dict[str, Any]:
         """The worker's streaming loop over the rows as one shard of `chunk_size` chunks;
         chunks are written and committed (markers) under the spec's output, as in a run.
-        `row_seeds`: row i carries `{"seed": i}` as its own parameters (a params column)."""
+        `row_seeds`: row i carries `{"seed": i}` as its own parameters, the long-tailed
+        section's params column (`bench.longtail.row_params`)."""
         import queue
         import shutil
         import uuid
 
+        from bench.longtail import row_params
         from dagster_gpuinfer.storage import read_partition
         from dagster_gpuinfer.worker.commit import PartitionOutput, PartitionTimes, commit_chunks
         from dagster_gpuinfer.worker.readers import RawChunk
@@ -551,14 +552,15 @@ class EngineBackend:
         key = f"stream-{uuid.uuid4().hex[:6]}"
         where = PartitionOutput.of(spec, key)
         work: queue.Queue[Any] = queue.Queue()
+        params = row_params(len(texts)) if row_seeds else None
         for index, start in enumerate(range(0, len(texts), chunk_size)):
             rows = [
                 (i, f"r{i:07d}", texts[i])
                 for i in range(start, min(start + chunk_size, len(texts)))
             ]
             chunk = RawChunk(index, "bench", rows=rows, rows_in=len(rows))
-            if row_seeds:
-                chunk.params = {i: json.dumps({"seed": i}) for i, _, _ in rows}
+            if params:
+                chunk.params = {i: params[i] for i, _, _ in rows}
             work.put(WorkChunk(key, "bench0000", chunk))
         work.put(None)
         markers: dict[int, Any] = {}
