@@ -50,6 +50,7 @@ from bench.context import (
     RAY_NAMES,
     REPO_ROOT,
     BenchContext,
+    CpuSteal,
     Sizes,
     ray_contestants,
 )
@@ -148,6 +149,8 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
     names += [n for n in RAY_NAMES if n in contestants]
     rates: dict[str, list[float]] = {n: [] for n in [*names, RAW_WARM]}  # generated tokens/s
     generated: dict[str, list[int]] = {n: [] for n in [*names, RAW_WARM]}  # tokens a round
+    # CPU time the hypervisor gave other guests during each turn (raw's turn: both its calls)
+    stolen: dict[str, list[float | None]] = {n: [] for n in [*names, RAW_WARM]}
     end_to_end: dict[str, list[float]] = {n: [] for n in names if n != RAW}
     platform_runs: list[dict[str, Any]] = []
     run_batch_runs: list[dict[str, Any]] = []
@@ -155,6 +158,7 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
     try:
         for round_index, order in enumerate(rotations(names, sizes.rounds)):
             for name in order:
+                meter = CpuSteal().start()
                 if name == RAW:
                     fresh = raw.run(round_index, texts)
                     peers.setdefault(RAW, fresh.info)
@@ -216,6 +220,9 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
                     raise RuntimeError(f"longtail {name}: {rows} rows out of {len(texts)}")
                 rates[name].append(tokens / seconds)
                 generated[name].append(tokens)
+                stolen[name].append(meter.share())
+                if name == RAW:
+                    stolen[RAW_WARM].append(stolen[RAW][-1])
                 log.info(
                     "longtail round %d %-14s %8.1f generated tokens/s (%d tokens, %.1fs)",
                     round_index,
@@ -268,6 +275,7 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
                 "tokens_per_s": rates[name],
                 "tokens": generated[name],
                 "end_to_end_tokens_per_s": end_to_end.get(name, []),
+                "cpu_steal": stolen[name],
                 "tokens_per_s_summary": summarize(rates[name]).__dict__,
                 "end_to_end_tokens_per_s_summary": summarize(end_to_end.get(name, [])).__dict__,
             }

@@ -292,8 +292,8 @@ def _longtail(lt: dict[str, Any]) -> list[str]:
         ),
         "",
         "| contestant | tokens/s (engine ready to last commit) | tokens/s end to end "
-        "(engine build included) |",
-        "|---|---|---|",
+        "(engine build included) | CPU stolen by the hypervisor in its turns |",
+        "|---|---|---|---|",
     ]
     for name, c in _in_order(lt["contestants"]):
         inner = (
@@ -301,7 +301,10 @@ def _longtail(lt: dict[str, Any]) -> list[str]:
             if name == "run-batch"
             else _fmt(c["tokens_per_s_summary"], 0)
         )
-        lines.append(f"| {name} | {inner} | {_fmt(c['end_to_end_tokens_per_s_summary'], 0)} |")
+        lines.append(
+            f"| {name} | {inner} | {_fmt(c['end_to_end_tokens_per_s_summary'], 0)} "
+            f"| {_steal(c.get('cpu_steal'))} |"
+        )
     lines += ["", "| ratio (paired within rounds) | tokens/s |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in _in_order(lt["ratios"])]
     split = lt.get("worker_split_summary", {})
@@ -322,6 +325,13 @@ def _longtail(lt: dict[str, Any]) -> list[str]:
         "",
     ]
     return lines
+
+
+def _steal(shares: list[float | None] | None) -> str:
+    """Each turn's stolen share, e.g. "1% 0% 14%": a slow turn with a large one lost CPU
+    time to other guests of the host; "n/a" where not measured (older results, not Linux)."""
+    known = [share for share in shares or [] if share is not None]
+    return " ".join(f"{share:.0%}" for share in known) if known else "n/a"
 
 
 def _replicas(rep: dict[str, Any]) -> list[str]:

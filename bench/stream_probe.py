@@ -17,6 +17,10 @@ contestants generate the same tokens and each round says whether their outputs m
 warms the engine first (a fresh engine's first call ran 8% slower than its second on the
 long tail, on the Xeon of `bench/results/icx`; `--no-warmup` times it), and the two
 contestants swap places every round.
+
+`--control` runs raw against raw instead (an A/A test): the spread of that ratio on one
+engine is what the machine and engine give on identical work with nothing of ours in it, the
+yardstick for reading the stream's.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import time
 from typing import Any
 
 from bench.backends import EngineBackend
-from bench.context import FULL
+from bench.context import FULL, CpuSteal
 from bench.longtail import longtail_workload
 from bench.throughput import uniform_workload
 from dagster_gpuinfer.spec import InferenceSpec, InputSpec, OutputSpec, SamplingParams
@@ -43,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         "--unseeded", action="store_true", help="long tail: sample without per-row seeds"
     )
     parser.add_argument("--no-warmup", action="store_true", help="time the engine's first call too")
+    parser.add_argument(
+        "--control", action="store_true", help="raw against raw (A/A): the engine's own spread"
+    )
     args = parser.parse_args(argv)
     seeded = args.task == "longtail" and not args.unseeded
     with tempfile.TemporaryDirectory(prefix="stream-probe-") as work:
@@ -82,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             )
 
         unit = "generated_tokens" if args.task == "longtail" else "rows"
+        name = "raw-a" if args.control else "stream"
+        order = ((name, raw if args.control else stream), ("raw", raw))
         ratios = []
         try:
             if not args.no_warmup:  # a fresh engine's first call is slower; neither pays it
@@ -89,23 +98,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"warm-up raw call {out[unit] / out['seconds']:8.1f} {unit}/s", flush=True)
             for round_index in range(args.rounds):
                 rates, outs = {}, {}
-                order = (("stream", stream), ("raw", raw))
-                for name, run in order if round_index % 2 == 0 else order[::-1]:
-                    out = outs[name] = run()
-                    rates[name] = out[unit] / out["seconds"]
+                for who, run in order if round_index % 2 == 0 else order[::-1]:
+                    meter = CpuSteal().start()
+                    out = outs[who] = run()
+                    rates[who] = out[unit] / out["seconds"]
+                    stolen = meter.share()
                     print(
-                        f"round {round_index} {name:6s} {rates[name]:8.1f} {unit}/s "
-                        f"({out[unit]} in {out['seconds']:.1f} s)",
+                        f"{time.strftime('%H:%M:%S')} round {round_index} {who:6s} "
+                        f"{rates[who]:8.1f} {unit}/s ({out[unit]} in {out['seconds']:.1f} s, "
+                        f"CPU stolen {'n/a' if stolen is None else f'{stolen:.1%}'})",
                         flush=True,
                     )
                 if args.task != "embed":
-                    same = outs["stream"]["fingerprint"] == outs["raw"]["fingerprint"]
+                    same = outs[name]["fingerprint"] == outs["raw"]["fingerprint"]
                     print(f"round {round_index} same outputs: {same}", flush=True)
-                ratios.append(rates["stream"] / rates["raw"])
+                ratios.append(rates[name] / rates["raw"])
         finally:
             backend.close()
     print(
-        f"stream/raw: median {statistics.median(ratios):.2f} "
+        f"{name}/raw: median {statistics.median(ratios):.2f} "
         f"({min(ratios):.2f}-{max(ratios):.2f}) over {len(ratios)} rounds"
     )
     return 0

@@ -89,3 +89,29 @@ def test_the_machine_line_names_the_cpu_and_its_bfloat16(tmp_path):
     )
     assert described("fpu avx2") == "Example CPU @ 2.80GHz, AVX2, no native bfloat16"
     assert cpu_description(str(tmp_path / "absent")) == ""
+
+
+def test_cpu_steal_is_the_stolen_share_of_all_cpu_time_between_two_reads(tmp_path):
+    """A virtual machine's slow turn is told apart from a slow contestant by the steal column
+    of /proc/stat: the share of the CPU time that passed which the host gave other guests."""
+    from bench.context import CpuSteal
+    from bench.report import _steal
+
+    stat = tmp_path / "stat"
+
+    def write(user: int, idle: int, steal: int) -> None:
+        # user nice system idle iowait irq softirq steal guest guest_nice, then per-CPU lines
+        stat.write_text(
+            f"cpu  {user} 0 10 {idle} 0 0 0 {steal} 0 0\ncpu0 {user} 0 10 {idle} 0 0 0 {steal}\n"
+        )
+
+    write(user=1000, idle=500, steal=100)
+    meter = CpuSteal(str(stat)).start()
+    write(user=1150, idle=530, steal=120)  # 200 ticks passed, 20 of them stolen
+    assert meter.share() == 0.1
+    assert CpuSteal(str(stat)).start().share() is None  # no time passed
+    assert CpuSteal(str(tmp_path / "absent")).start().share() is None
+    stat.write_text("intr 1 2 3\n")
+    assert CpuSteal(str(stat)).start().share() is None  # not a stat file
+    assert _steal([0.011, None, 0.14]) == "1% 14%"
+    assert _steal(None) == "n/a" and _steal([None]) == "n/a"
