@@ -92,6 +92,10 @@ def test_bench_smoke_runs_the_headline_sections_and_writes_the_report(tmp_path: 
     same_prompts = [n for n in tokens if n.startswith("platform") or n.startswith("raw-vllm")]
     assert len({t for n in same_prompts for t in tokens[n]}) == 1, tokens
     assert set(longtail["worker_split_summary"]) == {"start", "load", "inference", "shutdown"}
+    # Every turn says what share of the CPU the host gave its other guests (/proc/stat).
+    for name, contestant in longtail["contestants"].items():
+        assert len(contestant["cpu_steal"]) == data["rounds"], name
+        assert all(0 <= share <= 1 for share in contestant["cpu_steal"]), name
 
     control = data["control_plane"]
     measured = control["values"]
@@ -101,6 +105,7 @@ def test_bench_smoke_runs_the_headline_sections_and_writes_the_report(tmp_path: 
 
     report = (results / "RESULTS.md").read_text()
     assert "## Headline" in report and "## Long-tailed generation" in report
+    assert "CPU stolen by the hypervisor" in report
     assert "## Control plane" in report and "runs planned" in report
     for plot in ("throughput.png", "prefix_cache.png"):
         assert (results / plot).stat().st_size > 0
