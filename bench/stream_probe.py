@@ -18,6 +18,8 @@ warms the engine first (a fresh engine's first call ran 8% slower than its secon
 long tail, on the Xeon of `bench/results/icx`; `--no-warmup` times it), and the two
 contestants swap places every round.
 
+Each run prints the time of day and the share of the CPU the hypervisor took while it ran
+(`CpuSteal`): on a shared virtual machine a slow run beside a large share is the host's.
 `--control` runs raw against raw instead (an A/A test): the spread of that ratio on one
 engine is what the machine and engine give on identical work with nothing of ours in it, the
 yardstick for reading the stream's.
