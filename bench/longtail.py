@@ -149,7 +149,8 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
     names += [n for n in RAY_NAMES if n in contestants]
     rates: dict[str, list[float]] = {n: [] for n in [*names, RAW_WARM]}  # generated tokens/s
     generated: dict[str, list[int]] = {n: [] for n in [*names, RAW_WARM]}  # tokens a round
-    # CPU time the hypervisor gave other guests during each turn (raw's turn: both its calls)
+    # The CPU share the hypervisor gave other guests in each whole turn (engine builds
+    # included; raw's turn holds both its calls, so raw's warm row shows the same share)
     stolen: dict[str, list[float | None]] = {n: [] for n in [*names, RAW_WARM]}
     end_to_end: dict[str, list[float]] = {n: [] for n in names if n != RAW}
     platform_runs: list[dict[str, Any]] = []
