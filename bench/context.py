@@ -176,42 +176,6 @@ def cpu_description(cpuinfo: str = "/proc/cpuinfo") -> str:
     return f"{name}, {isa}, {bf16}"
 
 
-class CpuSteal:
-    """The share of this machine's CPU time the hypervisor gave to other guests (the steal
-    column of /proc/stat) between `start` and `share`: a virtual machine's cores are not all
-    ours all the time, and a run that lost 15% of its CPU to steal runs ~15% slower with
-    nothing of ours changed. None where /proc/stat cannot be read (not Linux).
-
-        meter = CpuSteal(); meter.start(); run(); meter.share()  # e.g. 0.04
-    """
-
-    def __init__(self, stat: str = "/proc/stat") -> None:
-        self.stat = stat
-        self._begin: tuple[int, int] | None = None
-
-    def _read(self) -> tuple[int, int] | None:
-        try:
-            with open(self.stat, encoding="ascii") as handle:
-                first = handle.readline().split()
-        except OSError:
-            return None
-        if len(first) < 9 or first[0] != "cpu":
-            return None
-        # user nice system idle iowait irq softirq steal [guest guest_nice: inside user]
-        ticks = [int(value) for value in first[1:9]]
-        return ticks[7], sum(ticks)
-
-    def start(self) -> CpuSteal:
-        self._begin = self._read()
-        return self
-
-    def share(self) -> float | None:
-        end = self._read()
-        if self._begin is None or end is None or end[1] <= self._begin[1]:
-            return None
-        return (end[0] - self._begin[0]) / (end[1] - self._begin[1])
-
-
 def find_ray_python(explicit: str | None) -> tuple[str | None, str]:
     """A Python that imports `ray.data.llm` and `vllm`: the given one, `GPUINFER_BENCH_RAY_PYTHON`,
     or this one. Returns it (or None) and a sentence saying which and why."""

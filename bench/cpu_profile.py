@@ -255,12 +255,52 @@ def _machine_at(samples: list[ProcSample], t: float) -> float:
     return _interpolate(samples, t, lambda s: s.machine_busy)
 
 
+def stat_ticks(stat: str = "/proc/stat") -> list[int] | None:
+    """The machine's CPU ticks since boot from the first line of /proc/stat: user nice system
+    idle iowait irq softirq steal (guest time is inside user); None where it cannot be read."""
+    try:
+        with open(stat, encoding="ascii") as handle:
+            first = handle.readline().split()
+    except OSError:
+        return None
+    if len(first) < 9 or first[0] != "cpu":
+        return None
+    return [int(value) for value in first[1:9]]
+
+
 def machine_cpu() -> tuple[float, float]:
     """(busy, total) CPU seconds of the machine since boot, from /proc/stat."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    total = sum(fields[:8])
+    ticks = stat_ticks()
+    if ticks is None:
+        raise OSError("/proc/stat has no aggregate cpu line to read")
+    idle = ticks[3] + ticks[4]
+    total = sum(ticks)
     return (total - idle) / CLOCK_TICKS, total / CLOCK_TICKS
+
+
+class CpuSteal:
+    """The share of this machine's CPU time the hypervisor gave to other guests (the steal
+    column of /proc/stat) between `start` and `share`: on a virtual machine our cores are not
+    all ours all the time. It marks turns the host took CPU from; it does not size a slowdown
+    (a neighbour on a sibling hyperthread, shared caches or memory bandwidth slow us without
+    any steal). None where /proc/stat cannot be read (not Linux).
+
+        meter = CpuSteal().start(); run(); meter.share()  # e.g. 0.04
+    """
+
+    def __init__(self, stat: str = "/proc/stat") -> None:
+        self.stat = stat
+        self._begin: list[int] | None = None
+
+    def start(self) -> CpuSteal:
+        self._begin = stat_ticks(self.stat)
+        return self
+
+    def share(self) -> float | None:
+        end, begin = stat_ticks(self.stat), self._begin
+        if begin is None or end is None or sum(end) <= sum(begin):
+            return None
+        return (end[7] - begin[7]) / (sum(end) - sum(begin))
 
 
 class PySpy:

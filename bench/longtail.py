@@ -50,10 +50,10 @@ from bench.context import (
     RAY_NAMES,
     REPO_ROOT,
     BenchContext,
-    CpuSteal,
     Sizes,
     ray_contestants,
 )
+from bench.cpu_profile import CpuSteal
 from bench.platform_run import PlatformPipeline, local_resource, raw_engine_kwargs
 from bench.server import ContestantProcess, FreshEachRound
 from bench.stats import paired_ratios, rotations, summarize

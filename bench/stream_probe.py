@@ -34,7 +34,8 @@ import time
 from typing import Any
 
 from bench.backends import EngineBackend
-from bench.context import FULL, CpuSteal
+from bench.context import FULL
+from bench.cpu_profile import CpuSteal
 from bench.longtail import longtail_workload
 from bench.throughput import uniform_workload
 from dagster_gpuinfer.spec import InferenceSpec, InputSpec, OutputSpec, SamplingParams

@@ -94,7 +94,7 @@ def test_the_machine_line_names_the_cpu_and_its_bfloat16(tmp_path):
 def test_cpu_steal_is_the_stolen_share_of_all_cpu_time_between_two_reads(tmp_path):
     """A virtual machine's slow turn is told apart from a slow contestant by the steal column
     of /proc/stat: the share of the CPU time that passed which the host gave other guests."""
-    from bench.context import CpuSteal
+    from bench.cpu_profile import CpuSteal
     from bench.report import _steal
 
     stat = tmp_path / "stat"
