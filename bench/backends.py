@@ -541,7 +541,7 @@ class EngineBackend:
         import uuid
 
         from bench.longtail import row_params
-        from dagster_gpuinfer.storage import read_partition
+        from dagster_gpuinfer.storage import SourceVersion, read_partition
         from dagster_gpuinfer.worker.commit import PartitionOutput, PartitionTimes, commit_chunks
         from dagster_gpuinfer.worker.readers import RawChunk
         from dagster_gpuinfer.worker.stream import WorkChunk, serve_chunks
@@ -550,7 +550,7 @@ class EngineBackend:
             update={"chunk_size": chunk_size, "group_prefixes": group_prefixes}
         )
         key = f"stream-{uuid.uuid4().hex[:6]}"
-        where = PartitionOutput.of(spec, key)
+        where = PartitionOutput.of(spec, key, source=SourceVersion(input="bench rows"))
         work: queue.Queue[Any] = queue.Queue()
         params = row_params(len(texts)) if row_seeds else None
         for index, start in enumerate(range(0, len(texts), chunk_size)):
@@ -561,7 +561,7 @@ class EngineBackend:
             chunk = RawChunk(index, "bench", rows=rows, rows_in=len(rows))
             if params:
                 chunk.params = {i: params[i] for i, _, _ in rows}
-            work.put(WorkChunk(key, "bench0000", chunk))
+            work.put(WorkChunk(key, "bench0000", chunk, where.source))
         work.put(None)
         markers: dict[int, Any] = {}
         self.engine.llm.reset_prefix_cache()

@@ -44,7 +44,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from dagster_gpuinfer.spec import InferenceSpec, split_partition_key
-from dagster_gpuinfer.storage import committed_manifest, filesystem_for
+from dagster_gpuinfer.storage import committed_manifests, filesystem_for
 
 DEFAULT_ROWS_PER_SECOND = 100.0
 DEFAULT_BYTES_PER_SECOND = 20_000.0
@@ -208,11 +208,10 @@ def estimate_backfill(
     """
     unit = work_unit(spec)
     work = input_work(spec, partition_keys)
-    committed = {}
-    for key in partition_keys:
-        manifest = committed_manifest(spec, key)
-        if manifest is not None:
-            committed[key] = manifest
+    try:
+        committed = committed_manifests(spec, partition_keys)
+    except FileNotFoundError:  # the model folder is only in the pods: nothing to verify here
+        committed = {}
     pending = [key for key in partition_keys if key not in committed]
     measured_work = 0.0
     measured_seconds = 0.0

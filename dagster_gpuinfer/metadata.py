@@ -75,6 +75,12 @@ def partition_metadata(
         "model_load_seconds": round(manifest.model_load_seconds, 3),
         "computed_in_this_run": computed,
         "spec_hash": manifest.spec_hash,
+        # What the outputs were computed from: the shard's version (S3 ETag, or size and
+        # mtime) and a local model folder's (its files' sizes and mtimes); a change to either
+        # makes the next materialization compute the partition again.
+        "input_version": manifest.source.input if manifest.source else NOT_AVAILABLE,
+        "model_files_version": (manifest.source.model if manifest.source else None)
+        or NOT_AVAILABLE,
         "error_types": dg.MetadataValue.json(manifest.error_types),
         "output_path": dg.MetadataValue.path(partition_dir(spec.output, manifest.partition_key)),
         "engine_args": dg.MetadataValue.json(spec.engine.model_dump(mode="json")),

@@ -28,7 +28,7 @@ from dagster_gpuinfer.messages import (
 from dagster_gpuinfer.run_metrics import metrics_env, push_run_metrics
 from dagster_gpuinfer.secrets import ENV_REFERENCES_VARIABLE, validation_problems
 from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
-from dagster_gpuinfer.storage import Manifest, committed_manifest
+from dagster_gpuinfer.storage import Manifest, committed_manifests
 
 
 def env_references_variable(references: Mapping[str, str]) -> dict[str, str]:
@@ -175,7 +175,8 @@ class GpuInferenceResource(dg.ConfigurableResource):
         self, *, context: dg.AssetExecutionContext, spec: InferenceSpec
     ) -> InferenceRunResult:
         """Commit every partition of `spec.partition_keys`, launching a worker only for the
-        ones not yet committed for this spec.
+        ones not yet committed for this spec from their shards (and a local model folder's
+        files) as they are now: a rewritten shard is computed again, never served stale.
 
         A shard that cannot be processed lands in `result.failed` while the others are
         committed: the caller materializes those and fails the step (as `inference_assets`
@@ -190,17 +191,19 @@ class GpuInferenceResource(dg.ConfigurableResource):
         except InvalidInferenceSpec as exc:
             raise dg.Failure(description=str(exc), allow_retries=False) from None
         result = InferenceRunResult(spec=spec)
-        todo = []
-        for key in spec.partition_keys:
-            manifest = committed_manifest(spec, key)
-            if manifest is None:
-                todo.append(key)
-            else:
-                result.manifests[key] = manifest
+        try:
+            result.manifests.update(committed_manifests(spec, spec.partition_keys))
+        except FileNotFoundError as exc:  # e.g. a pod's model cache, not mounted here
+            context.log.info(
+                f"{exc} from the code location, so the worker checks which partitions are "
+                "committed for the model's files as they are (it builds no engine for those)"
+            )
+        todo = [key for key in spec.partition_keys if key not in result.manifests]
         if result.manifests:
             context.log.info(
                 f"{len(result.manifests)} partition(s) already committed for spec "
-                f"{spec.spec_hash()}, reused: {sorted(result.manifests)}"
+                f"{spec.spec_hash()} from their shards and model files as they are now, "
+                f"reused: {sorted(result.manifests)}"
             )
         if not todo:
             result.summary = {"model_loads": 0, "partitions_computed": 0}

@@ -274,6 +274,119 @@ def write_file_entry(
     return FileEntry(name=name, rows=rows, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
 
 
+# --------------------------------------------------------------------------- versions
+
+
+class SourceVersion(BaseModel):
+    """What a partition's outputs were computed from, beside its spec: the version of its
+    input shard and, for a model given as a local folder, of that folder's files.
+
+    The spec hash names the model by its path or hub id (and revision); a shard by its URI
+    template. Neither says whether the bytes behind them changed, so a manifest or chunk
+    marker counts only for the spec hash *and* the source version it records.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input: str = Field(description="The input shard's version (`input_version`).")
+    model: str | None = Field(
+        None, description="The local model folder's version (`model_version`); None: a hub id."
+    )
+
+
+def file_version(fs: pafs.FileSystem, path: str, storage: StorageOptions | None = None) -> str:
+    """A version of one file that changes whenever the file is rewritten.
+
+    S3: the object's ETag (a digest of its content, or of its parts' for a multipart upload)
+    and its version id where the bucket keeps versions, read with one HEAD (boto3); without
+    boto3, its size and last-modified time. Local disk: size, modification time in
+    nanoseconds (what `make` and `rsync` compare) and inode (a writer that renames a new
+    file into place, as most do, changes it even within one tick of the file system's
+    clock): a rewrite with other content changes it; a rewrite with the same bytes or a
+    `touch` changes it too, which costs a recompute and never serves stale rows.
+
+    Raises:
+        FileNotFoundError: no file at `path`.
+    """
+    if isinstance(fs, pafs.S3FileSystem):
+        try:
+            client = s3_client(storage)
+        except ImportError:
+            client = None
+        if client is not None:
+            return _s3_object_version(client, path)
+    info = fs.get_file_info(path)
+    if info.type != pafs.FileType.File:
+        raise FileNotFoundError(f"{display_uri(fs, path)} is not a file")
+    if isinstance(fs, pafs.LocalFileSystem):
+        stat = os.stat(path)
+        return f"local:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
+    return f"{fs.type_name}:{info.size}:{info.mtime_ns}"
+
+
+def _s3_object_version(client: Any, path: str) -> str:
+    from botocore.exceptions import ClientError
+
+    bucket, _, key = path.partition("/")
+    try:
+        head = client.head_object(Bucket=bucket, Key=key)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            raise FileNotFoundError(f"s3://{path} does not exist") from None
+        raise
+    version = head.get("VersionId")
+    etag = str(head.get("ETag", "")).strip('"')
+    return f"s3:{etag}:{head.get('ContentLength')}" + (f":{version}" if version else "")
+
+
+def input_version(spec: InferenceSpec, partition_key: str) -> str:
+    """The version of the file `partition_key` reads (`file_version`); a range partition
+    (`big@rows=0-1000`) takes its whole file's, so any change to the file recomputes it.
+
+    Raises:
+        FileNotFoundError: the shard is not there.
+    """
+    fs, path = filesystem_for(spec.input.shard_uri(partition_key), spec.storage)
+    return file_version(fs, path, spec.storage)
+
+
+def model_version(spec: InferenceSpec) -> str | None:
+    """The version of a model given as a local folder: a digest of every file's relative
+    path, size and modification time (links followed; hidden entries such as a download
+    tool's `.cache/` left out). None for a hub id, which the spec hash names with its
+    revision. Stat calls only: a 140 GB folder costs what listing it costs.
+
+    Raises:
+        FileNotFoundError: the folder is not there (or not readable from this process).
+    """
+    if not spec.model_is_local_path():
+        return None
+    root = os.path.expanduser(spec.model.removeprefix("file://"))
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"model folder {spec.model!r} is not there")
+    digest = hashlib.sha256()
+    files = 0
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(n for n in names if not n.startswith(".")):
+            path = os.path.join(folder, name)
+            stat = os.stat(path)
+            relative = os.path.relpath(path, root)
+            digest.update(f"{relative}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+            files += 1
+    return f"files:{files}:{digest.hexdigest()[:16]}"
+
+
+def source_version(spec: InferenceSpec, partition_key: str, *, model: str | None) -> SourceVersion:
+    """The source version of a partition now, with the model folder's `model_version(spec)`
+    computed once by the caller for all its partitions.
+
+    Raises:
+        FileNotFoundError: the shard is not there.
+    """
+    return SourceVersion(input=input_version(spec, partition_key), model=model)
+
+
 # --------------------------------------------------------------------------- chunks
 
 
@@ -324,6 +437,8 @@ class ChunkMarker(RowCounts):
 
     index: int
     spec_hash: str
+    # What the chunk was computed from; None: written before versions were recorded.
+    source: SourceVersion | None = None
     inference_seconds: float = 0.0
     engine_seconds: float = 0.0
     started_at: float | None = None
@@ -349,9 +464,14 @@ def write_chunk_marker(fs: pafs.FileSystem, partition_path: str, marker: ChunkMa
 
 
 def read_chunk_markers(
-    fs: pafs.FileSystem, partition_path: str, spec_hash: str
+    fs: pafs.FileSystem,
+    partition_path: str,
+    spec_hash: str,
+    source: SourceVersion | None = None,
 ) -> dict[int, ChunkMarker]:
-    """The committed chunks of this spec, by index. Markers of other specs are ignored."""
+    """The committed chunks of this spec, by index. Markers of other specs are ignored, and
+    with `source` given, so are markers computed from another version of the input or the
+    model (a shard rewritten since: its old chunks must not be resumed)."""
     directory = chunk_dir(partition_path, spec_hash)
     markers: dict[int, ChunkMarker] = {}
     for name in list_names(fs, directory):
@@ -359,7 +479,7 @@ def read_chunk_markers(
             marker = ChunkMarker.model_validate_json(
                 read_bytes(fs, posixpath.join(directory, name))
             )
-            if marker.spec_hash == spec_hash:
+            if marker.spec_hash == spec_hash and (source is None or marker.source == source):
                 markers[marker.index] = marker
     return markers
 
@@ -381,6 +501,9 @@ class Manifest(RowCounts):
     version: int = MANIFEST_VERSION
     partition_key: str
     spec_hash: str
+    # The input shard's and local model folder's versions the partition was computed from;
+    # None: committed before versions were recorded, so never reused.
+    source: SourceVersion | None = None
     model: str
     task: str
     output_format: str
@@ -405,6 +528,10 @@ class Manifest(RowCounts):
     def balanced(self) -> bool:
         return self.rows_in == self.rows_out + self.rows_errored
 
+    def computed_from(self, spec_hash: str, source: SourceVersion | None) -> bool:
+        """Whether this manifest holds the outputs of `spec_hash` over `source`."""
+        return self.spec_hash == spec_hash and source is not None and self.source == source
+
 
 def manifest_path(partition_path: str) -> str:
     return posixpath.join(partition_path, MANIFEST_NAME)
@@ -419,13 +546,40 @@ def read_manifest(fs: pafs.FileSystem, partition_path: str) -> Manifest | None:
     return Manifest.model_validate_json(data)
 
 
-def committed_manifest(spec: InferenceSpec, partition_key: str) -> Manifest | None:
-    """The manifest of `partition_key` if it is committed for this exact spec, else None."""
+def committed_manifest(
+    spec: InferenceSpec, partition_key: str, *, model: str | None
+) -> Manifest | None:
+    """The manifest of `partition_key` if it was committed for this exact spec from the
+    shard and model files as they are now, else None (recompute it).
+
+    Args:
+        model: `model_version(spec)`, computed once by the caller for all its partitions.
+    """
     fs, path = filesystem_for(partition_dir(spec.output, partition_key), spec.storage)
     manifest = read_manifest(fs, path)
     if manifest is None or manifest.spec_hash != spec.spec_hash():
         return None
-    return manifest
+    try:
+        source = source_version(spec, partition_key, model=model)
+    except FileNotFoundError:
+        return None  # the shard is gone: nothing proves the outputs are its
+    return manifest if manifest.computed_from(manifest.spec_hash, source) else None
+
+
+def committed_manifests(spec: InferenceSpec, partition_keys: Iterable[str]) -> dict[str, Manifest]:
+    """`committed_manifest` of each key that has one, the model folder's version read once.
+
+    Raises:
+        FileNotFoundError: the model is a local folder this process cannot see (a pod's
+            model cache): only the worker can tell which partitions are still current.
+    """
+    model = model_version(spec)
+    found = {}
+    for key in partition_keys:
+        manifest = committed_manifest(spec, key, model=model)
+        if manifest is not None:
+            found[key] = manifest
+    return found
 
 
 class CommitConflict(Exception):
@@ -491,13 +645,15 @@ def commit_partition(
 
     The manifest is created exclusively: of two workers racing on one partition exactly one
     commits, and the other gets `CommitConflict` with the winner's manifest. A manifest of an
-    older spec is replaced. Files that the new manifest does not name (chunks of an older
-    spec or of the losing worker, temporary files of a killed attempt, chunk markers) are
-    deleted only by the winner and only after its manifest is in place, so a crash at any
-    point leaves either the old committed state or the new one.
+    older spec, or of an older version of the input or model files, is replaced. Files that
+    the new manifest does not name (chunks of an older spec or of the losing worker,
+    temporary files of a killed attempt, chunk markers) are deleted only by the winner and
+    only after its manifest is in place, so a crash at any point leaves either the old
+    committed state or the new one.
 
     Raises:
-        CommitConflict: another worker committed the partition for the same spec first.
+        CommitConflict: another worker committed the partition for the same spec and source
+            version first.
     """
     errors = pa.concat_tables(error_tables) if error_tables else ERRORS_SCHEMA.empty_table()
     parquet_name, jsonl_name = error_file_names(manifest.spec_hash, attempt or uuid.uuid4().hex[:8])
@@ -516,13 +672,13 @@ def commit_partition(
         if create_exclusive(fs, target, data, storage):
             break
         existing = read_manifest(fs, partition_path)
-        if existing is not None and existing.spec_hash == manifest.spec_hash:
+        if existing is not None and existing.computed_from(manifest.spec_hash, manifest.source):
             raise CommitConflict(existing)
-        # The manifest of an older spec: its outputs no longer count; replace it.
+        # The manifest of an older spec or source: its outputs no longer count; replace it.
         delete_quietly(fs, [target])
     else:
         existing = read_manifest(fs, partition_path)
-        if existing is not None and existing.spec_hash == manifest.spec_hash:
+        if existing is not None and existing.computed_from(manifest.spec_hash, manifest.source):
             raise CommitConflict(existing)
         raise OSError(f"could not create {display_uri(fs, target)}: it keeps reappearing")
     keep = {MANIFEST_NAME, manifest.errors.name, *(part.name for part in manifest.parts)}

@@ -8,6 +8,7 @@ time; a step can raise. Shards, chunk files, markers and the commit are real (lo
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -19,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dagster_gpuinfer import InferenceSpec, read_partition
-from dagster_gpuinfer.storage import Manifest, read_chunk_markers
+from dagster_gpuinfer.storage import Manifest, SourceVersion, read_chunk_markers, verify_manifest
 from dagster_gpuinfer.worker import coordinator as coordinator_module
 from dagster_gpuinfer.worker.commit import PartitionOutput, read_chunk_errors
 from dagster_gpuinfer.worker.coordinator import RunCoordinator
@@ -27,6 +28,7 @@ from dagster_gpuinfer.worker.readers import RawChunk
 from dagster_gpuinfer.worker.stream import ChunkCommitted, EngineLoop, WholeChunks, WorkChunk
 
 CHUNK = 4
+SOURCE = SourceVersion(input="test rows")
 ROWS = 10  # chunks of 4, 4 and 2 rows
 
 
@@ -139,7 +141,8 @@ def _work(key: str, chunks: int, attempt: str = "att00001") -> list[WorkChunk]:
     work = []
     for index in range(chunks):
         rows = [(i, f"{key}-{i}", _text(1, i)) for i in range(index * CHUNK, (index + 1) * CHUNK)]
-        work.append(WorkChunk(key, attempt, RawChunk(index, "s.parquet", rows=rows, rows_in=CHUNK)))
+        chunk = RawChunk(index, "s.parquet", rows=rows, rows_in=CHUNK)
+        work.append(WorkChunk(key, attempt, chunk, SOURCE))
     return work
 
 
@@ -281,7 +284,7 @@ def test_whole_chunks_run_one_chunk_per_step_in_order():
 # --------------------------------------------------------------------------- with the coordinator
 
 
-def _serve(spec: InferenceSpec, engine: FakeEngine, after_commit=None):
+def _serve(spec: InferenceSpec, engine: FakeEngine, after_commit=None, on_failed=None):
     """One run as `job.run_single_engine` drives it: the coordinator reads and commits, the
     loop serves; returns (manifests with computed, coordinator.done(), error or None)."""
     manifests: list[tuple[Manifest, bool]] = []
@@ -290,10 +293,11 @@ def _serve(spec: InferenceSpec, engine: FakeEngine, after_commit=None):
         spec,
         spec.partition_keys,
         on_committed=lambda manifest, computed: manifests.append((manifest, computed)),
-        on_failed=lambda exc, key: pytest.fail(f"{key} failed: {exc}"),
+        on_failed=on_failed or (lambda exc, key: pytest.fail(f"{key} failed: {exc}")),
         put=chunks.put,
         engines=1,
         max_outstanding=6,
+        model_version=None,
     )
 
     def committed(message: ChunkCommitted) -> None:
@@ -347,7 +351,7 @@ def test_the_coordinator_commits_in_its_own_thread_after_every_marker(tmp_path, 
 
 
 def _marker_dir(spec: InferenceSpec, key: str):
-    where = PartitionOutput.of(spec, key)
+    where = PartitionOutput.of(spec, key, source=SOURCE)
     return where.fs, where.path, where.spec_hash
 
 
@@ -377,6 +381,91 @@ def test_an_engine_failing_mid_window_keeps_committed_chunks_and_the_retry_resum
     assert computed and manifest.rows_in == ROWS
     table = read_partition(spec.output, "s0")
     assert table.column("id").to_pylist() == [f"s0-{i}" for i in range(ROWS)]  # each once
+
+
+# ------------------------------------------------------------- a shard rewritten
+
+
+def _rewrite_shard(root: Path, key: str, rows: int, number: int) -> None:
+    """`key`'s shard written again under the same name: `rows` rows, texts of `number`."""
+    table = pa.table(
+        {"id": [f"{key}-{i}" for i in range(rows)], "text": [_text(number, i) for i in range(rows)]}
+    )
+    pq.write_table(table, root / "in" / f"{key}.parquet")
+
+
+def test_a_shard_rewritten_after_its_commit_is_computed_again_from_its_new_rows(tmp_path):
+    _write_shards(tmp_path, ["s0", "s1"])
+    spec = _spec(tmp_path, ["s0", "s1"])
+    first, done, error = _serve(spec, FakeEngine())
+    assert error is None and done and [c for _, c in first] == [True, True]
+
+    _rewrite_shard(tmp_path, "s1", 7, number=9)  # 7 of its 10 rows kept, every text changed
+    engine = FakeEngine()
+    again, done, error = _serve(spec, engine)
+    assert error is None and done
+    assert [(m.partition_key, c) for m, c in again] == [("s0", False), ("s1", True)]
+    assert sorted(engine.submitted) == [int(_text(9, i)[4:]) for i in range(7)]
+    manifest = dict((m.partition_key, m) for m, _ in again)["s1"]
+    assert (manifest.rows_in, manifest.rows_out, manifest.rows_resumed) == (7, 7, 0)
+    assert manifest.source != dict((m.partition_key, m) for m, _ in first)["s1"].source
+    table = read_partition(spec.output, "s1")
+    assert [int(v[0]) for v in table.column("embedding").to_pylist()] == [
+        int(_text(9, i)[4:]) for i in range(7)
+    ]
+    # The old version's part files went with its manifest.
+    where = PartitionOutput.of(spec, "s1", source=manifest.source)
+    assert verify_manifest(where.fs, where.path, manifest) == []
+    assert sorted(n for n in os.listdir(where.path) if n.startswith("part-")) == sorted(
+        p.name for p in manifest.parts
+    )
+
+
+def test_chunks_of_an_older_shard_version_are_not_resumed(tmp_path):
+    _write_shards(tmp_path, ["s0"])
+    spec = _spec(tmp_path, ["s0"])
+    first_chunk = threading.Event()
+    failing = FakeEngine(window=4, step_seconds=0.001, fail_at_step=6, before_failing=first_chunk)
+    _, done, error = _serve(spec, failing, after_commit=first_chunk)
+    assert error is not None and not done
+    assert read_chunk_markers(*_marker_dir(spec, "s0"))  # some chunks committed, then death
+
+    _rewrite_shard(tmp_path, "s0", ROWS, number=80)  # same ids, new (longer) texts
+    retry = FakeEngine(window=4, step_seconds=0.001)
+    ((manifest, computed),), done, error = _serve(spec, retry)
+    assert error is None and done and computed
+    assert manifest.rows_resumed == 0 and len(retry.submitted) == ROWS
+    table = read_partition(spec.output, "s0")
+    assert table.column("id").to_pylist() == [f"s0-{i}" for i in range(ROWS)]
+    assert [int(v[0]) for v in table.column("embedding").to_pylist()] == [
+        int(_text(80, i)[4:]) for i in range(ROWS)
+    ]
+
+
+def test_a_shard_rewritten_while_the_run_reads_it_is_not_committed(tmp_path, monkeypatch):
+    _write_shards(tmp_path, ["s0"])
+    spec = _spec(tmp_path, ["s0"])
+    real_version = coordinator_module.input_version
+
+    def rewritten_meanwhile(spec_, key):  # the check after the last chunk sees a new file
+        _rewrite_shard(tmp_path, key, ROWS, number=50)
+        return real_version(spec_, key)
+
+    monkeypatch.setattr(coordinator_module, "input_version", rewritten_meanwhile)
+    failed = []
+    manifests, done, error = _serve(
+        spec, FakeEngine(), on_failed=lambda exc, key: failed.append((key, str(exc)))
+    )
+    assert error is None and done and manifests == []
+    ((key, message),) = failed
+    assert key == "s0" and "changed while this run read it" in message
+    assert read_chunk_markers(*_marker_dir(spec, "s0"))  # its chunks: never a manifest
+
+    monkeypatch.setattr(coordinator_module, "input_version", real_version)
+    ((manifest, computed),), done, error = _serve(spec, FakeEngine())
+    assert computed and manifest.rows_resumed == 0
+    embedded = read_partition(spec.output, "s0").column("embedding").to_pylist()
+    assert [int(v[0]) for v in embedded] == [int(_text(50, i)[4:]) for i in range(ROWS)]
 
 
 # ------------------------------------------------------------- image prompts rendered ahead
@@ -438,7 +527,8 @@ def _image_run(tmp_path: Path, engine, refused: int):
             (i, f"s-{i}", (_png(3 if i == refused else 10 + i), None))
             for i in range(index * CHUNK, (index + 1) * CHUNK)
         ]
-        work.put(WorkChunk("s", "att00001", RawChunk(index, "s.parquet", rows=rows, rows_in=CHUNK)))
+        chunk = RawChunk(index, "s.parquet", rows=rows, rows_in=CHUNK)
+        work.put(WorkChunk("s", "att00001", chunk, SOURCE))
     work.put(None)
     committed: list[ChunkCommitted] = []
     rows = EngineLoop(engine, spec, work.get, committed.append).run()
@@ -468,7 +558,7 @@ def test_image_prompts_are_rendered_in_their_own_stage_and_a_refused_one_is_its_
             embedded[row_id] = int(vector[0])
     # Each row's rendered prompt reached the engine as that row's request.
     assert embedded == {f"s-{i}": i for i in range(3 * CHUNK) if i != refused}
-    where = PartitionOutput.of(_spec(tmp_path, ["s"], task="image_embed"), "s")
+    where = PartitionOutput.of(_spec(tmp_path, ["s"], task="image_embed"), "s", source=SOURCE)
     errors = [
         e
         for m in committed

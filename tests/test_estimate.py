@@ -31,7 +31,9 @@ from dagster_gpuinfer.storage import (
     Manifest,
     commit_partition,
     filesystem_for,
+    model_version,
     partition_dir,
+    source_version,
 )
 
 ROWS = {"s0": 100, "s1": 300, "s2": 200, "s3": 400, "s4": 50, "s5": 250}
@@ -58,12 +60,15 @@ def parquet_pipeline(root: Path, *, per_run: int = 2, pool: str | None = None):
 
 
 def commit(spec: InferenceSpec, key: str, *, rows: int, wall_seconds: float, load: float) -> None:
-    """A committed partition as the worker leaves it: manifest written last."""
+    """A committed partition as the worker leaves it: manifest written last, naming the
+    versions of the shard and model folder it was computed from."""
+    Path(spec.model).mkdir(parents=True, exist_ok=True)
     fs, path = filesystem_for(partition_dir(spec.output, key), spec.storage)
     fs.create_dir(path, recursive=True)
     manifest = Manifest(
         partition_key=key,
         spec_hash=spec.spec_hash(),
+        source=source_version(spec, key, model=model_version(spec)),
         model=spec.model,
         task=spec.task,
         output_format="parquet",

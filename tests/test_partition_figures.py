@@ -174,7 +174,7 @@ def test_replica_messages_are_typed_and_drive_the_coordinator(tmp_path):
     committed: list[Manifest] = []
     work: queue.Queue[WorkChunk | None] = queue.Queue()
     run = _ReplicaRun(
-        spec, ["s0"], 2, lambda m, c: committed.append(m), lambda e, k: None, work.put
+        spec, ["s0"], 2, lambda m, c: committed.append(m), lambda e, k: None, work.put, None
     )
     with pytest.raises(RuntimeError, match="before every engine was loaded"):
         run.handle(ReplicaChunk(0, ChunkCommitted("s0", _marker(0, 1.0, 2.0), 0)))
@@ -266,6 +266,7 @@ def _run_coordinator(tmp_path: Path, keys: list[str]) -> tuple[list[Manifest], l
         put=work.put,
         engines=1,
         max_outstanding=64,  # reads every shard ahead: the case that made rates degrade
+        model_version=None,
     )
     coordinator.start(model_load_seconds=1.0)
     engine = threading.Thread(target=_fake_engine, args=(work, coordinator, 1))

@@ -49,6 +49,8 @@ from dagster_gpuinfer.worker.writers import errors_table
 
 # --------------------------------------------------------------------------- commit window
 
+SOURCE = storage.SourceVersion(input="test shard")
+
 
 def _spec(root: Path) -> InferenceSpec:
     return InferenceSpec.model_validate(
@@ -64,7 +66,7 @@ def _spec(root: Path) -> InferenceSpec:
 def _chunks_ready_to_commit(root: Path) -> tuple[InferenceSpec, PartitionOutput]:
     """A partition whose three chunks are committed (markers written), not yet the partition."""
     spec = _spec(root)
-    where = PartitionOutput.of(spec, "p")
+    where = PartitionOutput.of(spec, "p", source=SOURCE)
     for index in range(3):
         ids = [f"r{index}-{i}" for i in range(4)]
         table = pa.table({"id": ids, "text": ["t"] * 4})
@@ -115,7 +117,7 @@ def _commit(spec: InferenceSpec, where: PartitionOutput):
 def _crash_during_commit(root: str, crash_at: int, torn: bool) -> None:
     """Child process: commit, dying (like SIGKILL: no cleanup) at storage operation `crash_at`.
     With `torn`, the dying write leaves half a temporary file behind first."""
-    spec, where = _spec(Path(root)), PartitionOutput.of(_spec(Path(root)), "p")
+    spec, where = _spec(Path(root)), PartitionOutput.of(_spec(Path(root)), "p", source=SOURCE)
     calls = {"n": 0}
     real_write, real_delete = storage.write_bytes_atomic, storage.delete_quietly
     real_create = storage.create_exclusive
@@ -222,6 +224,7 @@ def test_killed_worker_resumes_without_recomputing_committed_chunks(tmp_path, ti
                     *storage.filesystem_for(str(tmp_path / "out" / "gen" / "p0")),
                     spec_hash=spec_hash,
                     partition_key="p0",
+                    source=SOURCE,
                 )
                 killed["markers"] = read_chunk_markers(where.fs, where.path, spec_hash)
                 return
@@ -329,7 +332,7 @@ def _write_attempt(where: PartitionOutput, attempt: str, chunks: int = 2) -> dic
 
 def test_of_two_workers_committing_one_partition_exactly_one_wins(tmp_path):
     spec = _spec(tmp_path)
-    where = PartitionOutput.of(spec, "p")
+    where = PartitionOutput.of(spec, "p", source=SOURCE)
     winner, loser = _write_attempt(where, "aaaa1111"), _write_attempt(where, "bbbb2222")
     args = dict(computed=set(), rows_resumed=0, times=PartitionTimes(0.0, 0.0), worker={})
     committed = commit_chunks(where, spec, winner, **args)
@@ -345,11 +348,11 @@ def test_of_two_workers_committing_one_partition_exactly_one_wins(tmp_path):
 
 def test_a_new_spec_replaces_the_manifest_of_an_old_one(tmp_path):
     spec = _spec(tmp_path)
-    where = PartitionOutput.of(spec, "p")
+    where = PartitionOutput.of(spec, "p", source=SOURCE)
     args = dict(computed=set(), rows_resumed=0, times=PartitionTimes(0.0, 0.0), worker={})
     commit_chunks(where, spec, _write_attempt(where, "old00000"), **args)
     new_spec = spec.model_copy(update={"chunk_size": 3})
-    new_where = PartitionOutput.of(new_spec, "p")
+    new_where = PartitionOutput.of(new_spec, "p", source=SOURCE)
     assert new_where.committed() is None
     manifest = commit_chunks(new_where, new_spec, _write_attempt(new_where, "new00000"), **args)
     assert new_where.committed() == manifest

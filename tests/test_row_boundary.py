@@ -19,6 +19,7 @@ from support import write_jsonl
 
 from dagster_gpuinfer import InferenceSpec
 from dagster_gpuinfer.spec import SamplingParams
+from dagster_gpuinfer.storage import SourceVersion
 from dagster_gpuinfer.worker.engine import RequestRejected
 from dagster_gpuinfer.worker.errors import MESSAGE_LIMIT, RowError, cap_message
 from dagster_gpuinfer.worker.readers import RawChunk, ShardReader
@@ -323,7 +324,8 @@ def test_a_request_the_engine_refuses_at_submit_quarantines_only_its_row(tmp_pat
     )
     rows = [(i, f"r{i}", text) for i, text in enumerate(["ab", "\x00bad", "cd", "ef", "\x80x"])]
     work: queue.Queue = queue.Queue()
-    work.put(WorkChunk("s", "att1", RawChunk(0, "s.jsonl", rows=rows, rows_in=len(rows))))
+    chunk = RawChunk(0, "s.jsonl", rows=rows, rows_in=len(rows))
+    work.put(WorkChunk("s", "att1", chunk, SourceVersion(input="test rows")))
     work.put(None)
     markers = []
     served = serve_chunks(FakeEmbedEngine(), spec, work.get, markers.append)
@@ -356,7 +358,7 @@ def test_a_losing_racer_touches_no_file_the_winner_owns(tmp_path):
     from dagster_gpuinfer.worker.writers import errors_table
 
     spec = openai_spec(tmp_path)
-    where = PartitionOutput.of(spec, "p")
+    where = PartitionOutput.of(spec, "p", source=SourceVersion(input="test rows"))
     fs, path = where.fs, where.path
     fs.create_dir(path)
 
@@ -367,7 +369,8 @@ def test_a_losing_racer_touches_no_file_the_winner_owns(tmp_path):
             table_to_parquet_bytes(table), 1,
         )  # fmt: skip
         manifest = Manifest(
-            partition_key="p", spec_hash=where.spec_hash, model="m", task="chat",
+            partition_key="p", spec_hash=where.spec_hash, source=where.source, model="m",
+            task="chat",
             output_format="openai_batch", rows_in=2, rows_out=1, rows_errored=1, parts=[part],
             errors=FileEntry(name="errors.parquet", rows=0, bytes=0, sha256=""),
         )  # fmt: skip

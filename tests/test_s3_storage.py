@@ -35,6 +35,7 @@ from dagster_gpuinfer.storage import (
     partition_dir,
     read_errors,
     read_partition,
+    source_version,
     table_to_parquet_bytes,
     verify_manifest,
     write_file_entry,
@@ -53,7 +54,9 @@ def storage(s3_server) -> StorageOptions:
     )
 
 
-def make_spec(bucket: str, storage: StorageOptions, model: str = "/models/minilm") -> InferenceSpec:
+def make_spec(
+    bucket: str, storage: StorageOptions, model: str = "sentence-transformers/all-MiniLM-L6-v2"
+) -> InferenceSpec:
     return InferenceSpec(
         model=model,
         task="embed",
@@ -65,7 +68,11 @@ def make_spec(bucket: str, storage: StorageOptions, model: str = "/models/minilm
 
 
 def commit_example(spec: InferenceSpec, key: str) -> Manifest:
-    """Commit a partition the way the worker does: part file, errors, then the manifest."""
+    """Commit a partition the way the worker does: part file, errors, then the manifest,
+    which records the version of the shard it was computed from."""
+    shard_fs, shard_path = filesystem_for(spec.input.shard_uri(key), spec.storage)
+    with shard_fs.open_output_stream(shard_path) as out:
+        out.write(b'{"id": "a", "text": "x"}\n')
     fs, path = filesystem_for(partition_dir(spec.output, key), spec.storage)
     part = pa.table({"id": ["a", "b", "c"], "embedding": [[0.0, 1.0], [1.0, 0.0], [0.6, 0.8]]})
     entry = write_file_entry(
@@ -89,6 +96,7 @@ def commit_example(spec: InferenceSpec, key: str) -> Manifest:
     manifest = Manifest(
         partition_key=key,
         spec_hash=spec.spec_hash(),
+        source=source_version(spec, key, model=None),
         model=spec.model,
         task=spec.task,
         output_format="parquet",
@@ -128,8 +136,25 @@ def test_committed_partition_on_s3_reads_back_with_boto3_and_through_its_manifes
     assert read_errors(spec.output, "day/1", storage).num_rows == 1
     fs, path = filesystem_for(partition_dir(spec.output, "day/1"), storage)
     assert verify_manifest(fs, path, manifest) == []
-    assert committed_manifest(spec, "day/1") == manifest
-    assert committed_manifest(make_spec(bucket, storage, model="/models/other"), "day/1") is None
+    assert committed_manifest(spec, "day/1", model=None) == manifest
+    other = make_spec(bucket, storage, model="sentence-transformers/other")
+    assert committed_manifest(other, "day/1", model=None) is None
+
+
+def test_a_rewritten_shard_on_s3_makes_its_committed_partition_stale(s3_server, bucket, storage):
+    spec = make_spec(bucket, storage)
+    manifest = commit_example(spec, "day/1")
+    etag = s3_server.client.head_object(Bucket=bucket, Key="in/day/1.jsonl")["ETag"].strip('"')
+    assert manifest.source is not None and manifest.source.input.startswith(f"s3:{etag}:")
+    assert committed_manifest(spec, "day/1", model=None) == manifest
+
+    # Same key, same size, other bytes: the ETag (the content's digest) changes.
+    rewritten = b'{"id": "a", "text": "y"}\n'
+    s3_server.client.put_object(Bucket=bucket, Key="in/day/1.jsonl", Body=rewritten)
+    assert committed_manifest(spec, "day/1", model=None) is None
+    # The shard removed: nothing proves the outputs are its.
+    s3_server.client.delete_object(Bucket=bucket, Key="in/day/1.jsonl")
+    assert committed_manifest(spec, "day/1", model=None) is None
 
 
 def test_a_tampered_part_file_on_s3_fails_verification(s3_server, bucket, storage):

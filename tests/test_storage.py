@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from dagster_gpuinfer import OutputSpec, storage
+from dagster_gpuinfer import InferenceSpec, OutputSpec, storage
 from dagster_gpuinfer.storage import (
     ERRORS_NAME,
     MANIFEST_NAME,
@@ -168,3 +168,47 @@ def test_a_marker_deleted_with_no_commit_behind_it_is_not_hidden(tmp_path, monke
     monkeypatch.setattr(storage, "read_bytes", vanish)
     with pytest.raises(FileNotFoundError):
         partition_progress(output, "p")
+
+
+def test_the_weights_digest_reads_no_weights(tmp_path):
+    """The model folder's version is a digest of names, sizes and mtimes: a 140 GB folder
+    costs a listing, and any rewrite of a file changes it."""
+    from dagster_gpuinfer.storage import model_version
+
+    folder = tmp_path / "m"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "sub" / "w.bin").write_bytes(b"x" * 10)
+    (folder / ".cache").mkdir()
+    spec = InferenceSpec.model_validate(
+        {
+            "model": str(folder),
+            "task": "embed",
+            "input": {"uri": str(tmp_path / "{partition_key}.jsonl")},
+            "output": {"root": str(tmp_path / "out"), "asset_name": "a"},
+        }
+    )
+    first = model_version(spec)
+    assert first is not None and first.startswith("files:2:")
+    (folder / ".cache" / "lock").write_text("download tool bookkeeping")
+    assert model_version(spec) == first
+    stat = os.stat(folder / "sub" / "w.bin")
+    os.utime(folder / "sub" / "w.bin", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert model_version(spec) != first
+    hub = spec.model_copy(update={"model": "sentence-transformers/all-MiniLM-L6-v2"})
+    assert model_version(hub) is None
+
+
+def test_a_local_shard_version_changes_with_every_rewrite_and_not_with_a_read(tmp_path):
+    from dagster_gpuinfer.storage import file_version
+
+    fs, path = storage.filesystem_for(str(tmp_path / "s.jsonl"))
+    with pytest.raises(FileNotFoundError):
+        file_version(fs, path)
+    (tmp_path / "s.jsonl").write_text('{"text": "a"}\n')
+    first = file_version(fs, path)
+    (tmp_path / "s.jsonl").read_bytes()
+    assert file_version(fs, path) == first
+    (tmp_path / "new").write_text('{"text": "b"}\n')  # same size, renamed into place
+    os.replace(tmp_path / "new", tmp_path / "s.jsonl")
+    assert file_version(fs, path) != first

@@ -4,10 +4,11 @@ Chunk i covers input rows [i * chunk_size, (i + 1) * chunk_size). When a chunk i
 part file and its errors file are written under names unique to this attempt, then its
 marker, which names those files: a chunk counts as committed only once its marker exists.
 A worker that restarts (after SIGKILL, eviction, a retry) reads the markers of the current
-spec hash, skips those chunks, and rebuilds the set of ids already taken from their files,
-so no row is computed twice and no id lands twice. When every chunk is committed, the
-partition is committed: its error files (named for the attempt), then the `_SUCCESS`
-manifest naming them.
+spec hash and source version (the shard and model files as they are now: a rewritten
+shard's old chunks are never resumed), skips those chunks, and rebuilds the set of ids
+already taken from their files, so no row is computed twice and no id lands twice. When
+every chunk is committed, the partition is committed: its error files (named for the
+attempt), then the `_SUCCESS` manifest naming them.
 
 The chunks of one partition may be written by several engines of a run (replicas pull
 chunks, not shards): they all write under the run's attempt name for the partition, each
@@ -41,6 +42,7 @@ from dagster_gpuinfer.storage import (
     FileEntry,
     Manifest,
     RowCounts,
+    SourceVersion,
     chunk_dir,
     chunk_part_name,
     commit_partition,
@@ -49,12 +51,15 @@ from dagster_gpuinfer.storage import (
     list_names,
     partition_dir,
     read_bytes,
+    read_chunk_markers,
     read_manifest,
+    source_version,
     table_to_parquet_bytes,
     write_chunk_marker,
     write_file_entry,
 )
 from dagster_gpuinfer.worker.engine import ChunkResult
+from dagster_gpuinfer.worker.errors import ShardError
 from dagster_gpuinfer.worker.metrics import current_metrics
 from dagster_gpuinfer.worker.openai_batch import openai_error_lines
 from dagster_gpuinfer.worker.readers import RawChunk
@@ -71,29 +76,61 @@ log = logging.getLogger("dagster_gpuinfer.worker")
 
 @dataclass
 class PartitionOutput:
-    """Where one output partition's files live, and the spec hash they must carry."""
+    """Where one output partition's files live, and the spec hash and source version (the
+    shard's and the model folder's, `storage.SourceVersion`) they must carry."""
 
     fs: pafs.FileSystem
     path: str
     spec_hash: str
     partition_key: str
+    source: SourceVersion
     storage: StorageOptions | None = None
 
     @classmethod
-    def of(cls, spec: InferenceSpec, partition_key: str) -> PartitionOutput:
+    def of(
+        cls, spec: InferenceSpec, partition_key: str, *, source: SourceVersion
+    ) -> PartitionOutput:
         fs, path = filesystem_for(partition_dir(spec.output, partition_key), spec.storage)
         return cls(
             fs=fs,
             path=path,
             spec_hash=spec.spec_hash(),
             partition_key=partition_key,
+            source=source,
             storage=spec.storage,
         )
 
+    @classmethod
+    def reading(
+        cls, spec: InferenceSpec, partition_key: str, *, model: str | None
+    ) -> PartitionOutput:
+        """The partition as its shard is now, for the run about to read it (`model`: the
+        model folder's version, read once per run).
+
+        Raises:
+            ShardError: the shard is not there.
+        """
+        try:
+            source = source_version(spec, partition_key, model=model)
+        except FileNotFoundError as exc:
+            raise ShardError(
+                f"shard {spec.input.shard_uri(partition_key)} of partition {partition_key!r} "
+                f"is not there ({exc}); write it, or drop the partition",
+                partition_key=partition_key,
+            ) from None
+        return cls.of(spec, partition_key, source=source)
+
     def committed(self) -> Manifest | None:
-        """The manifest if the partition is committed for this spec (by anyone), else None."""
+        """The manifest if the partition is committed for this spec and source (by anyone),
+        else None."""
         manifest = read_manifest(self.fs, self.path)
-        return manifest if manifest is not None and manifest.spec_hash == self.spec_hash else None
+        if manifest is not None and manifest.computed_from(self.spec_hash, self.source):
+            return manifest
+        return None
+
+    def markers(self) -> dict[int, ChunkMarker]:
+        """The chunks committed for this spec and source, by index."""
+        return read_chunk_markers(self.fs, self.path, self.spec_hash, self.source)
 
     def yield_to(self, manifest: Manifest, attempt: str) -> Manifest:
         """Another worker committed this partition while this one ran: remove this attempt's
@@ -152,6 +189,7 @@ def write_chunk(
     marker = ChunkMarker(
         index=chunk.index,
         spec_hash=where.spec_hash,
+        source=where.source,
         rows_in=chunk.rows_in,
         rows_out=len(valid.ids),
         rows_errored=len(valid.errors),
@@ -247,6 +285,7 @@ def commit_chunks(
     manifest = Manifest(
         partition_key=where.partition_key,
         spec_hash=where.spec_hash,
+        source=where.source,
         model=spec.model,
         task=spec.task,
         output_format=spec.output.format,

@@ -37,7 +37,7 @@ from dagster_gpuinfer.storage import (
     CommitConflict,
     Manifest,
     RowCounts,
-    read_chunk_markers,
+    input_version,
 )
 from dagster_gpuinfer.worker.commit import (
     PartitionOutput,
@@ -91,6 +91,13 @@ class _PartitionRead:
 
 
 @dataclass
+class _ShardGone:
+    """The partition's shard vanished between the run's preflight and its reading."""
+
+    error: ShardError
+
+
+@dataclass
 class _AlreadyCommitted:
     """The partition was committed before this run read it."""
 
@@ -111,6 +118,8 @@ class RunCoordinator:
         put: Hands a chunk to the engines; None (once per engine) says there are no more.
         engines: How many engines take from `put`'s queue.
         max_outstanding: Chunks handed out and not yet committed, at most.
+        model_version: The local model folder's version (`storage.model_version`, read
+            once per run), recorded with every chunk and partition; None for a hub id.
     """
 
     def __init__(
@@ -123,6 +132,7 @@ class RunCoordinator:
         put: Callable[[WorkChunk | None], None],
         engines: int,
         max_outstanding: int,
+        model_version: str | None,
     ) -> None:
         self.spec = spec
         self.partition_keys = partition_keys
@@ -131,6 +141,7 @@ class RunCoordinator:
         self.put = put
         self.engines = engines
         self.model_load_seconds = 0.0
+        self.model_version = model_version
         self.error: BaseException | None = None
         self._slots = threading.Semaphore(max_outstanding)
         self._partitions: dict[str, _PartitionRun] = {}  # the committer's (after the reader's)
@@ -196,13 +207,17 @@ class RunCoordinator:
                 self.put(None)
 
     def _feed_partition(self, key: str) -> None:
-        where = PartitionOutput.of(self.spec, key)
+        try:
+            where = PartitionOutput.reading(self.spec, key, model=self.model_version)
+        except ShardError as exc:
+            self._events.put(_ShardGone(exc))
+            return
         try:
             existing = where.committed()
             if existing is not None:
                 self._events.put(_AlreadyCommitted(existing))
                 return
-            markers = read_chunk_markers(where.fs, where.path, where.spec_hash)
+            markers = where.markers()
             seen_ids = committed_ids(where, markers)
         except OSError:
             # A concurrent worker that commits first removes the chunk files it does not
@@ -235,7 +250,13 @@ class RunCoordinator:
                     if self._stopping.is_set():
                         return
                 self._events.put(_ChunkHandedOut(run, chunk.index))  # before the engines see it
-                self.put(WorkChunk(partition_key=key, attempt=run.attempt, chunk=screened))
+                self.put(
+                    WorkChunk(
+                        partition_key=key, attempt=run.attempt, chunk=screened, source=where.source
+                    )
+                )
+            if read.committed_elsewhere is None:
+                check_shard_unchanged(self.spec, where)
         except ShardError as exc:
             exc.partition_key = exc.partition_key or key
             read.failed = exc
@@ -274,6 +295,9 @@ class RunCoordinator:
     def _handle(self, event: Any) -> None:
         if isinstance(event, _AlreadyCommitted):
             self.on_committed(event.manifest, False)
+            return
+        if isinstance(event, _ShardGone):
+            self.on_failed(event.error, str(event.error.partition_key))
             return
         if isinstance(event, _ChunkHandedOut):
             event.run.pending.add(event.index)
@@ -335,3 +359,24 @@ class RunCoordinator:
             "replicas": replicas,
             "replica": replicas[0] if len(replicas) == 1 else None,
         }
+
+
+def check_shard_unchanged(spec: InferenceSpec, where: PartitionOutput) -> None:
+    """After the last chunk of a shard is read: the shard is still the version the run
+    started from, so its chunks never mix two versions under one manifest.
+
+    Raises:
+        ShardError: the shard was rewritten or removed while this run read it.
+    """
+    try:
+        now = input_version(spec, where.partition_key)
+    except FileNotFoundError:
+        now = "removed"
+    if now != where.source.input:
+        raise ShardError(
+            f"shard {spec.input.shard_uri(where.partition_key)} of partition "
+            f"{where.partition_key!r} changed while this run read it ({where.source.input} -> "
+            f"{now}); nothing of it was committed as the partition. Re-run it once the shard "
+            "is written: it is computed from the new version",
+            partition_key=where.partition_key,
+        )

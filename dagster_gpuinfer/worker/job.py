@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest, committed_manifest
+from dagster_gpuinfer.storage import model_version as local_model_version
 from dagster_gpuinfer.worker.coordinator import RunCoordinator
 from dagster_gpuinfer.worker.engine import InferenceEngine, check_model_dir
 from dagster_gpuinfer.worker.errors import Drained, ShardError, SpecError, WorkerError
@@ -80,6 +81,7 @@ def run_job(spec: InferenceSpec, reporter: Reporter) -> dict[str, Any]:
     started = time.perf_counter()
     start_seconds = process_age_seconds()
     check_model_dir(spec)
+    model = local_model_version(spec)  # once for all partitions: a stat of every file
     todo: list[str] = []
     failed: list[str] = []
 
@@ -90,7 +92,7 @@ def run_job(spec: InferenceSpec, reporter: Reporter) -> dict[str, Any]:
         reporter.partition_failed(exc)
 
     for key in spec.partition_keys:
-        manifest = committed_manifest(spec, key)
+        manifest = committed_manifest(spec, key, model=model)
         if manifest is not None:
             reporter.partition_committed(manifest, computed=False)
             continue
@@ -115,9 +117,9 @@ def run_job(spec: InferenceSpec, reporter: Reporter) -> dict[str, Any]:
                 shard_failed(exc, key)
 
         if replicas == 1:
-            timing = run_single_engine(spec, todo, committed, shard_failed_locked)
+            timing = run_single_engine(spec, todo, committed, shard_failed_locked, model)
         else:
-            timing = run_replicas(spec, todo, replicas, committed, shard_failed_locked)
+            timing = run_replicas(spec, todo, replicas, committed, shard_failed_locked, model)
     computed_keys = [key for key in todo if key not in failed]
     summary = {
         "partitions": len(spec.partition_keys),
@@ -245,8 +247,10 @@ def run_single_engine(
     partition_keys: list[str],
     on_committed: Callable[[Manifest, bool], None],
     on_failed: Callable[[ShardError, str], None],
+    model_version: str | None,
 ) -> RunTiming:
-    """One engine in this process, fed by the coordinator's reader thread."""
+    """One engine in this process, fed by the coordinator's reader thread (`model_version`:
+    the local model folder's, `storage.model_version`)."""
     timing = RunTiming()
     current_metrics().serves_task(spec.task)
     engine = InferenceEngine(spec)
@@ -261,6 +265,7 @@ def run_single_engine(
             put=admit_unless_draining(chunks.put),
             engines=1,
             max_outstanding=max_outstanding_chunks(spec, 1, engine.window),
+            model_version=model_version,
         )
         coordinator.start(engine.load_seconds)
         try:
@@ -393,6 +398,7 @@ def run_replicas(
     replicas: int,
     on_committed: Callable[[Manifest, bool], None],
     on_failed: Callable[[ShardError, str], None],
+    model_version: str | None,
 ) -> RunTiming:
     """Serve `partition_keys` with `replicas` engine processes pulling chunks from one queue.
 
@@ -402,7 +408,7 @@ def run_replicas(
     """
     processes, tasks, results = start_replica_processes(spec, replicas)
     put = admit_unless_draining(tasks.put)
-    run = _ReplicaRun(spec, partition_keys, replicas, on_committed, on_failed, put)
+    run = _ReplicaRun(spec, partition_keys, replicas, on_committed, on_failed, put, model_version)
     forwarded = False
     try:
         while run.finished_replicas < replicas:
@@ -450,6 +456,7 @@ class _ReplicaRun:
     on_committed: Callable[[Manifest, bool], None]
     on_failed: Callable[[ShardError, str], None]
     put: Callable[[WorkChunk | None], None]
+    model_version: str | None  # the local model folder's (`storage.model_version`)
     timing: RunTiming = field(default_factory=RunTiming)
     coordinator: RunCoordinator | None = None
     finished_replicas: int = 0
@@ -476,6 +483,7 @@ class _ReplicaRun:
                     max_outstanding=max_outstanding_chunks(
                         self.spec, self.replicas, message.window
                     ),
+                    model_version=self.model_version,
                 )
                 self.coordinator.start(max(self.timing.load_seconds))
         elif isinstance(message, ReplicaChunk):

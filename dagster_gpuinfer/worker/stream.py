@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dagster_gpuinfer.spec import InferenceSpec
-from dagster_gpuinfer.storage import ChunkMarker
+from dagster_gpuinfer.storage import ChunkMarker, SourceVersion
 from dagster_gpuinfer.task_table import task_facts
 from dagster_gpuinfer.worker.commit import PartitionOutput, write_chunk
 from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine, RequestRejected
@@ -73,6 +73,7 @@ class WorkChunk:
     partition_key: str
     attempt: str  # names this run's files of the partition (see `chunk_part_name`)
     chunk: RawChunk  # ids screened in shard order (`screen_ids`)
+    source: SourceVersion  # the shard and model versions its marker records
 
 
 @dataclass
@@ -299,7 +300,7 @@ class EngineLoop:
 
     def _write(self) -> None:
         """The writer thread: each finished chunk's part file, errors and marker, in turn."""
-        locations: dict[str, PartitionOutput] = {}
+        locations: dict[tuple[str, SourceVersion], PartitionOutput] = {}
         while True:
             try:
                 item = self.finished.get(timeout=POLL_SECONDS)
@@ -310,8 +311,9 @@ class EngineLoop:
             if item is None or self.stopping.is_set():
                 return
             key = item.work.partition_key
-            where = locations.get(key) or locations.setdefault(
-                key, PartitionOutput.of(self.spec, key)
+            place = (key, item.work.source)
+            where = locations.get(place) or locations.setdefault(
+                place, PartitionOutput.of(self.spec, key, source=item.work.source)
             )
             marker = _write_chunk(self.spec, where, item)
             self.committed(ChunkCommitted(partition_key=key, marker=marker, replica=self.replica))
