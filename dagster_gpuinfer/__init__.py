@@ -17,6 +17,7 @@ _EXPORTS = {
     "InferencePipeline": "dagster_gpuinfer.asset_factory",
     "InferenceRunConfig": "dagster_gpuinfer.asset_factory",
     "default_backfill_policy": "dagster_gpuinfer.asset_factory",
+    "recompute_stale": "dagster_gpuinfer.asset_factory",
     "GpuInferenceResource": "dagster_gpuinfer.resource",
     "InvalidInferenceSpec": "dagster_gpuinfer.resource",
     "InferenceSpec": "dagster_gpuinfer.spec",
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from dagster_gpuinfer.asset_factory import InferenceRunConfig as InferenceRunConfig
     from dagster_gpuinfer.asset_factory import default_backfill_policy as default_backfill_policy
     from dagster_gpuinfer.asset_factory import inference_assets as inference_assets
+    from dagster_gpuinfer.asset_factory import recompute_stale as recompute_stale
     from dagster_gpuinfer.aws import gpu_settings_from_s3_resource as gpu_settings_from_s3_resource
     from dagster_gpuinfer.components.inference_pipeline import (
         InferencePipelineComponent as InferencePipelineComponent,

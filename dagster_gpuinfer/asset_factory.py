@@ -6,6 +6,7 @@ partitions per run loads the model once per K shards.
 """
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn
 
@@ -24,6 +25,7 @@ from dagster_gpuinfer.spec import (
     pipeline_fields,
     run_config_fields,
 )
+from dagster_gpuinfer.storage import input_version, model_version
 from dagster_gpuinfer.task_table import task_facts
 
 DEFAULT_PARTITIONS_PER_RUN = 4
@@ -66,6 +68,42 @@ def fail_partitions(
         },
         allow_retries=False,
     )
+
+
+def asset_code_version(spec: InferenceSpec) -> str:
+    """The inference asset's `code_version`: the spec's (`InferenceSpec.code_version`), and
+    where the code location can see a local model folder, its files' version too (weights,
+    tokenizer and chat template: `storage.model_version`), read when the definitions load.
+    A folder seen only by the pods (their model cache) leaves it out: a change there is
+    still recomputed by the next run (the worker checks it), but not shown as stale."""
+    version = spec.code_version()
+    try:
+        files = model_version(spec)
+    except FileNotFoundError:
+        return version
+    return version if files is None else f"{version}-{files.rsplit(':', 1)[-1]}"
+
+
+def recompute_stale() -> dg.AutomationCondition:
+    """An output asset's automation condition that materializes exactly its stale
+    partitions: those whose shard got a new version in an observation of the input asset
+    (`observe_cron`), and every partition once the asset's code version (the spec) changes.
+    Never while the partition or its shard is in progress, never a partition whose shard is
+    missing; each change is acted on once.
+
+    Examples:
+        >>> inference_assets(..., observe_cron="*/15 * * * *",
+        ...                  automation_condition=recompute_stale())
+    """
+    return (
+        (
+            dg.AutomationCondition.any_deps_updated()
+            | dg.AutomationCondition.code_version_changed()
+        ).since_last_handled()
+        & ~dg.AutomationCondition.any_deps_missing()
+        & ~dg.AutomationCondition.any_deps_in_progress()
+        & ~dg.AutomationCondition.in_progress()
+    ).with_label("recompute stale partitions")
 
 
 def default_backfill_policy() -> dg.BackfillPolicy:
@@ -113,14 +151,20 @@ InferenceRunConfig = run_config_model()
 
 @dataclass(frozen=True)
 class InferencePipeline:
-    """The definitions of one pipeline: pass `assets` to `dagster.Definitions`."""
+    """The definitions of one pipeline: pass `assets` to `dagster.Definitions`.
 
-    input_asset: dg.AssetSpec
+    `input_asset` is an observable source asset: observing it records each shard's version
+    as the partition's data version (`observe_shard_versions`); the output asset carries
+    the spec's `code_version`, so Dagster marks a partition stale when its shard or the
+    output-shaping spec changed since it was materialized.
+    """
+
+    input_asset: dg.SourceAsset
     output_asset: dg.AssetsDefinition
     spec: dict[str, Any]
 
     @property
-    def assets(self) -> list[dg.AssetSpec | dg.AssetsDefinition]:
+    def assets(self) -> list[dg.SourceAsset | dg.AssetsDefinition]:
         return [self.input_asset, self.output_asset]
 
 
@@ -260,6 +304,8 @@ def inference_assets(
     retry_policy: dg.RetryPolicy | None = None,
     pool: str | None = None,
     op_tags: Mapping[str, Any] | None = None,
+    automation_condition: dg.AutomationCondition | None = None,
+    observe_cron: str | None = None,
     group_name: str | None = None,
     key_prefix: Sequence[str] | str | None = None,
     resource_key: str = "gpu",
@@ -296,6 +342,11 @@ def inference_assets(
         max_invalid_output_rate: generate/chat: share of outputs failing their structured-output
             constraint above which the `valid_structured_output` check fails.
         backfill_policy: Dagster's; defaults to multi-run with 4 partitions per run.
+        automation_condition: The output asset's, as Dagster's; `recompute_stale()`
+            materializes exactly the partitions whose shard or spec changed.
+        observe_cron: The automation daemon observes the input shards on this cron (their
+            versions become the input partitions' data versions); None: observed on demand
+            (the UI's "Observe", or a job that selects the input asset).
         retry_policy, pool, op_tags, group_name, key_prefix: passed to `@dg.asset` as is.
         resource_key: Resource key of the `GpuInferenceResource`.
         description: Asset description.
@@ -337,19 +388,24 @@ def inference_assets(
             **spec_fields,
         },
     )
-    validate_spec(raw_spec, where=f"asset {name!r}")
+    spec = validate_spec(raw_spec, where=f"asset {name!r}")
 
     prefix = [key_prefix] if isinstance(key_prefix, str) else list(key_prefix or [])
-    input_spec = _input_asset_spec(
+    input_spec = _input_asset(
+        raw_spec,
         name=name,
         prefix=prefix,
         input_asset_key=input_asset_key,
         partitions_def=partitions_def,
         group_name=group_name,
-        input_uri=raw_spec["input"]["uri"],
+        resource_key=resource_key,
+        automation_condition=(
+            dg.AutomationCondition.cron_tick_passed(observe_cron) if observe_cron else None
+        ),
     )
     output_asset = _output_asset(
         raw_spec,
+        code_version=asset_code_version(spec),
         output_key=dg.AssetKey([*prefix, name]),
         input_spec=input_spec,
         partitions_def=partitions_def,
@@ -357,6 +413,7 @@ def inference_assets(
         retry_policy=retry_policy,
         pool=pool,
         op_tags=op_tags,
+        automation_condition=automation_condition,
         group_name=group_name,
         resource_key=resource_key,
         description=description,
@@ -366,41 +423,84 @@ def inference_assets(
     return InferencePipeline(input_asset=input_spec, output_asset=output_asset, spec=raw_spec)
 
 
-def _input_asset_spec(
+# Shard versions read at once when the input asset is observed (one HEAD each on S3).
+OBSERVE_THREADS = 16
+
+
+def observe_shard_versions(
+    spec: InferenceSpec, partition_keys: Sequence[str]
+) -> dg.DataVersionsByPartition:
+    """Each partition's shard version (`storage.input_version`: the S3 ETag, or size, mtime
+    and inode on disk) as its Dagster data version; a partition whose shard is not there
+    (yet) gets none."""
+
+    def version(key: str) -> str | None:
+        try:
+            return input_version(spec, key)
+        except FileNotFoundError:
+            return None
+
+    with ThreadPoolExecutor(max_workers=OBSERVE_THREADS) as pool:
+        found = dict(zip(partition_keys, pool.map(version, partition_keys), strict=True))
+    return dg.DataVersionsByPartition(
+        {key: dg.DataVersion(value) for key, value in found.items() if value is not None}
+    )
+
+
+def _input_asset(
+    raw_spec: dict[str, Any],
     *,
     name: str,
     prefix: list[str],
     input_asset_key: str | Sequence[str] | dg.AssetKey | None,
     partitions_def: dg.PartitionsDefinition,
     group_name: str | None,
-    input_uri: str,
-) -> dg.AssetSpec:
-    """The input shards of pipeline `name` as an external asset, one file per partition."""
+    resource_key: str,
+    automation_condition: dg.AutomationCondition | None,
+) -> dg.SourceAsset:
+    """The input shards of pipeline `name`, one file per partition, as an observable source
+    asset: an observation records every shard's version (`observe_shard_versions`)."""
+    input_uri = raw_spec["input"]["uri"]
     input_key = (
         dg.AssetKey.from_coercible(input_asset_key)
         if input_asset_key is not None
         else dg.AssetKey([*prefix, f"{name}_input"])
     )
-    return dg.AssetSpec(
+    kind = "parquet" if input_uri.endswith(".parquet") else "json"
+
+    @dg.observable_source_asset(
         key=input_key,
         partitions_def=partitions_def,
         group_name=group_name,
-        description=f"Input shards of {name}: one file per partition at {input_uri}",
+        description=f"Input shards of {name}: one file per partition at {input_uri}. "
+        "Observe it to record each shard's version (S3 ETag, or size and mtime on disk): a "
+        "partition of the output whose shard changed since it was materialized shows as stale.",
         metadata={"uri_template": input_uri},
-        kinds={"parquet"} if input_uri.endswith(".parquet") else {"json"},
+        tags={f"dagster/kind/{kind}": ""},
+        required_resource_keys={resource_key},
+        automation_condition=automation_condition,
     )
+    def _shards(context) -> dg.DataVersionsByPartition:
+        gpu: GpuInferenceResource = getattr(context.resources, resource_key)
+        spec = gpu.prepare_spec(InferenceSpec.model_validate(raw_spec))
+        keys = partitions_def.get_partition_keys(dynamic_partitions_store=context.instance)
+        return observe_shard_versions(spec, keys)
+
+    return _shards
 
 
 def _output_asset(
     raw_spec: dict[str, Any],
     *,
+    code_version: str,
     output_key: dg.AssetKey,
-    input_spec: dg.AssetSpec,
+    input_spec: dg.SourceAsset,
     partitions_def: dg.PartitionsDefinition,
     backfill_policy: dg.BackfillPolicy | None,
     retry_policy: dg.RetryPolicy | None,
     pool: str | None,
     op_tags: Mapping[str, Any] | None,
+    automation_condition: dg.AutomationCondition | None,
     group_name: str | None,
     resource_key: str,
     description: str | None,
@@ -417,10 +517,12 @@ def _output_asset(
         key=output_key,
         deps=[input_spec],
         partitions_def=partitions_def,
+        code_version=code_version,
         backfill_policy=backfill_policy or default_backfill_policy(),
         retry_policy=retry_policy,
         pool=pool,
         op_tags=op_tags,
+        automation_condition=automation_condition,
         group_name=group_name,
         required_resource_keys={resource_key},
         check_specs=check_specs(

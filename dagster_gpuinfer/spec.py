@@ -617,6 +617,25 @@ class InferenceSpec(_Strict):
         Leaves out the partition keys, parallelism and the performance-only engine knobs, so a
         retry with fewer sequences or another replica count resumes committed work.
         """
+        blob = json.dumps(self._results_payload(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def code_version(self) -> str:
+        """The inference asset's Dagster `code_version`: what the spec hash covers, less what
+        decides how results are committed but not what they are (`chunk_size`, where the
+        output goes). A change to the model, task, prompt columns or template, engine
+        arguments that shape outputs, sampling or row limits changes it, and Dagster marks
+        every partition materialized before as stale; `chunk_size`, replicas, parallelism,
+        in-flight requests and speed or memory knobs do not.
+        """
+        payload = self._results_payload()
+        payload.pop("chunk_size", None)
+        payload["output"] = {"format": payload["output"]["format"]}
+        blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+        return "spec-" + hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def _results_payload(self) -> dict[str, Any]:
+        """The spec's fields that decide committed results, as JSON-ready values."""
         payload = self.model_dump(mode="json", exclude=set(self.SCHEDULING_ONLY))
         if self.limits == RowLimits():  # the defaults: hashes of earlier specs stay valid
             payload.pop("limits")
@@ -628,8 +647,7 @@ class InferenceSpec(_Strict):
         for name in EngineArgs.PERFORMANCE_ONLY:
             payload["engine"].pop(name, None)
         payload["model"] = os.path.normpath(self.model) if _looks_local(self.model) else self.model
-        blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return payload
 
     def model_is_local_path(self) -> bool:
         return _looks_local(self.model)

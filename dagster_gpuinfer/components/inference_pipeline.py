@@ -37,7 +37,7 @@ import dagster as dg
 from pydantic import Field, ValidationError, create_model
 
 from dagster_gpuinfer.arrivals import SplitLargeFiles
-from dagster_gpuinfer.asset_factory import InferencePipeline, inference_assets
+from dagster_gpuinfer.asset_factory import InferencePipeline, inference_assets, recompute_stale
 from dagster_gpuinfer.resource import GpuInferenceResource, InvalidInferenceSpec
 from dagster_gpuinfer.sensors import arrival_sensor
 from dagster_gpuinfer.spec import InferenceSpec, Task, pipeline_fields
@@ -134,6 +134,16 @@ class _PipelineAttributes(dg.Model):
         4, ge=1, description="Backfill policy: partitions (shards) per run; one model load each."
     )
     pool: str | None = Field(None, description="Dagster concurrency pool capping GPU runs.")
+    observe_cron: str | None = Field(
+        None,
+        description="Observe the input shards' versions on this cron (the automation daemon); "
+        "a partition whose shard changed then shows as stale.",
+    )
+    recompute_stale: bool = Field(
+        False,
+        description="Materialize exactly the stale partitions (a shard with a new version, "
+        "or every partition after a spec change) with the automation daemon.",
+    )
     group_name: str | None = None
     input_asset_key: str | None = Field(None, description="Defaults to <name>_input.")
     arrival_sensor: ArrivalSensorSettings | None = Field(
@@ -195,6 +205,8 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, settings_model(_Pi
                 max_partitions_per_run=self.max_partitions_per_run
             ),
             pool=self.pool,
+            observe_cron=self.observe_cron,
+            automation_condition=recompute_stale() if self.recompute_stale else None,
             group_name=self.group_name,
             resource_key=self.effective_resource_key(),
             **{name: getattr(self, name) for name in pipeline_fields()},
