@@ -1,8 +1,9 @@
 """The job spec: the one contract between the control plane and the worker.
 
 `InferenceSpec` is built and validated in the Dagster code location, serialised into Dagster
-Pipes extras, and validated again by the worker. This module imports only pydantic and the
-standard library, so both sides can import it: no dagster, no torch, no vllm.
+Pipes extras, and validated again by the worker. This module imports only pydantic,
+packaging and the standard library, so both sides can import it: no dagster, no torch, no
+vllm.
 
 Engine and sampling fields keep vLLM's own names (`tensor_parallel_size`, `max_model_len`,
 `gpu_memory_utilization`, `max_num_seqs`, `temperature`, `top_p`, `max_tokens`, ...), so a
@@ -17,6 +18,8 @@ import os
 import re
 from typing import Any, ClassVar, Literal
 
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dagster_gpuinfer.image_options import ImageOptions
@@ -507,6 +510,12 @@ class InferenceSpec(_Strict):
         description="Bounds on one row (line bytes, prompt characters, JSON depth, `n`, "
         "`n` x `top_logprobs`); a row past one is quarantined.",
     )
+    vllm_version: str | None = Field(
+        None,
+        description="Pin the engine: a vLLM version ('0.32.0') or a PEP 440 specifier "
+        "('>=0.32,<0.33'). A worker whose vLLM does not match refuses before loading weights. "
+        "Part of the spec hash and code version when set.",
+    )
 
     # Fields that are not a pipeline's own settings: the models the pipeline passes whole,
     # where its output goes (named by the pipeline, placed by the resource) and the run's
@@ -539,6 +548,13 @@ class InferenceSpec(_Strict):
             "group_prefixes",
         }
     )
+
+    @field_validator("vllm_version")
+    @classmethod
+    def _valid_vllm_version(cls, pin: str | None) -> str | None:
+        if pin is not None:
+            vllm_specifier(pin)
+        return pin
 
     @field_validator("partition_keys")
     @classmethod
@@ -639,6 +655,8 @@ class InferenceSpec(_Strict):
         payload = self.model_dump(mode="json", exclude=set(self.SCHEDULING_ONLY))
         if self.limits == RowLimits():  # the defaults: hashes of earlier specs stay valid
             payload.pop("limits")
+        if self.vllm_version is None:  # unpinned: likewise
+            payload.pop("vllm_version")
         for name in ("image_column", "images"):  # image fields at their defaults: likewise
             if getattr(self.input, name) == InputSpec.model_fields[name].get_default(
                 call_default_factory=True
@@ -651,6 +669,27 @@ class InferenceSpec(_Strict):
 
     def model_is_local_path(self) -> bool:
         return _looks_local(self.model)
+
+
+def vllm_specifier(pin: str) -> SpecifierSet:
+    """`vllm_version` as a specifier set: a bare version means exactly it.
+
+    Raises:
+        ValueError: `pin` is neither a version nor a PEP 440 specifier.
+    """
+    text = pin.strip()
+    try:
+        Version(text)
+        text = f"=={text}"
+    except InvalidVersion:
+        pass
+    try:
+        return SpecifierSet(text)
+    except InvalidSpecifier:
+        raise ValueError(
+            f"vllm_version {pin!r} is neither a version ('0.32.0') nor a PEP 440 specifier "
+            "('>=0.32,<0.33')"
+        ) from None
 
 
 def _looks_local(model: str) -> bool:

@@ -45,6 +45,7 @@ from dagster_gpuinfer.worker.commit import (
     commit_chunks,
     committed_ids,
 )
+from dagster_gpuinfer.worker.engine_version import engine_versions
 from dagster_gpuinfer.worker.errors import ShardError
 from dagster_gpuinfer.worker.metrics import current_metrics
 from dagster_gpuinfer.worker.readers import ShardReader
@@ -358,6 +359,7 @@ class RunCoordinator:
             # The engines that wrote this run's chunks of the partition.
             "replicas": replicas,
             "replica": replicas[0] if len(replicas) == 1 else None,
+            **engine_versions(),
         }
 
 

@@ -44,6 +44,7 @@ from dagster_gpuinfer.storage import Manifest, committed_manifest
 from dagster_gpuinfer.storage import model_version as local_model_version
 from dagster_gpuinfer.worker.coordinator import RunCoordinator
 from dagster_gpuinfer.worker.engine import InferenceEngine, check_model_dir
+from dagster_gpuinfer.worker.engine_version import check_engine_version
 from dagster_gpuinfer.worker.errors import Drained, ShardError, SpecError, WorkerError
 from dagster_gpuinfer.worker.lifecycle import (
     children_die_with_this_process,
@@ -81,6 +82,7 @@ def run_job(spec: InferenceSpec, reporter: Reporter) -> dict[str, Any]:
     started = time.perf_counter()
     start_seconds = process_age_seconds()
     check_model_dir(spec)
+    check_engine_version(spec)
     model = local_model_version(spec)  # once for all partitions: a stat of every file
     todo: list[str] = []
     failed: list[str] = []
