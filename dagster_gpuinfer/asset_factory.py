@@ -14,7 +14,7 @@ import dagster as dg
 from pydantic import Field, create_model
 
 from dagster_gpuinfer.checks import ERROR_RATE, ROWS_BALANCED, VALID_OUTPUT, check_results
-from dagster_gpuinfer.metadata import partition_metadata, run_metadata
+from dagster_gpuinfer.metadata import PARTITION_FIGURES, partition_metadata, run_metadata
 from dagster_gpuinfer.resource import GpuInferenceResource, InferenceRunResult, validate_spec
 from dagster_gpuinfer.spec import (
     EngineArgs,
@@ -349,7 +349,8 @@ def inference_assets(
             (the UI's "Observe", or a job that selects the input asset).
         retry_policy, pool, op_tags, group_name, key_prefix: passed to `@dg.asset` as is.
         resource_key: Resource key of the `GpuInferenceResource`.
-        description: Asset description.
+        description: Asset description; a note on what the partition figures mean is added
+            below it (`metadata.PARTITION_FIGURES`), so each partition lists numbers only.
         **spec_fields: Any other pipeline setting of `InferenceSpec` by its name
             (`spec.pipeline_fields`), so a setting added to the spec is settable here too.
 
@@ -421,6 +422,11 @@ def inference_assets(
         max_invalid_output_rate=max_invalid_output_rate,
     )
     return InferencePipeline(input_asset=input_spec, output_asset=output_asset, spec=raw_spec)
+
+
+def asset_description(text: str) -> str:
+    """The output asset's description: `text`, then what its partition figures mean."""
+    return f"{text}\n\n{PARTITION_FIGURES}"
 
 
 # Shard versions read at once when the input asset is observed (one HEAD each on S3).
@@ -529,7 +535,9 @@ def _output_asset(
             output_key, max_error_rate=max_error_rate, max_invalid_output_rate=invalid_rate
         ),
         kinds={"vllm", output_format if output_format == "parquet" else "json"},
-        description=description or f"{task} with {model} over {input_spec.key.to_user_string()}",
+        description=asset_description(
+            description or f"{task} with {model} over {input_spec.key.to_user_string()}"
+        ),
         metadata={
             "model": model,
             "task": task,

@@ -3,7 +3,7 @@ committed, from their input sizes and the speed measured on the partitions alrea
 
     python -m dagster_gpuinfer.estimate doc_embeddings [-m assets.definitions] [--pool-slots 4]
 
-The formula (README, "Estimating a backfill"):
+The formula (docs/observability.md, "Estimating a backfill"):
 
 - work of a partition: its rows for Parquet input (read from the file's footer, no data
   read), its bytes for JSONL/OpenAI Batch input (the file's size; a `@rows=` part of a

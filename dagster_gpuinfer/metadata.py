@@ -10,20 +10,29 @@ from dagster_gpuinfer.resource import InferenceRunResult
 from dagster_gpuinfer.run_metrics import NOT_AVAILABLE, run_timing_metadata, telemetry_metadata
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest, partition_dir
+from dagster_gpuinfer.task_table import task_facts
 
-RATES_OVER = (
-    "rows_per_second and tokens_per_second: the rows and tokens this attempt computed over "
-    "engine_seconds, the partition's share of its engine's time (generation: each engine step "
-    "shared by the requests it runs, the max_num_seqs oldest in flight; pooling: each step's "
-    "time to the rows it finished; with replicas, summed over the engines), so partitions "
-    "streamed through one engine together get their own rates. The last partitions of a "
-    "run carry the engine's drain (fewer requests per step as its window empties, each "
-    "step costing more per request), so their rates can read lower than those of equal "
-    "partitions before them; the run's own rate is run_rows_per_second. active_seconds: "
-    "its first row submitted to its last row done (spans of partitions streamed together "
-    "overlap). inference_seconds: the union of its chunks' inference intervals, within "
-    "wall_seconds (reading began to commit)."
-)
+# What the partition figures mean, said once: the output asset's description carries it
+# (`inference_assets`), so the partitions' own entries stay numbers.
+PARTITION_FIGURES = """\
+**Partition figures.** Each partition lists its own figures first, then the run's (`run_*`).
+
+- `rows_per_second`, `tokens_per_second`: the rows and tokens this attempt computed over
+  `engine_seconds`, the partition's share of its engine's time (generation: each engine step
+  shared by the requests it runs; pooling: each step's time to the rows it finished; summed
+  over replicas). The last partitions of a run carry the engine's drain and can read lower
+  than equal partitions before them; `run_rows_per_second` is the run's own rate. `n/a` when
+  nothing was computed (every chunk resumed).
+- `active_seconds`: first row submitted to last row done (partitions streamed together
+  overlap). `inference_seconds`: the union of the chunks' inference intervals, within
+  `wall_seconds` (reading began to commit).
+- `input_version`, `model_files_version`: the shard and local model files the outputs were
+  computed from; when either changes, the next materialization computes the partition again.
+  `engine_versions`: the vLLM and torch versions that computed them (a spec's
+  `vllm_version` pins the first).
+- `sampling_params` (generation tasks only): the pipeline's sampling defaults, unset ones
+  left out; a row's own parameters override them.
+"""
 
 
 def partition_rates(manifest: Manifest) -> dict[str, Any]:
@@ -71,21 +80,41 @@ def partition_metadata(
         "active_seconds": round(manifest.active_seconds, 3),
         "inference_seconds": round(manifest.inference_seconds, 3),
         "wall_seconds": round(manifest.wall_seconds, 3),
-        "rates_over": RATES_OVER,
         "model_load_seconds": round(manifest.model_load_seconds, 3),
         "computed_in_this_run": computed,
         "spec_hash": manifest.spec_hash,
-        # What the outputs were computed from: the shard's version (S3 ETag, or size and
-        # mtime) and a local model folder's (its files' sizes and mtimes); a change to either
-        # makes the next materialization compute the partition again.
+        # The shard's version (S3 ETag, or size and mtime) and a local model folder's (its
+        # files' sizes and mtimes): PARTITION_FIGURES says what they mean to a user.
         "input_version": manifest.source.input if manifest.source else NOT_AVAILABLE,
         "model_files_version": (manifest.source.model if manifest.source else None)
         or NOT_AVAILABLE,
+        "engine_versions": engine_versions(manifest),
         "error_types": dg.MetadataValue.json(manifest.error_types),
         "output_path": dg.MetadataValue.path(partition_dir(spec.output, manifest.partition_key)),
         "engine_args": dg.MetadataValue.json(spec.engine.model_dump(mode="json")),
-        "sampling_params": dg.MetadataValue.json(spec.sampling.model_dump(mode="json")),
+        **sampling_metadata(spec),
         **telemetry_metadata(manifest.telemetry),
+    }
+
+
+def engine_versions(manifest: Manifest) -> str:
+    """The vLLM and torch versions the partition was committed with (`n/a` for a manifest
+    of an older worker, which did not record them)."""
+    worker = manifest.worker
+    found = [f"{name} {worker[name]}" for name in ("vllm", "torch") if worker.get(name)]
+    return ", ".join(found) or NOT_AVAILABLE
+
+
+def sampling_metadata(spec: InferenceSpec) -> dict[str, Any]:
+    """`sampling_params` for tasks that sample (the task table says which), holding only the
+    parameters that are set; nothing for pooling tasks, which take none."""
+    if not task_facts(spec.task).samples:
+        return {}
+    params = spec.sampling.model_dump(mode="json", exclude_none=True)
+    return {
+        "sampling_params": dg.MetadataValue.json(
+            {name: value for name, value in params.items() if value not in ([], {})}
+        )
     }
 
 

@@ -128,7 +128,7 @@ def test_rates_use_the_rows_computed_over_their_share_of_engine_time(tmp_path):
     md = partition_metadata(_spec(tmp_path), manifest, computed=True)
     assert md["rows_per_second"] == 20.0  # 40 rows / 2 s, not 100 rows / 30 s nor 40 / 6
     assert md["tokens_per_second"] == 200.0
-    assert "share of its engine's time" in md["rates_over"]
+    assert "rates_over" not in md  # said once, in the asset's description
     names = list(md)
     assert names[: names.index("rows_per_second")] == [
         "rows_in",
@@ -141,6 +141,38 @@ def test_rates_use_the_rows_computed_over_their_share_of_engine_time(tmp_path):
     ]
     resumed = partition_metadata(_spec(tmp_path), _manifest(rows_in=100), computed=False)
     assert resumed["rows_per_second"] == resumed["tokens_per_second"] == NOT_AVAILABLE
+
+
+def test_partition_metadata_shows_sampling_params_only_for_tasks_that_sample(tmp_path):
+    embed = partition_metadata(_spec(tmp_path), _manifest(rows_in=1), computed=True)
+    assert "sampling_params" not in embed
+    generate = partition_metadata(
+        _spec(tmp_path, task="generate"), _manifest(task="generate", rows_in=1), computed=True
+    )
+    shown = generate["sampling_params"].data
+    assert shown["max_tokens"] == 64 and shown["temperature"] == 0.0
+    # Unset parameters are left out rather than listed as null or empty.
+    assert not {"seed", "top_k", "logprobs", "structured_outputs", "stop", "extra"} & set(shown)
+
+
+def test_the_output_asset_says_once_what_its_partition_figures_mean(tmp_path):
+    import dagster as dg
+
+    from dagster_gpuinfer import inference_assets
+
+    pipeline = inference_assets(
+        name="emb",
+        model="/m",
+        task="embed",
+        input={"uri": str(tmp_path / "{partition_key}.parquet")},
+        output_root=str(tmp_path / "out"),
+        partitions_def=dg.StaticPartitionsDefinition(["a"]),
+        description="Review embeddings.",
+    )
+    description = pipeline.output_asset.descriptions_by_key[pipeline.output_asset.key]
+    assert description.startswith("Review embeddings.\n\n")
+    assert "share of its engine's time" in description
+    assert "`input_version`, `model_files_version`" in description
 
 
 def test_pooling_saturation_counts_the_requests_queued_for_the_next_step():

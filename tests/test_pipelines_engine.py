@@ -142,7 +142,12 @@ def test_partition_metadata_reports_rows_tokens_speed_and_load(embed_run):
     # Rates over its share of the (one) engine's time, spent while the partition ran.
     assert 0 < md["engine_seconds"] <= md["wall_seconds"]
     assert md["rows_per_second"] == pytest.approx(40 / md["engine_seconds"], rel=0.01)
-    assert "share of its engine's time" in md["rates_over"]
+    # What a figure means is in the asset's description, once; embed takes no sampling.
+    assert "rates_over" not in md and "sampling_params" not in md
+    description = embed_run["pipeline"].output_asset.descriptions_by_key[
+        embed_run["pipeline"].output_asset.key
+    ]
+    assert "share of its engine's time" in description
     # The partition's own figures come first, the run's (`run_*`) after them all.
     names = list(md)
     first_run = min(i for i, name in enumerate(names) if name.startswith("run_"))
@@ -373,6 +378,7 @@ def test_generation_metadata_counts_generated_tokens(generate_runs):
     md = partition_metadata(generate_runs["instance"], generate_runs["two"].output_asset.key, "g0")
     assert md["generated_tokens"] > 0 and md["generated_tokens"] <= 12 * 16
     assert md["tokens_per_second"] > 0
+    assert md["sampling_params"]["max_tokens"] == 16 and "seed" not in md["sampling_params"]
 
 
 def test_changed_sampling_recomputes_and_replaces_the_old_outputs(generate_runs):

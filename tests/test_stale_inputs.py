@@ -102,6 +102,7 @@ def test_a_rewritten_shard_is_computed_again_and_the_others_are_reused(stale_run
     assert p1["computed_in_this_run"] is True
     assert (p1["rows_in"], p1["rows_out"], p1["rows_errored"]) == (18, 18, 0)
     assert p1["input_version"] != first["metadata"]["p1"]["input_version"]
+    assert p1["engine_versions"].startswith("vllm ") and ", torch " in p1["engine_versions"]
     assert p0["input_version"] == first["metadata"]["p0"]["input_version"]
     table = second["tables"]["p1"]
     assert table.column("id").to_pylist() == [f"p1-{i}" for i in range(18)]
