@@ -252,6 +252,45 @@ class GpuInferenceResource(dg.ConfigurableResource):
                 python_executable=self.python_executable or sys.executable,
                 env={**self.worker_env(), **env_references_variable(self.env_references)},
             )
+        # Per-run settings are resolved here, once, so the one-pod and the pod-group
+        # launchers get the same pod configuration (the run's Kueue queue included).
+        config = self._pod_config_for_run(context)
+        if spec.nodes > 1:
+            from dagster_gpuinfer.k8s.group_launch import run_k8s_group
+
+            return run_k8s_group(
+                context=context,
+                spec=spec,
+                extras=extras,
+                config=config,
+                group_config=self.k8s_group,
+                env=self.worker_env(),
+                kubernetes_client=self.kubernetes_client,
+                launch_attempt=launch_attempt,
+            )
+        from dagster_gpuinfer.k8s.client import run_k8s_worker
+
+        return run_k8s_worker(
+            context=context,
+            spec=spec,
+            extras=extras,
+            config=config,
+            env=self.worker_env(),
+            kubernetes_client=self.kubernetes_client,
+            launch_attempt=launch_attempt,
+        )
+
+    # ------------------------------------------------------------------ k8s launcher
+
+    def _pod_config_for_run(self, context: dg.AssetExecutionContext) -> K8sLauncherConfig:
+        """The worker pods' configuration for the run of `context`: `k8s` with the run's Kueue
+        queue (tag `gpuinfer/kueue_queue`) applied. Every pod of the run, one or a group,
+        uses it. The refusals come first: they need no run.
+
+        Raises:
+            dagster.Failure: non-retryable when pods cannot be configured: `k8s` is not set,
+                or `env_references` names variables a pod cannot see.
+        """
         if self.env_references:
             raise dg.Failure(
                 description="GpuInferenceResource.env_references names variables of the "
@@ -268,32 +307,7 @@ class GpuInferenceResource(dg.ConfigurableResource):
                 "(see resources/k8s.py), or use launcher='local'",
                 allow_retries=False,
             )
-        if spec.nodes > 1:
-            from dagster_gpuinfer.k8s.group_launch import run_k8s_group
-
-            return run_k8s_group(
-                context=context,
-                spec=spec,
-                extras=extras,
-                config=self.k8s,
-                group_config=self.k8s_group,
-                env=self.worker_env(),
-                kubernetes_client=self.kubernetes_client,
-                launch_attempt=launch_attempt,
-            )
-        from dagster_gpuinfer.k8s.client import run_k8s_worker
-
-        return run_k8s_worker(
-            context=context,
-            spec=spec,
-            extras=extras,
-            config=config_for_run_queue(self.k8s, context.run.tags),
-            env=self.worker_env(),
-            kubernetes_client=self.kubernetes_client,
-            launch_attempt=launch_attempt,
-        )
-
-    # ------------------------------------------------------------------ k8s launcher
+        return config_for_run_queue(self.k8s, context.run.tags)
 
     def kubernetes_client(self) -> Any:
         """The `dagster_k8s.client.DagsterKubernetesClient` worker pods are launched with.

@@ -509,12 +509,13 @@ def materialize(
     *,
     partitions: tuple[str, ...] = ("shard-0",),
     resource: Any = None,
+    run_tags: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> dg.ExecuteInProcessResult:
     pipe = pipeline(tmp_path, **kwargs)
-    tags = {}
+    tags = dict(run_tags or {})
     if len(partitions) > 1:
-        tags = {
+        tags |= {
             "dagster/asset_partition_range_start": partitions[0],
             "dagster/asset_partition_range_end": partitions[-1],
         }

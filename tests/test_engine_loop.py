@@ -518,8 +518,9 @@ def _png(width: int) -> bytes:
     return buffer.getvalue()
 
 
-def _image_run(tmp_path: Path, engine, refused: int):
-    """Three chunks of image rows (row `refused`'s image 3 pixels wide) through the loop."""
+def _image_run(tmp_path: Path, engine, refused: int, on_commit=None):
+    """Three chunks of image rows (row `refused`'s image 3 pixels wide) through the loop;
+    `on_commit` is called with each chunk committed, as it is."""
     spec = _spec(tmp_path, ["s"], task="image_embed")
     work: queue.Queue[WorkChunk | None] = queue.Queue()
     for index in range(3):
@@ -531,7 +532,13 @@ def _image_run(tmp_path: Path, engine, refused: int):
         work.put(WorkChunk("s", "att00001", chunk, SOURCE))
     work.put(None)
     committed: list[ChunkCommitted] = []
-    rows = EngineLoop(engine, spec, work.get, committed.append).run()
+
+    def commit(message: ChunkCommitted) -> None:
+        committed.append(message)
+        if on_commit is not None:
+            on_commit(message)
+
+    rows = EngineLoop(engine, spec, work.get, commit).run()
     return rows, committed
 
 
@@ -576,4 +583,56 @@ def test_a_render_thread_that_dies_fails_the_loop_and_leaves_no_stage_running(
 ):
     with pytest.raises(RuntimeError, match="image processor crashed"):
         _image_run(tmp_path, RenderingEngine(window=4, explode=True), refused=-1)
+    assert loop_threads() == []
+
+
+class SlowRenderingEngine(RenderingEngine):
+    """A `RenderingEngine` whose render of the second chunk's first image waits for
+    `release`; its first step waits until that render has begun, so the second chunk is read
+    ahead while requests of the first are still in flight."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.render_held = threading.Event()
+        self.release = threading.Event()
+
+    def render(self, token_ids, images):
+        if images[0].size[0] - 10 == CHUNK:  # the second chunk's first row
+            self.render_held.set()
+            assert self.release.wait(10), "the test never released the render"
+        return super().render(token_ids, images)
+
+    def step(self):
+        if self.steps == 0:
+            assert self.render_held.wait(10), "the second chunk's render never began"
+        return super().step()
+
+
+def test_a_chunk_rendering_does_not_stop_the_engine_stepping_and_draining(tmp_path, loop_threads):
+    engine = SlowRenderingEngine(window=CHUNK)
+    first_committed = threading.Event()
+    committed_while_rendering: list[int] = []
+
+    def on_commit(message: ChunkCommitted) -> None:
+        if not engine.release.is_set():
+            committed_while_rendering.append(message.marker.index)
+        if message.marker.index == 0:
+            first_committed.set()
+
+    def release_after_first_commit() -> None:
+        first_committed.wait(3)  # never set when rendering blocks the engine thread
+        engine.release.set()
+
+    releaser = threading.Thread(target=release_after_first_commit)
+    releaser.start()
+    try:
+        rows, committed = _image_run(tmp_path, engine, refused=-1, on_commit=on_commit)
+    finally:
+        engine.release.set()
+        releaser.join()
+
+    # The first chunk's rows kept stepping to completion and were written while the second
+    # chunk's images were still being rendered.
+    assert committed_while_rendering == [0]
+    assert rows == 3 * CHUNK and sorted(m.marker.index for m in committed) == [0, 1, 2]
     assert loop_threads() == []

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from dagster_gpuinfer.k8s.config import KUEUE_QUEUE_LABEL
 from dagster_gpuinfer.k8s.group import ROLE_LABEL
+from dagster_gpuinfer.resource import RUN_QUEUE_TAG
 from dagster_gpuinfer.worker.follower import FOLLOWER_MODULE
 from tests.k8s_fakes import (
     POLL,
@@ -145,3 +149,21 @@ def test_leader_crashing_on_a_lost_follower_reports_the_follower(tmp_path):
     assert "Gloo connectFullMesh failed" in message  # the follower's own log tail
     assert roles(cluster) == ["follower", "leader", "follower", "leader"]
     assert cluster.pods == {} and cluster.services == {}
+
+
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one_pod", "pod_group"])
+def test_run_queue_tag_puts_every_worker_pod_in_the_tenants_kueue_queue(tmp_path, nodes):
+    # The batch API tags a tenant's runs with the tenant's LocalQueue; a model spanning
+    # nodes must not fall back to the resource's shared queue (k8s.placement.kueue_queue).
+    cluster = FakeKubernetes(*[follower_script()] * (nodes - 1))
+    result = materialize(
+        tmp_path,
+        cluster,
+        run_tags={RUN_QUEUE_TAG: "acme-gpu"},
+        tensor_parallel_size=2,
+        nodes=nodes,
+    )
+    assert result.success, failures(result)
+    assert len(cluster.created) == nodes
+    queues = [p.manifest["metadata"]["labels"].get(KUEUE_QUEUE_LABEL) for p in cluster.created]
+    assert queues == ["acme-gpu"] * nodes

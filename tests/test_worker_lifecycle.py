@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from types import ModuleType, SimpleNamespace
 
 import psutil
 import pytest
@@ -166,3 +167,71 @@ def test_the_pods_grace_period_leaves_room_for_the_drain():
     )
     grace = pod["spec"]["terminationGracePeriodSeconds"]
     assert grace >= DEFAULT_DRAIN_GRACE_SECONDS + 20
+
+
+class _FakeEngineCore:
+    def __init__(self) -> None:
+        self.shutdowns = 0
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self.shutdowns += 1
+
+
+class _LLMWithoutTokenizer:
+    """A stand-in for `vllm.LLM` whose model loads, then whose tokenizer cannot be read."""
+
+    built: list[_LLMWithoutTokenizer] = []
+    error: BaseException = OSError("tokenizer.json is unreadable (fake)")
+
+    def __init__(self, model: str, **kwargs) -> None:
+        scheduler = SimpleNamespace(max_num_seqs=8)
+        self.llm_engine = SimpleNamespace(
+            vllm_config=SimpleNamespace(
+                scheduler_config=scheduler, cache_config=SimpleNamespace(block_size=16)
+            ),
+            model_config=SimpleNamespace(max_model_len=64),
+            engine_core=_FakeEngineCore(),
+        )
+        self.built.append(self)
+
+    def get_tokenizer(self):
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [OSError("tokenizer.json is unreadable (fake)"), KeyboardInterrupt()],
+    ids=["error", "interrupt"],
+)
+def test_an_engine_whose_start_fails_after_the_model_loaded_is_shut_down(
+    tmp_path, monkeypatch, error
+):
+    from dagster_gpuinfer import InferenceSpec
+    from dagster_gpuinfer.worker import engine as engine_module
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    spec = InferenceSpec.model_validate(
+        {
+            "model": str(model),
+            "task": "embed",
+            "input": {"uri": str(tmp_path / "in" / "{partition_key}.parquet")},
+            "output": {"root": str(tmp_path / "out"), "asset_name": "emb"},
+        }
+    )
+    fake_vllm = ModuleType("vllm")
+    fake_vllm.LLM = _LLMWithoutTokenizer
+    fake_sampling = ModuleType("vllm.sampling_params")
+    fake_sampling.RequestOutputKind = SimpleNamespace(FINAL_ONLY=2)
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", fake_sampling)
+    monkeypatch.setattr(engine_module, "built_engine_kwargs", lambda spec: {})
+    monkeypatch.setattr(_LLMWithoutTokenizer, "built", [])
+    monkeypatch.setattr(_LLMWithoutTokenizer, "error", error)
+
+    with pytest.raises(type(error)):
+        engine_module.InferenceEngine(spec)
+
+    (llm,) = _LLMWithoutTokenizer.built
+    assert llm.llm_engine.engine_core.shutdowns == 1

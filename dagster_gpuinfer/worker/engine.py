@@ -206,6 +206,30 @@ def leader_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     }
 
 
+def load_llm(spec: InferenceSpec) -> tuple[Any, list[Any]]:
+    """`vllm.LLM` for `spec`, and the engine processes it started (`EngineWatch` them).
+
+    Raises:
+        SpecError: vLLM cannot load the model with these arguments; retrying will not help.
+        OSError, ValueError: out of memory (the control plane may step memory down).
+    """
+    from vllm import LLM
+
+    kwargs = built_engine_kwargs(spec)
+    model = os.path.expanduser(spec.model.removeprefix("file://"))
+    try:
+        return engine_processes_started_by(lambda: LLM(model=model, **kwargs))
+    except (OSError, ValueError) as exc:
+        current_metrics().model_load_failed(exc)
+        message = str(exc)
+        if _is_memory_error(message):
+            raise  # transient for the control plane: it may step memory knobs down
+        raise SpecError(
+            f"vLLM could not load model {spec.model!r} with engine arguments {kwargs}: "
+            f"{message.splitlines()[0] if message else type(exc).__name__}"
+        ) from exc
+
+
 class InferenceEngine:
     """A vLLM engine configured from the spec, fed one request at a time.
 
@@ -225,27 +249,38 @@ class InferenceEngine:
     def __init__(self, spec: InferenceSpec) -> None:
         check_model_dir(spec)
         started = time.perf_counter()  # the build counts vllm's import (seconds, once)
-        from vllm import LLM
-        from vllm.sampling_params import RequestOutputKind
-
         self.spec = spec
         self.task = worker_task(spec.task)
-        kwargs = built_engine_kwargs(spec)
-        model = os.path.expanduser(spec.model.removeprefix("file://"))
-        try:
-            self.llm, processes = engine_processes_started_by(lambda: LLM(model=model, **kwargs))
-        except (OSError, ValueError) as exc:
-            current_metrics().model_load_failed(exc)
-            message = str(exc)
-            if _is_memory_error(message):
-                raise  # transient for the control plane: it may step memory knobs down
-            raise SpecError(
-                f"vLLM could not load model {spec.model!r} with engine arguments {kwargs}: "
-                f"{message.splitlines()[0] if message else type(exc).__name__}"
-            ) from exc
+        self.watch: EngineWatch | None = None
+        self.llm, processes = load_llm(spec)
         self.load_seconds = time.perf_counter() - started
-        # A dead engine process fails the worker within seconds (never a wait for ever).
-        self.watch = EngineWatch(processes, name=f"model {spec.model!r}").start()
+        # The engine's processes run from here on: whatever fails before the engine is handed
+        # over shuts them down, so a failed start leaves no engine behind.
+        try:
+            # A dead engine process fails the worker within seconds (never a wait for ever).
+            self.watch = EngineWatch(processes, name=f"model {spec.model!r}").start()
+            self._configure(spec)
+        except BaseException:
+            self._shutdown_after_failed_start()
+            raise
+        log.info(
+            "engine ready in %.1fs (max_model_len=%d, max_num_seqs=%d, window=%d)",
+            self.load_seconds,
+            self.max_model_len,
+            self.max_num_seqs,
+            self.window,
+        )
+
+    def _configure(self, spec: InferenceSpec) -> None:
+        """What the worker reads from the loaded engine: limits, tokenizer, request builder,
+        image fit, renderer, default params.
+
+        Raises:
+            SpecError: the spec asks for what this engine cannot do (a seed on a build
+                where seeds are not reproducible).
+        """
+        from vllm.sampling_params import RequestOutputKind
+
         current_metrics().model_loaded(
             self.load_seconds,
             max_num_seqs=self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
@@ -260,7 +295,6 @@ class InferenceEngine:
         )
         self.requests = request_builder(spec, self.llm)
         if self.requests.refuse_seeds and self.requests.defaults.get("seed") is not None:
-            self.shutdown()
             raise SpecError(f"sampling.seed is {self.requests.defaults['seed']}: {SEED_REFUSED}")
         # Image tasks: the model's image resize, for the decoder's pool when it is exact.
         self.image_fit = model_image_fit(self.llm) if task_facts(spec.task).images else None
@@ -285,13 +319,16 @@ class InferenceEngine:
         if load_log:
             with open(load_log, "a") as handle:
                 handle.write(f"{os.getpid()}\t{spec.model}\n")
-        log.info(
-            "engine ready in %.1fs (max_model_len=%d, max_num_seqs=%d, window=%d)",
-            self.load_seconds,
-            self.max_model_len,
-            self.max_num_seqs,
-            self.window,
-        )
+
+    def _shutdown_after_failed_start(self) -> None:
+        """`shutdown`, for an engine whose start failed: a failure of the shutdown itself is
+        logged, so the caller sees why the start failed."""
+        try:
+            self.shutdown()
+        except Exception:
+            log.exception(
+                "could not shut down the engine of model %r after its start failed", self.spec.model
+            )
 
     @property
     def in_flight(self) -> int:
@@ -375,7 +412,8 @@ class InferenceEngine:
         shutdown took the full 5 s, then killed it). Every output is committed by now, so the
         worker gives it `SHUTDOWN_GRACE_ENV` seconds (default 1), then vLLM kills the tree.
         """
-        self.watch.stop()  # the engine's processes now exit on purpose
+        if self.watch is not None:
+            self.watch.stop()  # the engine's processes now exit on purpose
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             grace = float(os.environ.get(SHUTDOWN_GRACE_ENV, DEFAULT_SHUTDOWN_GRACE_SECONDS))

@@ -255,9 +255,9 @@ def run_single_engine(
     the local model folder's, `storage.model_version`)."""
     timing = RunTiming()
     current_metrics().serves_task(spec.task)
-    engine = InferenceEngine(spec)
-    timing.load_seconds.append(engine.load_seconds)
-    try:
+    engine = InferenceEngine(spec)  # shuts itself down if its start fails
+    try:  # nothing between the engine's start and the `finally` that shuts it down
+        timing.load_seconds.append(engine.load_seconds)
         chunks: queue.Queue[WorkChunk | None] = queue.Queue()
         coordinator = RunCoordinator(
             spec,

@@ -377,8 +377,16 @@ def render_images(engine: Any, item: _ChunkInFlight, stopping: threading.Event) 
             condition.notify_all()
 
 
+def _rendered(item: _ChunkInFlight, position: int) -> bool:
+    """Whether `position` of `item` can be submitted without waiting for the render thread
+    (rendered, no rendering needed, or the render ended)."""
+    return item.rendering is None or item.rendered_count > position
+
+
 def _wait_rendered(item: _ChunkInFlight, position: int) -> None:
-    """Block until the render thread has rendered `position` of `item` (or ended)."""
+    """Block until the render thread has rendered `position` of `item` (or ended). The loop
+    waits here only when no request is in flight: otherwise `fill` stops at an unrendered
+    prompt and the engine steps on."""
     condition = item.rendering
     if condition is not None:
         with condition:
@@ -470,7 +478,9 @@ class _RequestWindow:
         behind later arrivals. A batch is all that waits once a window of rows waits, or the
         input is all read, or the engine's batch (`max_num_seqs`) is not full: the first
         batch (nothing submitted yet) waits for a full window, so prompts that share a prefix
-        reach the engine together from the start, for the price of preparing one window."""
+        reach the engine together from the start, for the price of preparing one window.
+        An image prompt the render thread has not reached yet ends the fill while requests
+        are in flight, so the engine steps and finished outputs drain meanwhile."""
         engine = self.engine
         while engine.in_flight < self.window:
             if not self.current:
@@ -488,6 +498,8 @@ class _RequestWindow:
                         batch, lambda entry: entry[0].valid.token_ids[entry[1]], self.block_size
                     )
                 self.current.extend(batch)
+            if engine.in_flight and not _rendered(*self.current[0]):
+                break  # step the engine (drain what finished) while the render catches up
             self._submit(*self.current.popleft())
 
     def _submit(self, item: _ChunkInFlight, position: int) -> None:
