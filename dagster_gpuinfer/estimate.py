@@ -208,10 +208,7 @@ def estimate_backfill(
     """
     unit = work_unit(spec)
     work = input_work(spec, partition_keys)
-    try:
-        committed = committed_manifests(spec, partition_keys)
-    except FileNotFoundError:  # the model folder is only in the pods: nothing to verify here
-        committed = {}
+    committed = committed_manifests(spec, partition_keys)
     pending = [key for key in partition_keys if key not in committed]
     measured_work = 0.0
     measured_seconds = 0.0

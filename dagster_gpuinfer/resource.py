@@ -191,13 +191,7 @@ class GpuInferenceResource(dg.ConfigurableResource):
         except InvalidInferenceSpec as exc:
             raise dg.Failure(description=str(exc), allow_retries=False) from None
         result = InferenceRunResult(spec=spec)
-        try:
-            result.manifests.update(committed_manifests(spec, spec.partition_keys))
-        except FileNotFoundError as exc:  # e.g. a pod's model cache, not mounted here
-            context.log.info(
-                f"{exc} from the code location, so the worker checks which partitions are "
-                "committed for the model's files as they are (it builds no engine for those)"
-            )
+        result.manifests.update(committed_manifests(spec, spec.partition_keys))
         todo = [key for key in spec.partition_keys if key not in result.manifests]
         if result.manifests:
             context.log.info(

@@ -546,6 +546,10 @@ def read_manifest(fs: pafs.FileSystem, partition_path: str) -> Manifest | None:
     return Manifest.model_validate_json(data)
 
 
+# `committed_manifest(..., model=MODEL_AS_RECORDED)`: the model folder cannot be read here.
+MODEL_AS_RECORDED = "as recorded"
+
+
 def committed_manifest(
     spec: InferenceSpec, partition_key: str, *, model: str | None
 ) -> Manifest | None:
@@ -553,12 +557,16 @@ def committed_manifest(
     shard and model files as they are now, else None (recompute it).
 
     Args:
-        model: `model_version(spec)`, computed once by the caller for all its partitions.
+        model: `model_version(spec)`, computed once by the caller for all its partitions;
+            `MODEL_AS_RECORDED` where the folder cannot be read (the control plane of pods
+            whose model cache it does not mount): the manifest's own record counts.
     """
     fs, path = filesystem_for(partition_dir(spec.output, partition_key), spec.storage)
     manifest = read_manifest(fs, path)
-    if manifest is None or manifest.spec_hash != spec.spec_hash():
+    if manifest is None or manifest.spec_hash != spec.spec_hash() or manifest.source is None:
         return None
+    if model == MODEL_AS_RECORDED:
+        model = manifest.source.model
     try:
         source = source_version(spec, partition_key, model=model)
     except FileNotFoundError:
@@ -569,11 +577,16 @@ def committed_manifest(
 def committed_manifests(spec: InferenceSpec, partition_keys: Iterable[str]) -> dict[str, Manifest]:
     """`committed_manifest` of each key that has one, the model folder's version read once.
 
-    Raises:
-        FileNotFoundError: the model is a local folder this process cannot see (a pod's
-            model cache): only the worker can tell which partitions are still current.
+    A model folder this process cannot see (a pod's model cache, mounted only in the pods)
+    is taken as each manifest recorded it: the shard and the spec are still checked, and
+    every worker checks the folder itself for the partitions it runs. New weights written
+    under the same path there go unnoticed for partitions skipped here, so give each model
+    revision its own folder in the cache (as the Hugging Face cache's snapshots do).
     """
-    model = model_version(spec)
+    try:
+        model = model_version(spec)
+    except FileNotFoundError:
+        model = MODEL_AS_RECORDED
     found = {}
     for key in partition_keys:
         manifest = committed_manifest(spec, key, model=model)

@@ -14,11 +14,13 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
 import kubernetes
 import pyarrow as pa
+import pyarrow.parquet as pq
 from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster_k8s.client import DagsterKubernetesClient
 from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, decode_env_var
@@ -49,6 +51,7 @@ from dagster_gpuinfer.storage import (
     commit_partition,
     filesystem_for,
     partition_dir,
+    source_version,
     table_to_parquet_bytes,
     write_file_entry,
 )
@@ -395,7 +398,8 @@ def spec_from_env(env: dict[str, str]) -> InferenceSpec:
 
 
 def commit_fake_partition(spec: InferenceSpec, key: str, rows: int = 3) -> Manifest:
-    """Commit a real output partition the way the worker does (files, then the manifest)."""
+    """Commit a real output partition the way the worker does (files, then the manifest
+    naming the shard version it read; the pods' model folder is not there to version)."""
     fs, path = filesystem_for(partition_dir(spec.output, key), spec.storage)
     table = pa.table({"id": [f"{key}:{i}" for i in range(rows)], "embedding": [[0.1, 0.2]] * rows})
     part = write_file_entry(
@@ -404,6 +408,7 @@ def commit_fake_partition(spec: InferenceSpec, key: str, rows: int = 3) -> Manif
     manifest = Manifest(
         partition_key=key,
         spec_hash=spec.spec_hash(),
+        source=source_version(spec, key, model=None),
         model=spec.model,
         task=spec.task,
         output_format=spec.output.format,
@@ -491,6 +496,12 @@ PARTITIONS = dg.StaticPartitionsDefinition(["shard-0", "shard-1", "shard-2"])
 
 
 def pipeline(tmp_path: Any, **kwargs: Any) -> Any:
+    """The reference pipeline over `tmp_path`, its shards written as upstream would."""
+    for key in PARTITIONS.get_partition_keys():
+        shard = Path(tmp_path) / "in" / f"{key}.parquet"
+        if not shard.exists():
+            shard.parent.mkdir(parents=True, exist_ok=True)
+            pq.write_table(pa.table({"doc_id": ["a"], "text": ["x"]}), shard)
     kwargs.setdefault("retry_policy", dg.RetryPolicy(max_retries=1))
     return inference_assets(
         name="doc_embeddings",
