@@ -75,7 +75,13 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--port", type=int, default=8001)
     run.add_argument("--routes", help="routing table: YAML path or module:attribute")
     run.add_argument("--files-root", help=f"file bytes root (default ${settings.FILES_ROOT_ENV})")
-    run.add_argument("--reconcile-interval", type=float, default=5.0)
+    run.add_argument(
+        "--reconcile-interval",
+        type=float,
+        default=5.0,
+        help="seconds between passes that bring batches up to date with their runs "
+        "(GETs show what the last pass wrote)",
+    )
     run.set_defaults(handler=serve)
     key_parser = commands.add_parser("keys", help="create, list or revoke API keys")
     key_commands = key_parser.add_subparsers(dest="keys_command", required=True)
