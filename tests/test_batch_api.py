@@ -811,3 +811,52 @@ def test_gets_of_a_batch_whose_run_finished_write_nothing(service, api, tmp_path
 @dg.op
 def _lose_the_worker():
     raise RuntimeError("the worker pod was evicted")
+
+
+def test_a_run_requested_before_its_batch_was_cancelled_is_stopped(service, tmp_path):
+    """The sensor reads a batch in progress; the batch is cancelled before its run exists
+    (finalized as cancelled: nothing to stop yet); then the daemon creates the run the sensor
+    requested. The reconcile loop stops that run, and leaves the run of a live batch alone."""
+    tenant = service.store.authenticate(service.store.create_key("acme").token)
+    source = service.upload(
+        tenant, filename="in.jsonl", purpose="batch", data=request_lines(2, model="mini")
+    )
+
+    def create() -> dict:
+        return service.create_batch(
+            tenant,
+            input_file_id=source["id"],
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+            metadata=None,
+        )
+
+    doomed, live = create(), create()
+    pipelines = batch_pipelines(
+        ROUTES, files_root=str(tmp_path / "files"), store_url=service.store.url
+    )
+    defs = dg.Definitions.merge(
+        pipelines.defs, dg.Definitions(resources={"gpu": GpuInferenceResource()})
+    )
+    context = dg.build_sensor_context(instance=service.instance, definitions=defs)
+    requests = {r.run_key: r for r in pipelines.sensor(context).run_requests}
+    assert set(requests) == {doomed["id"], live["id"]}
+    assert service.cancel(tenant, doomed["id"])["status"] == "cancelled"
+    runs = {}
+    for batch_id, request in requests.items():  # the daemon launches what was requested
+        run = dg.DagsterRun(
+            job_name=request.job_name,
+            run_id=str(uuid.uuid4()),
+            tags={**request.tags, "dagster/partition": batch_id},
+            status=dg.DagsterRunStatus.NOT_STARTED,
+        )
+        runs[batch_id] = service.instance.add_run(run).run_id
+    service.reconcile_all()  # a pass of the service's reconcile loop
+    status = {b: service.instance.get_run_by_id(r).status for b, r in runs.items()}
+    # No process runs these records, so the launcher can only mark the stop as asked for.
+    assert status == {
+        doomed["id"]: dg.DagsterRunStatus.CANCELING,
+        live["id"]: dg.DagsterRunStatus.NOT_STARTED,
+    }
+    assert service.batch(tenant, doomed["id"])["status"] == "cancelled"
+    assert service.batch(tenant, live["id"])["status"] == "in_progress"

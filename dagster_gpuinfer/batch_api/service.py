@@ -32,6 +32,7 @@ from dagster_gpuinfer.storage import RowCounts, partition_progress
 ACTIVE = ("in_progress", "cancelling", "finalizing")
 TERMINAL = ("failed", "completed", "expired", "cancelled")
 AUDIT = logging.getLogger("dagster_gpuinfer.batch_api.audit")
+log = logging.getLogger(__name__)
 _WINDOW = re.compile(r"^(\d+)([smh])$")
 # A cancelled run that has not stopped after this long is finalized anyway.
 CANCEL_GRACE_SECONDS = 120
@@ -398,9 +399,42 @@ class BatchService:
         return file_id
 
     def reconcile_all(self) -> None:
-        """One pass over every unfinished batch (the service runs this on a timer)."""
+        """One pass over every unfinished batch (the service runs this on a timer), then over
+        the batch jobs' unfinished runs."""
         for record in self.store.batches_in(("validating", *ACTIVE)):
             self.reconcile(record)
+        self.stop_runs_of_stopped_batches()
+
+    def stop_runs_of_stopped_batches(self) -> None:
+        """Stop every unfinished run of a batch job whose batch is cancelled or expired.
+
+        The sensor reads the `in_progress` batches and then requests their runs; a batch
+        cancelled (or expired) in between is finalized with no run to stop, and the run the
+        daemon launches afterwards belongs to a finished batch, which no reconcile looks at
+        again. Such a run is found here, by the batch jobs' names, however late it appears.
+        """
+        from dagster import DagsterRunStatus, RunsFilter
+
+        unfinished = [
+            DagsterRunStatus.QUEUED,
+            DagsterRunStatus.NOT_STARTED,
+            DagsterRunStatus.STARTING,
+            DagsterRunStatus.STARTED,
+        ]
+        for route in self.routes.routes:
+            runs = self.instance.get_runs(
+                filters=RunsFilter(job_name=route.job_name, statuses=unfinished)
+            )
+            for run in runs:
+                record = self.store.get_batch(run.tags.get(BATCH_ID_TAG, ""))
+                if record is not None and record["status"] in ("cancelled", "expired"):
+                    log.warning(
+                        "run %s of batch %s is still going though the batch is %s; stopping it",
+                        run.run_id,
+                        record["id"],
+                        record["status"],
+                    )
+                    self._stop(run)
 
 
 def _will_retry(run: Any) -> bool:
