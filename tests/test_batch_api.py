@@ -860,3 +860,9 @@ def test_a_run_requested_before_its_batch_was_cancelled_is_stopped(service, tmp_
     }
     assert service.batch(tenant, doomed["id"])["status"] == "cancelled"
     assert service.batch(tenant, live["id"])["status"] == "in_progress"
+
+
+def test_serve_refuses_a_reconcile_interval_that_would_never_move_batches(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "--reconcile-interval", "0"])
+    assert "batches move only through the reconcile loop" in capsys.readouterr().err
