@@ -237,6 +237,7 @@ def test_request_counts_rise_with_chunk_markers_and_completion_serves_the_files(
     )
     assert batch.request_counts.completed == 0 and batch.usage.total_tokens == 0
     fs, path, first = write_chunk(service, "batch_embed", batch.id, 0, ["req-0", "req-1"])
+    service.reconcile_all()  # a pass of the service's reconcile loop (GETs only read)
     running = sdk.batches.retrieve(batch.id)
     assert running.request_counts.completed == 2
     assert (running.usage.input_tokens, running.usage.output_tokens) == (14, 6)
@@ -244,6 +245,7 @@ def test_request_counts_rise_with_chunk_markers_and_completion_serves_the_files(
     _, _, second = write_chunk(
         service, "batch_embed", batch.id, 1, ["req-2", "req-3", "req-4"], bad=["req-5"]
     )
+    service.reconcile_all()
     now = sdk.batches.retrieve(batch.id)
     assert (now.status, now.request_counts.completed, now.request_counts.failed) == (
         "in_progress",
@@ -268,6 +270,7 @@ def test_request_counts_rise_with_chunk_markers_and_completion_serves_the_files(
 
     errors = pq.read_table(f"{path}/_chunks/{first.spec_hash}/{second.errors.name}")
     commit_partition(fs, path, manifest, [errors], openai_errors=b'{"custom_id": "req-5"}\n')
+    service.reconcile_all()
     done = sdk.batches.retrieve(batch.id)
     assert done.status == "completed" and done.completed_at is not None
     assert (done.request_counts.completed, done.request_counts.failed) == (5, 1)
@@ -523,6 +526,7 @@ def test_postgres_as_the_store(tmp_path, instance):
             page = sdk.batches.list(limit=2)
             assert [b.id for b in page.data] == ids[::-1][:2] and page.has_more
             write_chunk(svc, "batch_embed", ids[0], 0, ["req-0", "req-1"])
+            svc.reconcile_all()
             assert sdk.batches.retrieve(ids[0]).request_counts.completed == 2
             assert sdk.batches.cancel(ids[0]).status == "cancelled"
         _finalizers_race_to_publish_one_file(svc.store)
@@ -552,7 +556,8 @@ def _finalizers_race_to_publish_one_file(store) -> None:
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(publish, range(8)))  # re-raises a finalizer's error
-    [row] = [f for f in store.list_files("acme") if f["id"] == record["id"]]
+    files, _ = store.list_files("acme")
+    [row] = [f for f in files if f["id"] == record["id"]]
     assert row["bytes"] in range(8) and row["filename"] == record["filename"]
 
 
@@ -599,6 +604,7 @@ def test_a_failed_run_fails_the_batch_with_its_committed_rows_as_partial_output(
 
     result = batch_run.execute_in_process(instance=service.instance, raise_on_error=False)
     assert not result.success
+    service.reconcile_all()
     failed = sdk.batches.retrieve(batch.id)
     assert failed.status == "failed" and failed.failed_at is not None
     [error] = failed.errors.data
@@ -661,3 +667,202 @@ def test_a_store_created_by_an_older_version_gains_the_new_columns(tmp_path):
     assert store.update_batch("batch_old", input_tokens=5, output_tokens=1)
     assert store.get_batch("batch_old")["input_tokens"] == 5
     BatchStore(url).close()  # a second open is a no-op
+
+
+def test_openapi_has_a_response_schema_for_every_route(service):
+    """/openapi.json is the contract: every route answers a declared model (or, for file
+    content, declared bytes), every error the routers document is OpenAI's shape, and no
+    route documents FastAPI's 422, which this app answers as OpenAI's 400."""
+    from fastapi.testclient import TestClient
+
+    from dagster_gpuinfer.batch_api.app import create_app
+
+    document = TestClient(create_app(service, reconcile_interval=None)).get("/openapi.json").json()
+    components = document["components"]["schemas"]
+    routes = {(method.upper(), path) for path, ops in document["paths"].items() for method in ops}
+    assert routes == {
+        ("POST", "/v1/files"),
+        ("GET", "/v1/files"),
+        ("GET", "/v1/files/{file_id}"),
+        ("GET", "/v1/files/{file_id}/content"),
+        ("DELETE", "/v1/files/{file_id}"),
+        ("POST", "/v1/batches"),
+        ("GET", "/v1/batches"),
+        ("GET", "/v1/batches/{batch_id}"),
+        ("POST", "/v1/batches/{batch_id}/cancel"),
+        ("GET", "/health"),
+    }
+    for (method, path), operation in (
+        ((m.upper(), p), op) for p, ops in document["paths"].items() for m, op in ops.items()
+    ):
+        answers = operation["responses"]
+        [(media, content)] = answers["200"]["content"].items()
+        if media == "application/json":
+            assert content["schema"]["$ref"].rsplit("/", 1)[-1] in components, (method, path)
+        else:
+            assert (media, content["schema"]) == (
+                "application/jsonl",
+                {"type": "string", "format": "binary"},
+            )
+        assert "422" not in answers, (method, path)
+        if path != "/health":
+            assert operation["security"] == [{"HTTPBearer": []}]
+            for status in ("400", "401", "404"):
+                error = answers[status]["content"]["application/json"]["schema"]["$ref"]
+                assert error.endswith("/ErrorResponse"), (method, path, status)
+    # The objects are the SDK's: every field it reads is in the schema.
+    assert set(components["Batch"]["properties"]) == set(openai.types.Batch.model_fields)
+    sdk_file = openai.types.FileObject.model_fields
+    required = {name for name, field in sdk_file.items() if field.is_required()}
+    assert required <= set(components["FileObject"]["properties"]) <= set(sdk_file)
+    limits = {
+        path: next(p for p in document["paths"][path]["get"]["parameters"] if p["name"] == "limit")
+        for path in ("/v1/batches", "/v1/files")
+    }
+    assert {
+        path: (p["schema"]["minimum"], p["schema"]["maximum"]) for path, p in limits.items()
+    } == {
+        "/v1/batches": (1, 100),
+        "/v1/files": (1, 10_000),
+    }
+
+
+def test_limit_out_of_bounds_is_a_400_naming_limit(service, api):
+    sdk = client(api, service.store.create_key("acme").token)
+    for call in (
+        lambda: sdk.batches.list(limit=0),
+        lambda: sdk.batches.list(limit=101),
+        lambda: sdk.files.list(limit=0),
+        lambda: sdk.files.list(limit=10_001),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            call()
+        assert refused.value.param == "limit" and refused.value.code == "invalid_request"
+    assert sdk.batches.list(limit=100).data == [] and sdk.files.list(limit=10_000).data == []
+
+
+def test_files_list_pages_with_after_limit_and_has_more(service, api):
+    sdk = client(api, service.store.create_key("acme").token)
+    other = client(api, service.store.create_key("globex").token)
+    ids = [upload(sdk, request_lines(1, model="mini"), f"in-{i}.jsonl").id for i in range(5)]
+    upload(other, request_lines(1, model="mini"))
+    first = sdk.files.list(limit=2)
+    assert [f.id for f in first.data] == [ids[4], ids[3]] and first.has_more
+    assert (first.first_id, first.last_id) == (ids[4], ids[3])
+    second = sdk.files.list(limit=2, after=first.last_id)
+    assert [f.id for f in second.data] == [ids[2], ids[1]] and second.has_more
+    last = sdk.files.list(limit=2, after=second.last_id)
+    assert [f.id for f in last.data] == [ids[0]] and not last.has_more
+    # The SDK's auto-pagination follows `after` to the end, in either order.
+    assert [f.id for f in sdk.files.list(limit=2)] == ids[::-1]
+    assert [f.id for f in sdk.files.list(limit=2, order="asc")] == ids
+    assert [f.id for f in sdk.files.list(purpose="batch_output")] == []
+    assert len(other.files.list().data) == 1
+
+
+def test_gets_of_a_batch_whose_run_finished_write_nothing(service, api, tmp_path):
+    """A batch's run failed after committing a chunk: GETs of the batch, the lists and its
+    files run only SELECTs, leave the files root and the row as they were, and the batch
+    stays in_progress until a pass of the reconcile loop, which finalizes it."""
+    import sqlalchemy as sa
+
+    sdk = client(api, service.store.create_key("acme").token)
+    uploaded = upload(sdk, request_lines(4, model="mini"))
+    batch = sdk.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    write_chunk(service, "batch_embed", batch.id, 0, ["req-0", "req-1"])
+
+    @dg.job(tags={BATCH_ID_TAG: batch.id})
+    def batch_run():
+        _lose_the_worker()
+
+    assert not batch_run.execute_in_process(instance=service.instance, raise_on_error=False).success
+    statements: list[str] = []
+
+    def record(_conn, _cursor, statement, *_):
+        statements.append(statement.split(None, 1)[0].upper())
+
+    def files_root() -> dict[str, tuple[int, int]]:
+        return {
+            str(path): (path.stat().st_size, path.stat().st_mtime_ns)
+            for path in (tmp_path / "files").rglob("*")
+        }
+
+    row, tree = service.store.get_batch(batch.id), files_root()
+    sa.event.listen(service.store.engine, "before_cursor_execute", record)
+    try:
+        for _ in range(2):
+            assert sdk.batches.retrieve(batch.id).status == "in_progress"
+            assert [b.id for b in sdk.batches.list().data] == [batch.id]
+            assert [f.id for f in sdk.files.list().data] == [uploaded.id]
+            assert sdk.files.retrieve(uploaded.id).id == uploaded.id
+            assert sdk.files.content(uploaded.id).read() == request_lines(4, model="mini")
+    finally:
+        sa.event.remove(service.store.engine, "before_cursor_execute", record)
+    assert statements and set(statements) == {"SELECT"}
+    assert service.store.get_batch(batch.id) == row and files_root() == tree
+    service.reconcile_all()  # the loop, not a GET, finalizes it
+    failed = sdk.batches.retrieve(batch.id)
+    assert failed.status == "failed" and failed.output_file_id is not None
+    assert files_root() != tree
+
+
+@dg.op
+def _lose_the_worker():
+    raise RuntimeError("the worker pod was evicted")
+
+
+def test_a_run_requested_before_its_batch_was_cancelled_is_stopped(service, tmp_path):
+    """The sensor reads a batch in progress; the batch is cancelled before its run exists
+    (finalized as cancelled: nothing to stop yet); then the daemon creates the run the sensor
+    requested. The reconcile loop stops that run, and leaves the run of a live batch alone."""
+    tenant = service.store.authenticate(service.store.create_key("acme").token)
+    source = service.upload(
+        tenant, filename="in.jsonl", purpose="batch", data=request_lines(2, model="mini")
+    )
+
+    def create() -> dict:
+        return service.create_batch(
+            tenant,
+            input_file_id=source["id"],
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+            metadata=None,
+        )
+
+    doomed, live = create(), create()
+    pipelines = batch_pipelines(
+        ROUTES, files_root=str(tmp_path / "files"), store_url=service.store.url
+    )
+    defs = dg.Definitions.merge(
+        pipelines.defs, dg.Definitions(resources={"gpu": GpuInferenceResource()})
+    )
+    context = dg.build_sensor_context(instance=service.instance, definitions=defs)
+    requests = {r.run_key: r for r in pipelines.sensor(context).run_requests}
+    assert set(requests) == {doomed["id"], live["id"]}
+    assert service.cancel(tenant, doomed["id"])["status"] == "cancelled"
+    runs = {}
+    for batch_id, request in requests.items():  # the daemon launches what was requested
+        run = dg.DagsterRun(
+            job_name=request.job_name,
+            run_id=str(uuid.uuid4()),
+            tags={**request.tags, "dagster/partition": batch_id},
+            status=dg.DagsterRunStatus.NOT_STARTED,
+        )
+        runs[batch_id] = service.instance.add_run(run).run_id
+    service.reconcile_all()  # a pass of the service's reconcile loop
+    status = {b: service.instance.get_run_by_id(r).status for b, r in runs.items()}
+    # No process runs these records, so the launcher can only mark the stop as asked for.
+    assert status == {
+        doomed["id"]: dg.DagsterRunStatus.CANCELING,
+        live["id"]: dg.DagsterRunStatus.NOT_STARTED,
+    }
+    assert service.batch(tenant, doomed["id"])["status"] == "cancelled"
+    assert service.batch(tenant, live["id"])["status"] == "in_progress"
+
+
+def test_serve_refuses_a_reconcile_interval_that_would_never_move_batches(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "--reconcile-interval", "0"])
+    assert "batches move only through the reconcile loop" in capsys.readouterr().err

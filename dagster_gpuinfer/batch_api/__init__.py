@@ -7,7 +7,8 @@
   Dagster daemon: batch_api_sensor ──► dynamic partition <batch id> of the routed pipeline
                    ──► run (tags: batch id, tenant, Kueue queue) ──► worker writes chunks
                    ▲                                                  │
-  GET /v1/batches/{id}: run status (Dagster instance) + chunk markers / manifest (storage)
+  reconcile loop: run status (Dagster instance) + chunk markers / manifest (storage) ─► row
+  GET /v1/batches/{id}: the row, read only
 ```
 
 Design decisions, and why:
@@ -25,10 +26,14 @@ Design decisions, and why:
   state, so an API restart mid-batch loses nothing, and a run is requested once (run key).
   The alternative, the webserver's GraphQL, would make the API depend on the webserver being
   up and would put the tenant-to-run mapping in the API's memory between calls.
-- **Status is derived, not pushed** (service.py): from the store row, the latest run tagged
-  with the batch id, and the partition's chunk markers (rows done so far: counts rise while
-  the run goes) and manifest (completion). Terminal outcomes are written back once, with
-  compare-and-set updates.
+- **Status is derived, not pushed** (service.py): the reconcile loop (app.py, every few
+  seconds) reads the store row, the latest run tagged with the batch id, and the partition's
+  chunk markers (rows done so far: counts rise while the run goes) and manifest
+  (completion), and writes the row with compare-and-set updates. GETs only read the row, so
+  polling costs a SELECT and two pollers cannot race to finalize.
+- **The HTTP layer is FastAPI's own layout** (app.py): a router per resource (routers/),
+  the service and the tenant as dependencies (dependencies.py), a pydantic model for every
+  answer (schemas.py), so `/openapi.json` is the complete contract.
 - **Cancel terminates the run** through the instance's run coordinator and publishes the
   committed chunks as partial output; **expiry** after `completion_window` does the same.
   Output and error files are read through `dagster_gpuinfer.storage.read_openai_batch_files`,

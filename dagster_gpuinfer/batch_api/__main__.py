@@ -66,6 +66,16 @@ def keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_seconds(text: str) -> float:
+    seconds = float(text)
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(
+            f"{text} is not a positive number of seconds: batches move only through the "
+            "reconcile loop (GETs read what it wrote), so give it an interval, e.g. 5"
+        )
+    return seconds
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m dagster_gpuinfer.batch_api")
     top.add_argument("--store-url", help=f"metadata store URL (default ${settings.STORE_URL_ENV})")
@@ -75,7 +85,13 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--port", type=int, default=8001)
     run.add_argument("--routes", help="routing table: YAML path or module:attribute")
     run.add_argument("--files-root", help=f"file bytes root (default ${settings.FILES_ROOT_ENV})")
-    run.add_argument("--reconcile-interval", type=float, default=5.0)
+    run.add_argument(
+        "--reconcile-interval",
+        type=_positive_seconds,
+        default=5.0,
+        help="seconds between passes that bring batches up to date with their runs "
+        "(GETs show what the last pass wrote)",
+    )
     run.set_defaults(handler=serve)
     key_parser = commands.add_parser("keys", help="create, list or revoke API keys")
     key_commands = key_parser.add_subparsers(dest="keys_command", required=True)

@@ -1,10 +1,12 @@
 """What the endpoints do, without HTTP: upload, create, reconcile, cancel, list.
 
-A batch's status is not kept up to date by anyone pushing; it is derived when asked (and by
-the service's reconcile loop) from three sources of truth that survive restarts of this
+A batch's status is not pushed by anyone; the service's reconcile loop (`reconcile_all`, on
+a timer in app.py) derives it from three sources of truth that survive restarts of this
 process: the store row (what the tenant asked for, and terminal outcomes), the Dagster run
 tagged with the batch id (queued, running, failed, cancelled), and the partition's chunk
-markers and manifest in the output storage (rows done so far, and completion).
+markers and manifest in the output storage (rows done so far, and completion), and writes
+it to the store row. Reads (`file`, `batch`, `list_files`, `list_batches`) return the rows
+as they are and write nothing; only creates, cancels, deletes and the loop write.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dagster_gpuinfer.storage import RowCounts, partition_progress
 ACTIVE = ("in_progress", "cancelling", "finalizing")
 TERMINAL = ("failed", "completed", "expired", "cancelled")
 AUDIT = logging.getLogger("dagster_gpuinfer.batch_api.audit")
+log = logging.getLogger(__name__)
 _WINDOW = re.compile(r"^(\d+)([smh])$")
 # A cancelled run that has not stopped after this long is finalized anyway.
 CANCEL_GRACE_SECONDS = 120
@@ -131,6 +134,20 @@ class BatchService:
     def file_content(self, tenant: Tenant, file_id: str) -> bytes:
         return self.files.read(self.file(tenant, file_id)["path"])
 
+    def list_files(
+        self,
+        tenant: Tenant,
+        *,
+        purpose: str | None,
+        after: str | None,
+        limit: int,
+        order: str = "desc",
+    ) -> tuple[list[dict], bool]:
+        """One page of the tenant's files, and whether more follow (read only)."""
+        return self.store.list_files(
+            tenant.name, purpose=purpose, after=after, limit=limit, order=order
+        )
+
     def delete_file(self, tenant: Tenant, file_id: str) -> None:
         record = self.file(tenant, file_id)
         if self.store.delete_file(file_id, tenant.name):
@@ -201,26 +218,31 @@ class BatchService:
                 total=checked.total,
                 model=checked.model,
                 pipeline=checked.route.pipeline,
+                input_tokens=0,
+                output_tokens=0,
             )
         audit(tenant, "batch.create", batch_id, input_file_id=input_file_id, endpoint=endpoint)
         return self.batch(tenant, batch_id)
 
     def batch(self, tenant: Tenant, batch_id: str) -> dict:
+        """The tenant's batch as the store holds it (read only: the loop keeps it current)."""
         record = self.store.get_batch(batch_id, tenant.name)
         if record is None:
             raise not_found("batch", batch_id)
-        return self.reconcile(record)
+        return record
 
     def list_batches(self, tenant: Tenant, *, after: str | None, limit: int) -> tuple[list, bool]:
-        if not 1 <= limit <= 100:
-            raise ApiError(400, "limit must be 1 to 100", code="invalid_request", param="limit")
-        records, has_more = self.store.list_batches(tenant.name, after=after, limit=limit)
-        return [self.reconcile(record) for record in records], has_more
+        """One page of the tenant's batches, and whether more follow (read only)."""
+        return self.store.list_batches(tenant.name, after=after, limit=limit)
 
     def cancel(self, tenant: Tenant, batch_id: str) -> dict:
-        record = self.store.get_batch(batch_id, tenant.name)
-        if record is None:
-            raise not_found("batch", batch_id)
+        """Mark the batch cancelling and reconcile it at once: stop its run, or, with none
+        running, publish what it committed and finish it as cancelled.
+
+        Raises:
+            ApiError: 404 for another tenant's or an unknown batch, 409 for a finished one.
+        """
+        record = self.batch(tenant, batch_id)
         if record["status"] in ("validating", "in_progress"):
             self.store.update_batch(
                 batch_id,
@@ -235,7 +257,7 @@ class BatchService:
                 f"batch {batch_id} is {record['status']} and cannot be cancelled",
                 code="invalid_request",
             )
-        return self.batch(tenant, batch_id)
+        return self.reconcile(self.batch(tenant, batch_id))
 
     # ---------------------------------------------------------------- reconcile
 
@@ -377,9 +399,42 @@ class BatchService:
         return file_id
 
     def reconcile_all(self) -> None:
-        """One pass over every unfinished batch (the service runs this on a timer)."""
+        """One pass over every unfinished batch (the service runs this on a timer), then over
+        the batch jobs' unfinished runs."""
         for record in self.store.batches_in(("validating", *ACTIVE)):
             self.reconcile(record)
+        self.stop_runs_of_stopped_batches()
+
+    def stop_runs_of_stopped_batches(self) -> None:
+        """Stop every unfinished run of a batch job whose batch is cancelled or expired.
+
+        The sensor reads the `in_progress` batches and then requests their runs; a batch
+        cancelled (or expired) in between is finalized with no run to stop, and the run the
+        daemon launches afterwards belongs to a finished batch, which no reconcile looks at
+        again. Such a run is found here, by the batch jobs' names, however late it appears.
+        """
+        from dagster import DagsterRunStatus, RunsFilter
+
+        unfinished = [
+            DagsterRunStatus.QUEUED,
+            DagsterRunStatus.NOT_STARTED,
+            DagsterRunStatus.STARTING,
+            DagsterRunStatus.STARTED,
+        ]
+        for route in self.routes.routes:
+            runs = self.instance.get_runs(
+                filters=RunsFilter(job_name=route.job_name, statuses=unfinished)
+            )
+            for run in runs:
+                record = self.store.get_batch(run.tags.get(BATCH_ID_TAG, ""))
+                if record is not None and record["status"] in ("cancelled", "expired"):
+                    log.warning(
+                        "run %s of batch %s is still going though the batch is %s; stopping it",
+                        run.run_id,
+                        record["id"],
+                        record["status"],
+                    )
+                    self._stop(run)
 
 
 def _will_retry(run: Any) -> bool:

@@ -227,12 +227,25 @@ class BatchStore:
             )
         return result.rowcount == 1
 
-    def list_files(self, tenant: str, *, purpose: str | None = None) -> list[dict[str, Any]]:
+    def list_files(
+        self,
+        tenant: str,
+        *,
+        purpose: str | None = None,
+        after: str | None = None,
+        limit: int = 10_000,
+        order: str = "desc",
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """A tenant's files by creation (`order` "desc": newest first, or "asc"), starting
+        after the file `after`; and whether more follow. An `after` that is not the tenant's
+        file starts from the first."""
         query = sa.select(FILES).where(FILES.c.tenant == tenant)
         if purpose:
             query = query.where(FILES.c.purpose == purpose)
-        with self.engine.connect() as conn:
-            return [dict(r._mapping) for r in conn.execute(query.order_by(FILES.c.seq.desc()))]
+        rows, has_more = _page(
+            self.engine, FILES, query, tenant, after=after, limit=limit, order=order
+        )
+        return [dict(row._mapping) for row in rows], has_more
 
     # ---------------------------------------------------------------- batches
 
@@ -258,17 +271,8 @@ class BatchStore:
         """A tenant's batches, newest first, starting after the batch `after`; and whether
         more follow. An `after` that is not the tenant's batch starts from the newest."""
         query = sa.select(BATCHES).where(BATCHES.c.tenant == tenant)
-        with self.engine.connect() as conn:
-            if after:
-                cursor = conn.execute(
-                    sa.select(BATCHES.c.seq).where(
-                        BATCHES.c.id == after, BATCHES.c.tenant == tenant
-                    )
-                ).scalar()
-                if cursor is not None:
-                    query = query.where(BATCHES.c.seq < cursor)
-            rows = conn.execute(query.order_by(BATCHES.c.seq.desc()).limit(limit + 1)).all()
-        return [_batch(row) for row in rows[:limit]], len(rows) > limit
+        rows, has_more = _page(self.engine, BATCHES, query, tenant, after=after, limit=limit)
+        return [_batch(row) for row in rows], has_more
 
     def batches_in(self, statuses: Iterable[str], limit: int = 500) -> list[dict[str, Any]]:
         query = (
@@ -293,6 +297,32 @@ class BatchStore:
             statement = statement.where(BATCHES.c.status.in_(list(when_status)))
         with self.engine.begin() as conn:
             return conn.execute(statement.values(**values)).rowcount == 1
+
+
+def _page(
+    engine: sa.Engine,
+    table: sa.Table,
+    query: sa.Select,
+    tenant: str,
+    *,
+    after: str | None,
+    limit: int,
+    order: str = "desc",
+) -> tuple[list[Any], bool]:
+    """One page of `query` over `table` in insertion order (`seq`), keyset-paginated: the
+    rows after the tenant's row `after` (an unknown id starts from the first), at most
+    `limit` of them, and whether more follow (one extra row is read to tell)."""
+    ascending = order == "asc"
+    with engine.connect() as conn:
+        if after:
+            cursor = conn.execute(
+                sa.select(table.c.seq).where(table.c.id == after, table.c.tenant == tenant)
+            ).scalar()
+            if cursor is not None:
+                query = query.where(table.c.seq > cursor if ascending else table.c.seq < cursor)
+        by = table.c.seq.asc() if ascending else table.c.seq.desc()
+        rows = conn.execute(query.order_by(by).limit(limit + 1)).all()
+    return rows[:limit], len(rows) > limit
 
 
 def _batch(row: Any) -> dict[str, Any]:
