@@ -82,10 +82,9 @@ test-fast: install
 
 # The batch API (OpenAI /v1/files, /v1/batches) on 127.0.0.1:8001 beside `dagster dev`,
 # stopped with it; both find the same store and files (dagster_gpuinfer/batch_api/settings.py).
+# deploy/local/dev.sh creates the instance's storage first and stops if the API cannot start.
 dev: prepare
-	$(PY) -m dagster_gpuinfer.batch_api serve --routes assets.batch_pipelines:ROUTES & \
-	api=$$!; trap 'kill $$api 2>/dev/null' EXIT INT TERM; \
-	$(VENV)/bin/dagster dev -w workspace.yaml
+	PY=$(PY) DAGSTER=$(VENV)/bin/dagster bash deploy/local/dev.sh
 
 # The suite's Ray Data contestant comes from the optional `bench` extra, installed here only.
 bench: prepare
