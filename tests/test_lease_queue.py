@@ -323,23 +323,23 @@ def test_pools_are_separate(queue):
 
 def test_cancel_stops_leasing_and_refuses_live_leases(queue):
     queue.submit(job("cancelled", 4))
-    queue.submit(job("other", 1))
-    held = queue.lease(POOL, worker_id="w", ttl_s=30)
-    assert held.job_id == "cancelled"
-    done = queue.lease(POOL, worker_id="w", ttl_s=30)
-    done = queue.lease(POOL, worker_id="w", ttl_s=30) if done.job_id != "cancelled" else done
+    queue.submit(job("other", 2))
+    held, other, done = (queue.lease(POOL, worker_id="w", ttl_s=30) for _ in range(3))
+    assert [held.job_id, other.job_id, done.job_id] == ["cancelled", "other", "cancelled"]
     queue.complete(done)
     progress = queue.cancel("cancelled", "the run was terminated")
-    assert (progress.state, progress.done, progress.cancel_reason) == (
+    assert (progress.state, progress.done, progress.queued, progress.cancel_reason) == (
         "cancelled",
         1,
+        0,
         "the run was terminated",
     )
     with pytest.raises(LeaseLostError, match="cancelled") as lost:
         queue.heartbeat(held)
     assert lost.value.reason == "cancelled"
-    leased = [queue.lease(POOL, worker_id="w", ttl_s=30) for _ in range(2)]
-    assert [lease and lease.job_id for lease in leased] in (["other", None], [None, None])
+    queue.heartbeat(other)  # other jobs go on
+    assert queue.lease(POOL, worker_id="w", ttl_s=30).job_id == "other"
+    assert queue.lease(POOL, worker_id="w", ttl_s=30) is None
     assert queue.pool_stats(POOL).queued == 0
     with pytest.raises(UnknownJobError, match="no job 'missing'"):
         queue.cancel("missing", "typo")
