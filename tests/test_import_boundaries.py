@@ -25,6 +25,7 @@ def test_control_plane_imports_no_torch_or_vllm():
         "import dagster_gpuinfer.metadata, dagster_gpuinfer.launchers.local\n"
         "import dagster_gpuinfer.k8s.pod, dagster_gpuinfer.k8s.failures\n"
         "import dagster_gpuinfer.k8s.memory, dagster_gpuinfer.k8s.group\n"
+        "import dagster_gpuinfer.pools\n"
         "import assets.definitions"
     )
     heavy = sorted(m for m in loaded if m.split(".")[0] in HEAVY)
@@ -50,3 +51,12 @@ def test_worker_imports_no_dagster_control_plane():
     )
     assert "dagster" not in loaded
     assert not any(m.startswith("dagster.") for m in loaded)
+
+
+def test_pools_import_neither_dagster_nor_torch_nor_a_database_driver():
+    """The pool worker and the control plane both import `dagster_gpuinfer.pools`; a store's
+    driver (psycopg2) loads only when that store is opened."""
+    loaded = modules_after_import("import dagster_gpuinfer.pools")
+    top = {m.split(".")[0] for m in loaded}
+    kept_out = {"dagster", *HEAVY, "psycopg2"}
+    assert not top & kept_out, f"dagster_gpuinfer.pools imported {sorted(top & kept_out)}"
