@@ -125,3 +125,33 @@ def write_prompts(path: Path, rows: int) -> None:
         path,
         [{"id": f"id-{i}", "prompt": f"Question {i}: what is {i} plus {i}?"} for i in range(rows)],
     )
+
+
+def commit_by_hand(spec: Any, key: str, **fields: Any) -> Any:
+    """A partition committed as a worker leaves it, with no part files: the manifest names
+    the spec hash and the versions of the shard and model folder as they are now. `fields`
+    set the manifest's counts and figures (rows_in, wall_seconds, ...)."""
+    from dagster_gpuinfer.storage import (
+        FileEntry,
+        Manifest,
+        commit_partition,
+        filesystem_for,
+        model_version,
+        partition_dir,
+        source_version,
+    )
+
+    fs, path = filesystem_for(partition_dir(spec.output, key), spec.storage)
+    fs.create_dir(path, recursive=True)
+    manifest = Manifest(
+        partition_key=key,
+        spec_hash=spec.spec_hash(),
+        source=source_version(spec, key, model=model_version(spec)),
+        model=spec.model,
+        task=spec.task,
+        output_format=spec.output.format,
+        parts=[],
+        errors=FileEntry(name="errors.parquet", rows=0, bytes=0, sha256=""),
+        **fields,
+    )
+    return commit_partition(fs, path, manifest, [])

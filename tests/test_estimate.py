@@ -12,7 +12,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from support import write_jsonl, write_parquet
+from support import commit_by_hand, write_jsonl, write_parquet
 
 from dagster_gpuinfer import GpuInferenceResource, InputSpec, inference_assets
 from dagster_gpuinfer.estimate import (
@@ -26,15 +26,6 @@ from dagster_gpuinfer.estimate import (
     makespan,
 )
 from dagster_gpuinfer.spec import InferenceSpec
-from dagster_gpuinfer.storage import (
-    FileEntry,
-    Manifest,
-    commit_partition,
-    filesystem_for,
-    model_version,
-    partition_dir,
-    source_version,
-)
 
 ROWS = {"s0": 100, "s1": 300, "s2": 200, "s3": 400, "s4": 50, "s5": 250}
 
@@ -60,27 +51,16 @@ def parquet_pipeline(root: Path, *, per_run: int = 2, pool: str | None = None):
 
 
 def commit(spec: InferenceSpec, key: str, *, rows: int, wall_seconds: float, load: float) -> None:
-    """A committed partition as the worker leaves it: manifest written last, naming the
-    versions of the shard and model folder it was computed from."""
+    """A committed partition as the worker leaves it (rows counted, no part files)."""
     Path(spec.model).mkdir(parents=True, exist_ok=True)
-    fs, path = filesystem_for(partition_dir(spec.output, key), spec.storage)
-    fs.create_dir(path, recursive=True)
-    manifest = Manifest(
-        partition_key=key,
-        spec_hash=spec.spec_hash(),
-        source=source_version(spec, key, model=model_version(spec)),
-        model=spec.model,
-        task=spec.task,
-        output_format="parquet",
+    commit_by_hand(
+        spec,
+        key,
         rows_in=rows,
         rows_out=rows,
-        rows_errored=0,
-        parts=[],
-        errors=FileEntry(name="errors.parquet", rows=0, bytes=0, sha256=""),
         wall_seconds=wall_seconds,
         model_load_seconds=load,
     )
-    commit_partition(fs, path, manifest, [])
 
 
 def spec_of(pipeline) -> InferenceSpec:

@@ -18,19 +18,10 @@ import pytest
 from dagster._core.definitions.data_version import StaleStatus
 from dagster._core.definitions.observe import observe
 from dagster._utils.test.data_versions import get_stale_status_resolver
-from support import materialize_partitions, partition_metadata, write_parquet
+from support import commit_by_hand, materialize_partitions, partition_metadata, write_parquet
 
 from dagster_gpuinfer import GpuInferenceResource, InferenceSpec, InputSpec, inference_assets
 from dagster_gpuinfer.asset_factory import recompute_stale
-from dagster_gpuinfer.storage import (
-    FileEntry,
-    Manifest,
-    commit_partition,
-    filesystem_for,
-    model_version,
-    partition_dir,
-    source_version,
-)
 
 KEYS = ["p0", "p1"]
 
@@ -59,20 +50,7 @@ def _pipeline(root: Path, **changes):
 def _commit_as_a_worker_would(pipeline, key: str) -> None:
     """A partition committed from its shard and model files as they are now (no rows out:
     the checks count files, and this test is about versions)."""
-    spec = InferenceSpec.model_validate(pipeline.spec)
-    fs, path = filesystem_for(partition_dir(spec.output, key), spec.storage)
-    fs.create_dir(path, recursive=True)
-    manifest = Manifest(
-        partition_key=key,
-        spec_hash=spec.spec_hash(),
-        source=source_version(spec, key, model=model_version(spec)),
-        model=spec.model,
-        task=spec.task,
-        output_format="parquet",
-        parts=[],
-        errors=FileEntry(name="errors.parquet", rows=0, bytes=0, sha256=""),
-    )
-    commit_partition(fs, path, manifest, [])
+    commit_by_hand(InferenceSpec.model_validate(pipeline.spec), key)
 
 
 @pytest.fixture
