@@ -541,8 +541,8 @@ class EngineBackend:
         import uuid
 
         from bench.longtail import row_params
-        from dagster_gpuinfer.storage import SourceVersion, read_partition
-        from dagster_gpuinfer.worker.commit import PartitionOutput, PartitionTimes, commit_chunks
+        from dagster_gpuinfer.storage import PartitionOutput, SourceVersion, read_partition
+        from dagster_gpuinfer.worker.commit import PartitionTimes, commit_chunks
         from dagster_gpuinfer.worker.readers import RawChunk
         from dagster_gpuinfer.worker.stream import WorkChunk, serve_chunks
 

@@ -20,9 +20,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from dagster_gpuinfer import InferenceSpec, read_partition
-from dagster_gpuinfer.storage import Manifest, SourceVersion, read_chunk_markers, verify_manifest
+from dagster_gpuinfer.storage import (
+    Manifest,
+    PartitionOutput,
+    SourceVersion,
+    read_chunk_errors,
+    read_chunk_markers,
+    verify_manifest,
+)
 from dagster_gpuinfer.worker import coordinator as coordinator_module
-from dagster_gpuinfer.worker.commit import PartitionOutput, read_chunk_errors
 from dagster_gpuinfer.worker.coordinator import RunCoordinator
 from dagster_gpuinfer.worker.readers import RawChunk
 from dagster_gpuinfer.worker.stream import ChunkCommitted, EngineLoop, WholeChunks, WorkChunk

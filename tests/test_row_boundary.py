@@ -347,6 +347,7 @@ def test_a_losing_racer_touches_no_file_the_winner_owns(tmp_path):
         CommitConflict,
         FileEntry,
         Manifest,
+        PartitionOutput,
         commit_partition,
         filesystem_for,
         partition_error_files,
@@ -354,7 +355,6 @@ def test_a_losing_racer_touches_no_file_the_winner_owns(tmp_path):
         verify_manifest,
         write_file_entry,
     )
-    from dagster_gpuinfer.worker.commit import PartitionOutput
     from dagster_gpuinfer.worker.writers import errors_table
 
     spec = openai_spec(tmp_path)

@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dagster_gpuinfer.spec import InferenceSpec
-from dagster_gpuinfer.storage import ChunkMarker, SourceVersion
+from dagster_gpuinfer.storage import ChunkMarker, PartitionOutput, SourceVersion
 from dagster_gpuinfer.task_table import task_facts
-from dagster_gpuinfer.worker.commit import PartitionOutput, write_chunk
+from dagster_gpuinfer.worker.commit import write_chunk
 from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine, RequestRejected
 from dagster_gpuinfer.worker.engine_time import EngineTimeShares
 from dagster_gpuinfer.worker.metrics import current_metrics
