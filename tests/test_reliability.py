@@ -48,7 +48,7 @@ from dagster_gpuinfer.storage import commit as storage_commit
 from dagster_gpuinfer.storage import files as storage_files
 from dagster_gpuinfer.worker.commit import PartitionTimes, commit_chunks
 from dagster_gpuinfer.worker.errors import RowError
-from dagster_gpuinfer.worker.writers import errors_table
+from dagster_gpuinfer.worker.rows.writers import errors_table
 
 # --------------------------------------------------------------------------- commit window
 

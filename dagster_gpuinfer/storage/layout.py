@@ -122,7 +122,7 @@ class ChunkMarker(RowCounts):
 
     `started_at` / `finished_at` (Unix time, as any process of the host reads it) bound the
     chunk's inference: its first row submitted, its last row done. `engine_seconds` is its
-    share of its engine's time in `step()` (`worker/engine_time.py`; a score/classify
+    share of its engine's time in `step()` (`worker/loop/engine_time.py`; a score/classify
     chunk: its call). `write_seconds` is the
     time its files took to write, measured where they were written (a replica process).
     """

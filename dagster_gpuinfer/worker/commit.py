@@ -31,17 +31,17 @@ from dagster_gpuinfer.storage import (
     write_chunk_files,
     write_chunk_marker,
 )
-from dagster_gpuinfer.worker.engine import ChunkResult
 from dagster_gpuinfer.worker.errors import ShardError
 from dagster_gpuinfer.worker.metrics import current_metrics
-from dagster_gpuinfer.worker.readers import RawChunk
-from dagster_gpuinfer.worker.validate import ValidChunk
-from dagster_gpuinfer.worker.writers import (
+from dagster_gpuinfer.worker.rows.readers import RawChunk
+from dagster_gpuinfer.worker.rows.validate import ValidChunk
+from dagster_gpuinfer.worker.rows.writers import (
     encode_openai_batch,
     errors_table,
     output_table,
     rows_invalid_output,
 )
+from dagster_gpuinfer.worker.stage_messages import ChunkResult
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 

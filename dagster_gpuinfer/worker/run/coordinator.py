@@ -42,16 +42,14 @@ from dagster_gpuinfer.storage import (
     input_version,
 )
 from dagster_gpuinfer.worker.commit import PartitionTimes, commit_chunks, partition_reading
-from dagster_gpuinfer.worker.engine_version import engine_versions
 from dagster_gpuinfer.worker.errors import ShardError
 from dagster_gpuinfer.worker.metrics import current_metrics
-from dagster_gpuinfer.worker.readers import ShardReader
-from dagster_gpuinfer.worker.stream import ChunkCommitted, WorkChunk
-from dagster_gpuinfer.worker.validate import screen_ids
+from dagster_gpuinfer.worker.rows.readers import ShardReader
+from dagster_gpuinfer.worker.rows.validate import screen_ids
+from dagster_gpuinfer.worker.run.engine_version import engine_versions
+from dagster_gpuinfer.worker.stage_messages import POLL_SECONDS, ChunkCommitted, WorkChunk
 
 log = logging.getLogger("dagster_gpuinfer.worker")
-
-POLL_SECONDS = 0.2
 
 
 @dataclass
