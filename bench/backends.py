@@ -475,7 +475,7 @@ class EngineBackend:
 
     def __init__(self, *, spec_json: str) -> None:
         from dagster_gpuinfer.spec import InferenceSpec
-        from dagster_gpuinfer.worker.engine import InferenceEngine
+        from dagster_gpuinfer.worker.loop.engine import InferenceEngine
 
         self.spec = InferenceSpec.model_validate_json(spec_json)
         self.engine = InferenceEngine(self.spec)
@@ -541,10 +541,11 @@ class EngineBackend:
         import uuid
 
         from bench.longtail import row_params
-        from dagster_gpuinfer.storage import SourceVersion, read_partition
-        from dagster_gpuinfer.worker.commit import PartitionOutput, PartitionTimes, commit_chunks
-        from dagster_gpuinfer.worker.readers import RawChunk
-        from dagster_gpuinfer.worker.stream import WorkChunk, serve_chunks
+        from dagster_gpuinfer.storage import PartitionOutput, SourceVersion, read_partition
+        from dagster_gpuinfer.worker.commit import PartitionTimes, commit_chunks
+        from dagster_gpuinfer.worker.loop.engine_loop import serve_chunks
+        from dagster_gpuinfer.worker.rows.readers import RawChunk
+        from dagster_gpuinfer.worker.stage_messages import WorkChunk
 
         spec = self.spec.model_copy(
             update={"chunk_size": chunk_size, "group_prefixes": group_prefixes}
@@ -616,7 +617,7 @@ def run_barrier(engine: Any, token_ids: list[list[int]], *, group_prefixes: bool
     done (one barrier for the whole list, unlike the worker's streaming loop); results in
     input order, as the worker's `ChunkResult`. The benchmark compares row orders with it.
     Moved here from `InferenceEngine.run`: only the benchmark calls it."""
-    from dagster_gpuinfer.worker.engine import ChunkResult
+    from dagster_gpuinfer.worker.stage_messages import ChunkResult
 
     started = time.perf_counter()
     grouped = group_prefixes and engine.task.facts.groups_prefixes

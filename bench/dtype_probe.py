@@ -3,7 +3,7 @@
     python -m bench.dtype_probe                    # auto (what vLLM picks) vs float32
     python -m bench.dtype_probe --rows 400 --dtypes auto,float32,bfloat16
 
-Why `worker/cpu_dtype.py` exists: vLLM's CPU build loads a float32 checkpoint in bfloat16
+Why `worker/loop/cpu_dtype.py` exists: vLLM's CPU build loads a float32 checkpoint in bfloat16
 under `dtype: auto`, which a CPU without AVX512_BF16/AMX emulates. Prints one JSON line per
 dtype (engine build seconds, rows/s of one timed call after a warm-up, generated tokens) and
 the CPU's bfloat16 support, so the figure comes with the machine it was taken on.
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         print(json.dumps(probe(args.model, args.one, args.rows, args.max_tokens)), flush=True)
         return 0
-    from dagster_gpuinfer.worker.cpu_dtype import native_bf16
+    from dagster_gpuinfer.worker.loop.cpu_dtype import native_bf16
 
     with tempfile.TemporaryDirectory(prefix="dtype-probe-") as scratch:
         model = args.model

@@ -72,7 +72,7 @@ def decoded_images(shard: str) -> list[Any]:
     import pyarrow.parquet as pq
 
     from dagster_gpuinfer.image_options import ImageOptions
-    from dagster_gpuinfer.worker.images import ImageDecoder
+    from dagster_gpuinfer.worker.tasks.images import ImageDecoder
 
     refs = pq.read_table(shard, columns=["image"]).column("image").to_pylist()
     decoder = ImageDecoder(ImageOptions())
@@ -88,7 +88,7 @@ def measure_decode(shard: str, rounds: int) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from dagster_gpuinfer.image_options import ImageOptions
-    from dagster_gpuinfer.worker.images import DecodedImage, ImageDecoder
+    from dagster_gpuinfer.worker.tasks.images import DecodedImage, ImageDecoder
 
     refs = pq.read_table(shard, columns=["image"]).column("image").to_pylist()
     decoder = ImageDecoder(ImageOptions())

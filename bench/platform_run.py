@@ -34,12 +34,12 @@ RANGE_END = "dagster/asset_partition_range_end"
 def raw_engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     """The `vllm.LLM` keyword arguments raw vLLM (and the other peers) get: the worker's
     `engine_kwargs(spec)` with the dtype the worker resolves on a CPU without native
-    bfloat16 (`worker/cpu_dtype.py`), so every contestant loads the model in one dtype, and
-    chunked prefill off where the worker turns it off (`worker/cpu_seeds.py`)."""
+    bfloat16 (`worker/loop/cpu_dtype.py`), so every contestant loads the model in one dtype, and
+    chunked prefill off where the worker turns it off (`worker/loop/cpu_seeds.py`)."""
     from dagster_gpuinfer.task_table import task_facts
-    from dagster_gpuinfer.worker.cpu_dtype import resolve_cpu_dtype
-    from dagster_gpuinfer.worker.cpu_seeds import resolve_cpu_chunked_prefill
-    from dagster_gpuinfer.worker.engine import engine_kwargs
+    from dagster_gpuinfer.worker.loop.cpu_dtype import resolve_cpu_dtype
+    from dagster_gpuinfer.worker.loop.cpu_seeds import resolve_cpu_chunked_prefill
+    from dagster_gpuinfer.worker.loop.engine import engine_kwargs
 
     kwargs = resolve_cpu_chunked_prefill(engine_kwargs(spec), samples=task_facts(spec.task).samples)
     return resolve_cpu_dtype(kwargs, spec.model)

@@ -1,7 +1,7 @@
 """How a pipeline's image inputs are read, checked and decoded (`InputSpec.images`).
 
 Both sides import this module (the spec carries it): pydantic and the standard library only.
-The worker's `worker/images.py` applies it; every limit here turns a bad image into a
+The worker's `worker/tasks/images.py` applies it; every limit here turns a bad image into a
 quarantined row with the limit named, never a failed shard.
 """
 

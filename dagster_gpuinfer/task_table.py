@@ -2,7 +2,7 @@
 classify) is, in facts both sides may read.
 
 This module imports only the standard library, so the Dagster code location, the job spec
-and the worker all import it. The worker's half (`dagster_gpuinfer.worker.tasks`) holds each
+and the worker all import it. The worker's half (`dagster_gpuinfer.worker.tasks.table`) holds each
 task's behaviour (payload checks, request parameters, engine call, output rows, OpenAI
 body) and finds its facts here by name.
 
@@ -21,7 +21,7 @@ A `TaskFacts` entry says:
   parameters and its requests produce no tokens; `samples` is its opposite.
 
 Adding a task: one `TaskFacts` entry in `TASKS` (and its name in `Task`, checked at import),
-plus one `WorkerTask` entry in `dagster_gpuinfer.worker.tasks.WORKER_TASKS`.
+plus one `WorkerTask` entry in `dagster_gpuinfer.worker.tasks.table.WORKER_TASKS`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class TaskFacts:
     endpoints: Mapping[str, str]
     streams: bool = True
     groups_prefixes: bool = False
-    images: bool = False  # rows carry images (worker/image_tasks.py)
+    images: bool = False  # rows carry images (worker/tasks/image.py)
 
     @property
     def pooling(self) -> bool:

@@ -91,7 +91,7 @@ def output_line(custom_id: str) -> str:
 
 def write_chunk(service: BatchService, pipeline: str, batch_id: str, index: int, ids, bad=()):
     """Commit one chunk of a batch's partition as the worker does: its part file (OpenAI
-    output lines), its quarantined rows, then its marker (storage.py's own calls)."""
+    output lines), its quarantined rows, then its marker (the storage package's own calls)."""
     import pyarrow as pa
 
     from dagster_gpuinfer.storage import ERRORS_SCHEMA

@@ -459,7 +459,7 @@ def crashing_worker(*tail: str) -> Worker:
 
 CUDA_OOM = [
     "Traceback (most recent call last):",
-    '  File "/app/dagster_gpuinfer/worker/engine.py", line 70, in __init__',
+    '  File "/app/dagster_gpuinfer/worker/loop/engine.py", line 70, in __init__',
     (
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
         "capacity of 79.19 GiB of which 1.02 GiB is free."

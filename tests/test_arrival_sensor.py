@@ -24,7 +24,7 @@ from dagster_gpuinfer.arrivals import (
 )
 from dagster_gpuinfer.sensors import arrival_sensor
 from dagster_gpuinfer.worker.errors import ShardError
-from dagster_gpuinfer.worker.readers import ShardReader
+from dagster_gpuinfer.worker.rows.readers import ShardReader
 
 _names = itertools.count()
 

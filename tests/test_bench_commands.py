@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.longtail import run_batch_command
 from dagster_gpuinfer.spec import EngineArgs, InferenceSpec, InputSpec, OutputSpec
-from dagster_gpuinfer.worker.engine import engine_kwargs
+from dagster_gpuinfer.worker.loop.engine import engine_kwargs
 
 
 def _parse(command: list[str]):

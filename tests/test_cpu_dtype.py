@@ -1,5 +1,5 @@
 """dtype auto on vLLM's CPU build: a float32 checkpoint stays float32 on a CPU that would
-emulate the half precision vLLM picks (worker/cpu_dtype.py); nothing else changes."""
+emulate the half precision vLLM picks (worker/loop/cpu_dtype.py); nothing else changes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dagster_gpuinfer.worker.cpu_dtype import checkpoint_dtype, resolve_cpu_dtype
+from dagster_gpuinfer.worker.loop.cpu_dtype import checkpoint_dtype, resolve_cpu_dtype
 
 
 def _checkpoint(tmp_path, **config) -> str:
@@ -57,7 +57,8 @@ def test_the_leader_and_its_followers_resolve_one_dtype(tmp_path, monkeypatch):
     them the same way, so a group never mixes dtypes."""
     import argparse
 
-    from dagster_gpuinfer.worker import cpu_dtype, follower
+    from dagster_gpuinfer.worker import follower
+    from dagster_gpuinfer.worker.loop import cpu_dtype
 
     monkeypatch.setattr(cpu_dtype, "native_bf16", lambda: False)
     model = _checkpoint(tmp_path, dtype="float32")

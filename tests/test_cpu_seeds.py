@@ -1,4 +1,4 @@
-"""Chunked prefill on vLLM's CPU build (worker/cpu_seeds.py): off for sampling tasks unless
+"""Chunked prefill on vLLM's CPU build (worker/loop/cpu_seeds.py): off for sampling tasks unless
 the pipeline decides; where it stays on, a row's seed is refused for that row only."""
 
 from __future__ import annotations
@@ -7,12 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from dagster_gpuinfer.worker.cpu_seeds import (
-    SEED_REFUSED,
-    resolve_cpu_chunked_prefill,
-    seeds_unsafe,
-)
-from dagster_gpuinfer.worker.request_params import ParameterError, RequestBuilder
+from dagster_gpuinfer.worker.loop.cpu_seeds import resolve_cpu_chunked_prefill, seeds_unsafe
+from dagster_gpuinfer.worker.rows.request_params import RequestBuilder
+from dagster_gpuinfer.worker.tasks.params import SEED_REFUSED, ParameterError
 
 
 def test_a_sampling_task_on_the_cpu_build_runs_without_chunked_prefill(caplog):

@@ -20,12 +20,19 @@ import pyarrow.parquet as pq
 import pytest
 
 from dagster_gpuinfer import InferenceSpec, read_partition
-from dagster_gpuinfer.storage import Manifest, SourceVersion, read_chunk_markers, verify_manifest
-from dagster_gpuinfer.worker import coordinator as coordinator_module
-from dagster_gpuinfer.worker.commit import PartitionOutput, read_chunk_errors
-from dagster_gpuinfer.worker.coordinator import RunCoordinator
-from dagster_gpuinfer.worker.readers import RawChunk
-from dagster_gpuinfer.worker.stream import ChunkCommitted, EngineLoop, WholeChunks, WorkChunk
+from dagster_gpuinfer.storage import (
+    Manifest,
+    PartitionOutput,
+    SourceVersion,
+    read_chunk_errors,
+    read_chunk_markers,
+    verify_manifest,
+)
+from dagster_gpuinfer.worker.loop.engine_loop import EngineLoop, WholeChunks
+from dagster_gpuinfer.worker.rows.readers import RawChunk
+from dagster_gpuinfer.worker.run import coordinator as coordinator_module
+from dagster_gpuinfer.worker.run.coordinator import RunCoordinator
+from dagster_gpuinfer.worker.stage_messages import ChunkCommitted, WorkChunk
 
 CHUNK = 4
 SOURCE = SourceVersion(input="test rows")
@@ -491,7 +498,7 @@ class RenderingEngine(FakeEngine):
         return image.resize((image.size[0], 4))
 
     def render(self, token_ids, images):
-        from dagster_gpuinfer.worker.engine import RequestRejected
+        from dagster_gpuinfer.worker.stage_messages import RequestRejected
 
         self.render_threads.add(threading.current_thread().name)
         (image,) = images

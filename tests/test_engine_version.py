@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 from dagster_gpuinfer import InferenceSpec
-from dagster_gpuinfer.worker.engine_version import (
+from dagster_gpuinfer.worker.errors import SpecError
+from dagster_gpuinfer.worker.run.engine_version import (
     VLLM_DISTRIBUTIONS,
     check_engine_version,
     engine_versions,
     installed_version,
 )
-from dagster_gpuinfer.worker.errors import SpecError
-from dagster_gpuinfer.worker.job import run_job
+from dagster_gpuinfer.worker.run.job import run_job
 
 INSTALLED = installed_version(*VLLM_DISTRIBUTIONS)
 
@@ -61,7 +61,7 @@ def test_the_installed_engine_meets_its_own_version_and_a_range_around_it(tmp_pa
 def test_a_worker_whose_vllm_differs_from_the_pin_refuses_before_loading_weights(
     tmp_path, monkeypatch
 ):
-    from dagster_gpuinfer.worker import job
+    from dagster_gpuinfer.worker.run import job
 
     def no_engine(*args, **kwargs):
         raise AssertionError("an engine was built for a spec this worker cannot run")
@@ -81,7 +81,7 @@ def test_the_engine_versions_are_read_without_importing_vllm():
     import sys
 
     code = (
-        "import sys; from dagster_gpuinfer.worker.engine_version import engine_versions; "
+        "import sys; from dagster_gpuinfer.worker.run.engine_version import engine_versions; "
         "print(engine_versions()['vllm']); print('vllm' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,6 +1,6 @@
 """The model's image resize run ahead in the decoder's pool changes no pixel the model gets.
 
-`worker/image_fit.py` hands the decoder the resize of the model's own Hugging Face image
+`worker/tasks/image_fit.py` hands the decoder the resize of the model's own Hugging Face image
 processor; the processor then runs on the resized image. Its output must equal, bit for bit,
 the processor's output on the image as decoded, for any size (down and up, any aspect ratio);
 and a processor whose output could depend on the original size gets no fit at all.
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from dagster_gpuinfer.image_options import ImageOptions
-from dagster_gpuinfer.worker.image_fit import image_fit_for, model_image_fit
-from dagster_gpuinfer.worker.images import ImageDecoder
+from dagster_gpuinfer.worker.tasks.image_fit import image_fit_for, model_image_fit
+from dagster_gpuinfer.worker.tasks.images import ImageDecoder
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil  # noqa: E402

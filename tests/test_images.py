@@ -17,7 +17,7 @@ from PIL import Image
 from assets.images import bomb_png, draw_shape, encode
 from dagster_gpuinfer.image_options import ImageOptions
 from dagster_gpuinfer.spec import StorageOptions
-from dagster_gpuinfer.worker.images import (
+from dagster_gpuinfer.worker.tasks.images import (
     DecodedImage,
     ImageDecoder,
     ImageFault,
@@ -316,8 +316,8 @@ def clip_tokenizer(tmp_path_factory):
 )
 @given(st.lists(st.sampled_from(sorted(_ROW_KINDS)), min_size=1, max_size=12))
 def test_every_image_embed_row_is_a_prompt_or_its_own_error(clip_tokenizer, kinds):
-    from dagster_gpuinfer.worker.readers import RawChunk
-    from dagster_gpuinfer.worker.validate import RowValidator
+    from dagster_gpuinfer.worker.rows.readers import RawChunk
+    from dagster_gpuinfer.worker.rows.validate import RowValidator
 
     rows = [(i, f"r{i}-{kind}", _ROW_KINDS[kind]) for i, kind in enumerate(kinds)]
     validator = RowValidator(task="image_embed", tokenizer=clip_tokenizer, max_model_len=77)

@@ -45,8 +45,8 @@ def test_kubernetes_client_imports_no_torch_or_vllm_and_nothing_above_it():
 
 def test_worker_imports_no_dagster_control_plane():
     loaded = modules_after_import(
-        "import dagster_gpuinfer.worker.__main__, dagster_gpuinfer.worker.job\n"
-        "import dagster_gpuinfer.worker.commit, dagster_gpuinfer.worker.validate\n"
+        "import dagster_gpuinfer.worker.__main__, dagster_gpuinfer.worker.run.job\n"
+        "import dagster_gpuinfer.worker.commit, dagster_gpuinfer.worker.rows.validate\n"
         "import dagster_gpuinfer.worker.follower"
     )
     assert "dagster" not in loaded

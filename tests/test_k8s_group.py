@@ -21,12 +21,12 @@ from dagster_gpuinfer.k8s.group import (
     GroupConfig,
     build_worker_group,
 )
-from dagster_gpuinfer.worker.engine import engine_kwargs
 from dagster_gpuinfer.worker.follower import (
     FOLLOWER_MODULE,
     engine_cli_args,
     parse_args,
 )
+from dagster_gpuinfer.worker.loop.engine import engine_kwargs
 from tests.test_k8s_pod import (
     IDENTITY,
     K8S_VERSION,

@@ -11,8 +11,9 @@ import time
 import pytest
 
 from dagster_gpuinfer.spec import SamplingParams, StructuredOutputs
-from dagster_gpuinfer.worker.request_params import ParameterError, RequestBuilder
-from dagster_gpuinfer.worker.structured import check_output, pattern_problem
+from dagster_gpuinfer.worker.rows.request_params import RequestBuilder
+from dagster_gpuinfer.worker.tasks.params import ParameterError
+from dagster_gpuinfer.worker.tasks.structured import check_output, pattern_problem
 
 
 def builder() -> RequestBuilder:
@@ -105,7 +106,7 @@ def test_a_property_named_pattern_is_not_taken_for_a_regex():
 
 def test_json_is_compact_by_default_with_an_opt_out():
     from dagster_gpuinfer import InferenceSpec
-    from dagster_gpuinfer.worker.engine import engine_kwargs, with_compact_json
+    from dagster_gpuinfer.worker.loop.engine import engine_kwargs, with_compact_json
 
     def spec(extra=None, task="chat"):
         return InferenceSpec.model_validate(

@@ -25,18 +25,19 @@ from dagster_gpuinfer.metadata import partition_metadata
 from dagster_gpuinfer.run_metrics import NOT_AVAILABLE
 from dagster_gpuinfer.storage import ChunkMarker, Manifest, RowCounts
 from dagster_gpuinfer.worker.commit import chunk_span
-from dagster_gpuinfer.worker.coordinator import RunCoordinator
-from dagster_gpuinfer.worker.engine_time import EngineTimeShares
 from dagster_gpuinfer.worker.errors import ShardError
-from dagster_gpuinfer.worker.job import (
+from dagster_gpuinfer.worker.loop.engine_time import EngineTimeShares
+from dagster_gpuinfer.worker.rows.readers import ShardReader
+from dagster_gpuinfer.worker.run.coordinator import RunCoordinator
+from dagster_gpuinfer.worker.run.job import _ReplicaRun
+from dagster_gpuinfer.worker.stage_messages import (
+    ChunkCommitted,
     ReplicaChunk,
     ReplicaCrashed,
     ReplicaLoaded,
     ReplicaUserError,
-    _ReplicaRun,
+    WorkChunk,
 )
-from dagster_gpuinfer.worker.readers import ShardReader
-from dagster_gpuinfer.worker.stream import ChunkCommitted, WorkChunk
 from dagster_gpuinfer.worker.telemetry import EngineGauges, Sample, summarise_engine
 
 ROWS = 40
@@ -338,7 +339,7 @@ def test_a_failed_partition_is_logged_once_by_whoever_handles_it(tmp_path, caplo
                 raise ShardError("shard bad line 3: not valid JSON")
             yield from super().chunks(chunk_size)
 
-    monkeypatch.setattr("dagster_gpuinfer.worker.coordinator.ShardReader", BreaksOnBad)
+    monkeypatch.setattr("dagster_gpuinfer.worker.run.coordinator.ShardReader", BreaksOnBad)
     with caplog.at_level(logging.ERROR, logger="dagster_gpuinfer.worker"):
         manifests, failed = _run_coordinator(tmp_path, ["bad", "good"])
     assert failed == ["bad"] and [m.partition_key for m in manifests] == ["good"]
@@ -390,7 +391,7 @@ def test_the_worker_start_figure_is_within_what_the_parent_saw():
     time rounded to the second ran long by that second's fraction."""
     probe = (
         "import time; time.sleep(0.3);"
-        "from dagster_gpuinfer.worker.job import process_age_seconds;"
+        "from dagster_gpuinfer.worker.run.job import process_age_seconds;"
         "print(process_age_seconds())"
     )
     for _ in range(3):

@@ -1,4 +1,4 @@
-"""The streaming loop's order of submission (worker/stream.py `prefix_order`): rows sorted
+"""The streaming loop's order of submission (worker/loop/engine_loop.py `prefix_order`): rows sorted
 by prompt when that brings whole KV blocks of shared prefix together, else input order."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dagster_gpuinfer.worker.stream import _shared_blocks, prefix_order
+from dagster_gpuinfer.worker.loop.engine_loop import _shared_blocks, prefix_order
 
 
 def tokens(row):

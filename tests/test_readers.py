@@ -9,7 +9,7 @@ from support import write_jsonl, write_parquet
 
 from dagster_gpuinfer import InferenceSpec
 from dagster_gpuinfer.worker.errors import ShardError
-from dagster_gpuinfer.worker.readers import ShardReader
+from dagster_gpuinfer.worker.rows.readers import ShardReader
 
 
 def make_spec(uri: str, task: str = "generate", **input_fields) -> InferenceSpec:

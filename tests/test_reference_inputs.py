@@ -40,7 +40,7 @@ def test_request_pipelines_inputs_cover_their_partitions(data_dir):
 
     from assets.prepare import write_rerank_shards, write_ticket_shards
     from assets.request_pipelines import RERANK_SHARDS, TICKET_SHARDS, TicketFields
-    from dagster_gpuinfer.worker.openai_batch import BatchRequestLine
+    from dagster_gpuinfer.worker.tasks.openai_batch import BatchRequestLine
 
     write_ticket_shards()
     write_rerank_shards()

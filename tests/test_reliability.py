@@ -37,15 +37,18 @@ from dagster_gpuinfer import (
 )
 from dagster_gpuinfer.storage import (
     ChunkMarker,
+    PartitionOutput,
     read_chunk_markers,
     table_to_parquet_bytes,
     verify_manifest,
     write_chunk_marker,
     write_file_entry,
 )
-from dagster_gpuinfer.worker.commit import PartitionOutput, PartitionTimes, commit_chunks
+from dagster_gpuinfer.storage import commit as storage_commit
+from dagster_gpuinfer.storage import files as storage_files
+from dagster_gpuinfer.worker.commit import PartitionTimes, commit_chunks
 from dagster_gpuinfer.worker.errors import RowError
-from dagster_gpuinfer.worker.writers import errors_table
+from dagster_gpuinfer.worker.rows.writers import errors_table
 
 # --------------------------------------------------------------------------- commit window
 
@@ -142,9 +145,15 @@ def _crash_during_commit(root: str, crash_at: int, torn: bool) -> None:
         calls["n"] += 1
         real_delete(fs, paths)
 
-    storage.write_bytes_atomic = dying(real_write)
-    storage.create_exclusive = dying(real_create)
-    storage.delete_quietly = delete
+    replacements = {
+        "write_bytes_atomic": dying(real_write),
+        "create_exclusive": dying(real_create),
+        "delete_quietly": delete,
+    }
+    for module in (storage_files, storage_commit):  # wherever the commit calls them
+        for name, replacement in replacements.items():
+            if hasattr(module, name):
+                setattr(module, name, replacement)
     _commit(spec, where)
     os._exit(0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dagster_gpuinfer.worker.errors import SpecError
-from dagster_gpuinfer.worker.job import plan_replica_env
+from dagster_gpuinfer.worker.run.job import plan_replica_env
 
 
 def test_gpu_replicas_get_disjoint_slices_of_tensor_parallel_size():

@@ -10,13 +10,10 @@ import pytest
 from pydantic import BaseModel
 
 from dagster_gpuinfer.spec import SamplingParams, StructuredOutputs
-from dagster_gpuinfer.worker.readers import RawChunk
-from dagster_gpuinfer.worker.request_params import (
-    ParameterError,
-    RequestBuilder,
-    parse_params_value,
-)
-from dagster_gpuinfer.worker.structured import check_output
+from dagster_gpuinfer.worker.rows.readers import RawChunk
+from dagster_gpuinfer.worker.rows.request_params import RequestBuilder
+from dagster_gpuinfer.worker.tasks.params import ParameterError, parse_params_value
+from dagster_gpuinfer.worker.tasks.structured import check_output
 
 
 def builder(task: str = "chat", **defaults) -> RequestBuilder:
@@ -147,7 +144,7 @@ def test_outputs_are_checked_against_their_constraint(constraint, text, valid):
 def test_unsupported_row_parameters_quarantine_only_their_row(tiny_llama_dir):
     from transformers import AutoTokenizer
 
-    from dagster_gpuinfer.worker.validate import RowValidator
+    from dagster_gpuinfer.worker.rows.validate import RowValidator
 
     validator = RowValidator(
         task="generate",

@@ -22,7 +22,11 @@ from support import cpu_resource, materialize_partitions, write_jsonl, write_par
 
 from dagster_gpuinfer import InputSpec, OutputSpec, SamplingParams, inference_assets, read_partition
 from dagster_gpuinfer.storage import filesystem_for, partition_dir, read_manifest
-from dagster_gpuinfer.worker.openai_batch import BatchOutputLine, ChatCompletion, EmbeddingList
+from dagster_gpuinfer.worker.tasks.openai_batch import (
+    BatchOutputLine,
+    ChatCompletion,
+    EmbeddingList,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -232,7 +236,7 @@ def test_per_line_temperature_and_seed_match_raw_vllm(chat_run, tmp_path):
         import json, sys
         if __name__ == "__main__":
             from vllm import LLM, SamplingParams
-            from dagster_gpuinfer.worker.cpu_dtype import resolve_cpu_dtype
+            from dagster_gpuinfer.worker.loop.cpu_dtype import resolve_cpu_dtype
             model = {chat_run["model"]!r}
             kwargs = dict(max_model_len=256, gpu_memory_utilization=0.2, enforce_eager=True,
                           seed=0)

@@ -20,12 +20,12 @@ from support import write_jsonl
 from dagster_gpuinfer import InferenceSpec
 from dagster_gpuinfer.spec import SamplingParams
 from dagster_gpuinfer.storage import SourceVersion
-from dagster_gpuinfer.worker.engine import RequestRejected
 from dagster_gpuinfer.worker.errors import MESSAGE_LIMIT, RowError, cap_message
-from dagster_gpuinfer.worker.readers import RawChunk, ShardReader
-from dagster_gpuinfer.worker.request_params import RequestBuilder
-from dagster_gpuinfer.worker.stream import WorkChunk, serve_chunks
-from dagster_gpuinfer.worker.validate import RowValidator
+from dagster_gpuinfer.worker.loop.engine_loop import serve_chunks
+from dagster_gpuinfer.worker.rows.readers import RawChunk, ShardReader
+from dagster_gpuinfer.worker.rows.request_params import RequestBuilder
+from dagster_gpuinfer.worker.rows.validate import RowValidator
+from dagster_gpuinfer.worker.stage_messages import RequestRejected, WorkChunk
 
 
 def openai_spec(tmp_path, task="chat", **extra) -> InferenceSpec:
@@ -62,7 +62,7 @@ def builder(**limits) -> RequestBuilder:
 
 
 def build_error(build: RequestBuilder, params):
-    from dagster_gpuinfer.worker.request_params import ParameterError
+    from dagster_gpuinfer.worker.tasks.params import ParameterError
 
     with pytest.raises(ParameterError) as caught:
         build.build(params)
@@ -347,6 +347,7 @@ def test_a_losing_racer_touches_no_file_the_winner_owns(tmp_path):
         CommitConflict,
         FileEntry,
         Manifest,
+        PartitionOutput,
         commit_partition,
         filesystem_for,
         partition_error_files,
@@ -354,8 +355,7 @@ def test_a_losing_racer_touches_no_file_the_winner_owns(tmp_path):
         verify_manifest,
         write_file_entry,
     )
-    from dagster_gpuinfer.worker.commit import PartitionOutput
-    from dagster_gpuinfer.worker.writers import errors_table
+    from dagster_gpuinfer.worker.rows.writers import errors_table
 
     spec = openai_spec(tmp_path)
     where = PartitionOutput.of(spec, "p", source=SourceVersion(input="test rows"))
@@ -400,9 +400,9 @@ MEMORY_PROBE = """
 import json, resource, sys
 from transformers import AutoTokenizer
 from dagster_gpuinfer import InferenceSpec
-from dagster_gpuinfer.worker.readers import ShardReader
-from dagster_gpuinfer.worker.request_params import RequestBuilder
-from dagster_gpuinfer.worker.validate import RowValidator
+from dagster_gpuinfer.worker.rows.readers import ShardReader
+from dagster_gpuinfer.worker.rows.request_params import RequestBuilder
+from dagster_gpuinfer.worker.rows.validate import RowValidator
 
 root, model = sys.argv[1], sys.argv[2]
 spec = InferenceSpec.model_validate({

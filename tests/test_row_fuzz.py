@@ -18,9 +18,10 @@ from transformers import AutoTokenizer
 
 from dagster_gpuinfer import InferenceSpec
 from dagster_gpuinfer.spec import RowLimits, SamplingParams
-from dagster_gpuinfer.worker.readers import ShardReader
-from dagster_gpuinfer.worker.request_params import GENERATION_KEYS, RequestBuilder
-from dagster_gpuinfer.worker.validate import RowValidator, screen_ids
+from dagster_gpuinfer.worker.rows.readers import ShardReader
+from dagster_gpuinfer.worker.rows.request_params import RequestBuilder
+from dagster_gpuinfer.worker.rows.validate import RowValidator, screen_ids
+from dagster_gpuinfer.worker.tasks.params import GENERATION_KEYS
 
 LIMITS = RowLimits(max_line_bytes=4096, max_prompt_chars=600, max_json_depth=12)
 

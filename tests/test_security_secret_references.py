@@ -141,7 +141,7 @@ def test_s3_credentials_travel_as_env_var_names_and_the_worker_resolves_them(mon
     worker_env.pop("AWS_SECRET_ACCESS_KEY", None)
     probe = (
         "import os\n"
-        "from dagster_gpuinfer.worker.env_references import apply_env_references\n"
+        "from dagster_gpuinfer.worker.run.env_references import apply_env_references\n"
         "apply_env_references()\n"
         "print(os.environ['AWS_ACCESS_KEY_ID'], os.environ['AWS_SECRET_ACCESS_KEY'])\n"
     )

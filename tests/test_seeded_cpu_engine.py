@@ -91,7 +91,7 @@ def raw_seeded_texts(tmp_path: Path, model: str, prompts: list[str], seeds: list
         if __name__ == "__main__":
             from vllm import LLM, SamplingParams
             from dagster_gpuinfer.spec import EngineArgs, InferenceSpec, InputSpec, OutputSpec
-            from dagster_gpuinfer.worker.engine import built_engine_kwargs
+            from dagster_gpuinfer.worker.loop.engine import built_engine_kwargs
             spec = InferenceSpec(model={model!r}, task="generate",
                 engine=EngineArgs(max_model_len=256, gpu_memory_utilization=0.2,
                                   enforce_eager=True),

@@ -28,6 +28,9 @@ from dagster_gpuinfer.storage import (
     write_chunk_marker,
     write_file_entry,
 )
+from dagster_gpuinfer.storage import files as storage_files
+from dagster_gpuinfer.storage import layout as storage_layout
+from dagster_gpuinfer.storage import reading as storage_reading
 
 
 @pytest.mark.parametrize(
@@ -133,6 +136,13 @@ def _partition_with_one_chunk(tmp_path: Path) -> tuple[OutputSpec, object, str]:
     return output, fs, path
 
 
+def _patch_storage(monkeypatch, name: str, replacement) -> None:
+    """Replace `name` wherever the storage package's modules call it."""
+    for module in (storage_files, storage_layout, storage_reading):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, replacement)
+
+
 @pytest.mark.parametrize("at", ["list_names", "read_bytes"])
 def test_progress_read_while_the_worker_commits_gives_the_committed_counts(
     tmp_path, monkeypatch, at
@@ -150,7 +160,7 @@ def test_progress_read_while_the_worker_commits_gives_the_committed_counts(
             _committed_partition(tmp_path)  # the worker commits: manifest, then cleanup
         return real(fs, where)
 
-    monkeypatch.setattr(storage, at, commit_first)
+    _patch_storage(monkeypatch, at, commit_first)
     committed, counts = partition_progress(output, "p")
     assert committed and counts.rows_out == 3
 
@@ -165,7 +175,7 @@ def test_a_marker_deleted_with_no_commit_behind_it_is_not_hidden(tmp_path, monke
             os.remove(where)
         return real(fs, where)
 
-    monkeypatch.setattr(storage, "read_bytes", vanish)
+    _patch_storage(monkeypatch, "read_bytes", vanish)
     with pytest.raises(FileNotFoundError):
         partition_progress(output, "p")
 

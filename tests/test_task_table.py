@@ -11,8 +11,8 @@ import pyarrow as pa
 import pytest
 
 from dagster_gpuinfer.task_table import ENDPOINTS, TASKS, Task, task_facts
-from dagster_gpuinfer.worker.pooling_tasks import PoolingResult, ScorePairs
-from dagster_gpuinfer.worker.tasks import WORKER_TASKS, WorkerTask, worker_task
+from dagster_gpuinfer.worker.tasks.pooling import PoolingResult, ScorePairs
+from dagster_gpuinfer.worker.tasks.table import WORKER_TASKS, WorkerTask, worker_task
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dagster_gpuinfer"
 TABLE_MODULES = {PACKAGE / "task_table.py", PACKAGE / "worker" / "tasks.py"}

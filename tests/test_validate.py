@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from dagster_gpuinfer.worker.readers import RawChunk
-from dagster_gpuinfer.worker.validate import RowValidator, fast_backend, parse_messages
+from dagster_gpuinfer.worker.rows.readers import RawChunk
+from dagster_gpuinfer.worker.rows.validate import RowValidator, fast_backend, parse_messages
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_bad_rows_are_quarantined_with_their_reason(chat_tokenizer):
 
 def screened_and_validated(validator, raw, seen=None):
     """A chunk as the worker takes it: ids screened in shard order, then validated."""
-    from dagster_gpuinfer.worker.validate import screen_ids
+    from dagster_gpuinfer.worker.rows.validate import screen_ids
 
     return validator.validate(screen_ids(raw, set() if seen is None else seen))
 
@@ -115,7 +115,7 @@ def test_invalid_chat_rows_are_quarantined(chat_tokenizer):
 def test_ids_screened_in_shard_order_keep_the_first_occurrence_across_chunks(chat_tokenizer):
     # The streaming worker screens ids where the shard is read, in shard order; engines then
     # validate chunks in any order without tracking ids, and still agree on which row wins.
-    from dagster_gpuinfer.worker.validate import screen_ids
+    from dagster_gpuinfer.worker.rows.validate import screen_ids
 
     seen: set[str] = set()
     first = screen_ids(chunk([(0, "a", "x"), (1, "b", "y"), (2, "a", "again")]), seen)

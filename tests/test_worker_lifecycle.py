@@ -207,7 +207,7 @@ def test_an_engine_whose_start_fails_after_the_model_loaded_is_shut_down(
     tmp_path, monkeypatch, error
 ):
     from dagster_gpuinfer import InferenceSpec
-    from dagster_gpuinfer.worker import engine as engine_module
+    from dagster_gpuinfer.worker.loop import engine as engine_module
 
     model = tmp_path / "model"
     model.mkdir()

@@ -5,7 +5,7 @@ ranks split evenly over N pods:
 
 - the **leader** (node rank 0) is the ordinary worker pod of `build_worker_pod`, whose
   engine gets vLLM's `nnodes`, `node_rank=0`, `master_addr`, `master_port` and the `mp`
-  executor (`worker.engine.leader_kwargs`); it reads the shards, drives the engine and
+  executor (`worker.loop.engine.leader_kwargs`); it reads the shards, drives the engine and
   commits, and the launcher reads its Pipes messages from its log with `PipesK8sClient`;
 - N-1 **followers** (`python -m dagster_gpuinfer.worker.follower`) run vLLM's headless
   workers for their rank and end themselves when the leader's port closes;
@@ -64,7 +64,7 @@ RETRIABLE_IN_GROUP_ANNOTATION = "kueue.x-k8s.io/retriable-in-group"
 GROUP_LABEL = f"{LABEL_PREFIX}/group"
 ROLE_LABEL = f"{LABEL_PREFIX}/group-role"
 RANK_LABEL = f"{LABEL_PREFIX}/node-rank"
-MASTER_ADDR_ENV = "GPUINFER_MASTER_ADDR"  # read by worker.engine.leader_kwargs
+MASTER_ADDR_ENV = "GPUINFER_MASTER_ADDR"  # read by worker.loop.engine.leader_kwargs
 MASTER_PORT_ENV = "GPUINFER_MASTER_PORT"
 
 
@@ -121,7 +121,7 @@ def group_name(identity: RunIdentity) -> str:
 
 def follower_engine_args(spec: InferenceSpec) -> dict[str, Any]:
     """The `vllm.LLM` keyword arguments the followers build their part of the engine with:
-    the leader's (`worker.engine.engine_kwargs`) minus the ones each node sets itself."""
+    the leader's (`worker.loop.engine.engine_kwargs`) minus the ones each node sets itself."""
     kwargs = spec.engine.to_vllm_kwargs()
     if task_facts(spec.task).pooling:
         kwargs["runner"] = task_facts(spec.task).runner

@@ -2,6 +2,17 @@
 
 Imports neither Dagster's control plane (only `dagster_pipes`) nor, until an engine is
 built, vllm.
+
+Its rooms, lowest first (a room imports only rooms below it; `tests/test_import_graph.py`):
+
+- `errors`, `lifecycle`, `metrics`, `telemetry`: what every stage shares;
+- `tasks/`: the task table's worker half and the row formats tasks produce and accept;
+- `rows/`: shard readers, row validation, request parameters, output writers;
+- `stage_messages`: what the stages hand each other (chunks, results, replica messages);
+- `commit`: the worker's side of the commit protocol (`dagster_gpuinfer.storage`);
+- `loop/`: the vLLM engine and the engine loop;
+- `run/`: the job, replicas and the run's coordinator;
+- `__main__`, `follower`: the entry points.
 """
 
 WORKER_MODULE = "dagster_gpuinfer.worker"

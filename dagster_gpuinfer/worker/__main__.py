@@ -45,10 +45,10 @@ from dagster_gpuinfer.secrets import validation_problems
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest
 from dagster_gpuinfer.worker import lifecycle
-from dagster_gpuinfer.worker.env_references import apply_env_references
 from dagster_gpuinfer.worker.errors import Drained, SpecError, WorkerError, cap_message
-from dagster_gpuinfer.worker.job import run_job
 from dagster_gpuinfer.worker.metrics import MeteredReporter, start_worker_metrics
+from dagster_gpuinfer.worker.run.env_references import apply_env_references
+from dagster_gpuinfer.worker.run.job import run_job
 
 
 class MessageReporter:

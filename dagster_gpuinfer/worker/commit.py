@@ -1,149 +1,69 @@
-"""One output partition's files: chunk part files and markers, then the partition's commit.
-
-Chunk i covers input rows [i * chunk_size, (i + 1) * chunk_size). When a chunk is done, its
-part file and its errors file are written under names unique to this attempt, then its
-marker, which names those files: a chunk counts as committed only once its marker exists.
-A worker that restarts (after SIGKILL, eviction, a retry) reads the markers of the current
-spec hash and source version (the shard and model files as they are now: a rewritten
-shard's old chunks are never resumed), skips those chunks, and rebuilds the set of ids
-already taken from their files, so no row is computed twice and no id lands twice. When
-every chunk is committed, the partition is committed: its error files (named for the
-attempt), then the `_SUCCESS` manifest naming them.
+"""The worker's side of the commit protocol (`dagster_gpuinfer.storage` documents it): a
+chunk's outputs encoded (Parquet or OpenAI Batch lines) and written with its marker, and a
+partition's manifest built from its markers and committed.
 
 The chunks of one partition may be written by several engines of a run (replicas pull
 chunks, not shards): they all write under the run's attempt name for the partition, each
-chunk once; only the run's coordinator (`worker/coordinator.py`) commits the partition,
+chunk once; only the run's coordinator (`worker/run/coordinator.py`) commits the partition,
 once the markers of all its chunks are in.
-
-Two workers racing on one partition never write the same file (attempt-unique names), and
-each checks before every chunk and before committing whether the partition has been
-committed for this spec meanwhile: the later one then stops and reports the committed
-manifest, leaving the committed files alone.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import posixpath
 import time
 from collections import Counter
 from dataclasses import dataclass
 
-import pyarrow as pa
-import pyarrow.fs as pafs
-import pyarrow.parquet as pq
-
-from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
+from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import (
-    CHUNKS_DIR,
     ERRORS_NAME,
     ChunkMarker,
     FileEntry,
     Manifest,
+    PartitionOutput,
     RowCounts,
-    SourceVersion,
-    chunk_dir,
-    chunk_part_name,
     commit_partition,
-    delete_quietly,
-    filesystem_for,
-    list_names,
-    partition_dir,
-    read_bytes,
-    read_chunk_markers,
-    read_manifest,
+    openai_error_lines,
+    read_chunk_errors,
     source_version,
     table_to_parquet_bytes,
+    write_chunk_files,
     write_chunk_marker,
-    write_file_entry,
 )
-from dagster_gpuinfer.worker.engine import ChunkResult
 from dagster_gpuinfer.worker.errors import ShardError
 from dagster_gpuinfer.worker.metrics import current_metrics
-from dagster_gpuinfer.worker.openai_batch import openai_error_lines
-from dagster_gpuinfer.worker.readers import RawChunk
-from dagster_gpuinfer.worker.validate import ValidChunk
-from dagster_gpuinfer.worker.writers import (
+from dagster_gpuinfer.worker.rows.readers import RawChunk
+from dagster_gpuinfer.worker.rows.validate import ValidChunk
+from dagster_gpuinfer.worker.rows.writers import (
     encode_openai_batch,
     errors_table,
     output_table,
     rows_invalid_output,
 )
+from dagster_gpuinfer.worker.stage_messages import ChunkResult
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 
 
-@dataclass
-class PartitionOutput:
-    """Where one output partition's files live, and the spec hash and source version (the
-    shard's and the model folder's, `storage.SourceVersion`) they must carry."""
+def partition_reading(
+    spec: InferenceSpec, partition_key: str, *, model: str | None
+) -> PartitionOutput:
+    """The partition as its shard is now, for the run about to read it (`model`: the model
+    folder's version, read once per run).
 
-    fs: pafs.FileSystem
-    path: str
-    spec_hash: str
-    partition_key: str
-    source: SourceVersion
-    storage: StorageOptions | None = None
-
-    @classmethod
-    def of(
-        cls, spec: InferenceSpec, partition_key: str, *, source: SourceVersion
-    ) -> PartitionOutput:
-        fs, path = filesystem_for(partition_dir(spec.output, partition_key), spec.storage)
-        return cls(
-            fs=fs,
-            path=path,
-            spec_hash=spec.spec_hash(),
+    Raises:
+        ShardError: the shard is not there.
+    """
+    try:
+        source = source_version(spec, partition_key, model=model)
+    except FileNotFoundError as exc:
+        raise ShardError(
+            f"shard {spec.input.shard_uri(partition_key)} of partition {partition_key!r} "
+            f"is not there ({exc}); write it, or drop the partition",
             partition_key=partition_key,
-            source=source,
-            storage=spec.storage,
-        )
-
-    @classmethod
-    def reading(
-        cls, spec: InferenceSpec, partition_key: str, *, model: str | None
-    ) -> PartitionOutput:
-        """The partition as its shard is now, for the run about to read it (`model`: the
-        model folder's version, read once per run).
-
-        Raises:
-            ShardError: the shard is not there.
-        """
-        try:
-            source = source_version(spec, partition_key, model=model)
-        except FileNotFoundError as exc:
-            raise ShardError(
-                f"shard {spec.input.shard_uri(partition_key)} of partition {partition_key!r} "
-                f"is not there ({exc}); write it, or drop the partition",
-                partition_key=partition_key,
-            ) from None
-        return cls.of(spec, partition_key, source=source)
-
-    def committed(self) -> Manifest | None:
-        """The manifest if the partition is committed for this spec and source (by anyone),
-        else None."""
-        manifest = read_manifest(self.fs, self.path)
-        if manifest is not None and manifest.computed_from(self.spec_hash, self.source):
-            return manifest
-        return None
-
-    def markers(self) -> dict[int, ChunkMarker]:
-        """The chunks committed for this spec and source, by index."""
-        return read_chunk_markers(self.fs, self.path, self.spec_hash, self.source)
-
-    def yield_to(self, manifest: Manifest, attempt: str) -> Manifest:
-        """Another worker committed this partition while this one ran: remove this attempt's
-        own files that the manifest does not name, and leave everything else alone."""
-        log.info("partition %s was committed by another worker; stopping", self.partition_key)
-        named = {part.name for part in manifest.parts}
-        own = [
-            posixpath.join(self.path, name)
-            for name in list_names(self.fs, self.path)
-            if f"-{attempt}." in name and name not in named
-        ]
-        delete_quietly(self.fs, [*own, posixpath.join(self.path, CHUNKS_DIR)])
-        return manifest
+        ) from None
+    return PartitionOutput.of(spec, partition_key, source=source)
 
 
 def write_chunk(
@@ -171,21 +91,13 @@ def write_chunk(
         invalid_outputs = rows_invalid_output(table)
         if spec.output.format == "openai_batch":
             data = encode_openai_batch(spec.task, spec.model, where.spec_hash, table, valid)
-            suffix = ".jsonl"
+            part = (data, ".jsonl", table.num_rows)
         else:
-            data = table_to_parquet_bytes(table)
-            suffix = ".parquet"
-        name = chunk_part_name(where.spec_hash, chunk.index, attempt, suffix)
-        part = write_file_entry(where.fs, where.path, name, data, table.num_rows)
-    errors = None
-    if valid.errors:
-        errors = write_file_entry(
-            where.fs,
-            chunk_dir(where.path, where.spec_hash),
-            f"errors-{chunk.index:05d}-{attempt}.parquet",
-            table_to_parquet_bytes(errors_table(valid.errors)),
-            len(valid.errors),
-        )
+            part = (table_to_parquet_bytes(table), ".parquet", table.num_rows)
+    errors = errors_table(valid.errors) if valid.errors else None
+    part_entry, errors_entry = write_chunk_files(
+        where, chunk.index, attempt, part=part, errors=errors
+    )
     marker = ChunkMarker(
         index=chunk.index,
         spec_hash=where.spec_hash,
@@ -203,8 +115,8 @@ def write_chunk(
         started_at=finished_at - result.seconds,
         finished_at=finished_at,
         write_seconds=time.perf_counter() - started,
-        part=part,
-        errors=errors,
+        part=part_entry,
+        errors=errors_entry,
     )
     write_chunk_marker(where.fs, where.path, marker)
     current_metrics().chunk_committed(where.partition_key, marker, valid.errors)
@@ -316,29 +228,3 @@ def commit_chunks(
         openai_errors=openai_errors,
         attempt=attempt if isinstance(attempt, str) else None,
     )
-
-
-def read_chunk_errors(where: PartitionOutput, marker: ChunkMarker) -> pa.Table:
-    assert marker.errors is not None
-    path = posixpath.join(chunk_dir(where.path, where.spec_hash), marker.errors.name)
-    with where.fs.open_input_file(path) as handle:
-        return pq.read_table(handle)
-
-
-def committed_ids(where: PartitionOutput, markers: dict[int, ChunkMarker]) -> set[str]:
-    """Ids already taken by committed chunks: resume must not let a later duplicate in."""
-    ids: set[str] = set()
-    for marker in markers.values():
-        if marker.part is not None:
-            part_path = posixpath.join(where.path, marker.part.name)
-            if marker.part.name.endswith(".parquet"):
-                with where.fs.open_input_file(part_path) as handle:
-                    ids.update(pq.read_table(handle, columns=["id"]).column("id").to_pylist())
-            else:
-                for line in read_bytes(where.fs, part_path).splitlines():
-                    if line.strip():
-                        ids.add(json.loads(line)["custom_id"])
-        if marker.errors is not None:
-            table = read_chunk_errors(where, marker)
-            ids.update(i for i in table.column("id").to_pylist() if i is not None)
-    return ids

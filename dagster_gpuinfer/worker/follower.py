@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dagster_gpuinfer.worker.cpu_dtype import resolve_cpu_dtype
+from dagster_gpuinfer.worker.loop.cpu_dtype import resolve_cpu_dtype
 
 log = logging.getLogger("dagster_gpuinfer.worker.follower")
 
@@ -105,7 +105,7 @@ def engine_cli_args(engine_args: dict[str, Any]) -> list[str]:
 
 def headless_command(args: argparse.Namespace) -> list[str]:
     """The command that runs vLLM's headless workers of node rank `args.node_rank`."""
-    # The leader resolves dtype auto the same way (worker/cpu_dtype.py): one dtype per group.
+    # The leader resolves dtype auto the same way (worker/loop/cpu_dtype.py): one dtype per group.
     engine_args = resolve_cpu_dtype(json.loads(args.engine_args_json or "{}"), args.model)
     return [
         sys.executable,

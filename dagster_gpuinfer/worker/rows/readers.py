@@ -34,9 +34,9 @@ from pydantic import ValidationError
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import display_uri, filesystem_for
 from dagster_gpuinfer.worker.errors import RowError, ShardError, cap_message
-from dagster_gpuinfer.worker.openai_batch import ENDPOINTS as OPENAI_ENDPOINTS
-from dagster_gpuinfer.worker.openai_batch import BatchRequestLine
-from dagster_gpuinfer.worker.tasks import worker_task
+from dagster_gpuinfer.worker.tasks.openai_batch import ENDPOINTS as OPENAI_ENDPOINTS
+from dagster_gpuinfer.worker.tasks.openai_batch import BatchRequestLine
+from dagster_gpuinfer.worker.tasks.table import worker_task
 
 # Body fields that carry a score/rerank request's input (the rest are parameters).
 SCORE_BODY_FIELDS = frozenset(

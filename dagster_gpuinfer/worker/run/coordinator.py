@@ -36,25 +36,20 @@ from dagster_gpuinfer.storage import (
     ChunkMarker,
     CommitConflict,
     Manifest,
+    PartitionOutput,
     RowCounts,
+    committed_ids,
     input_version,
 )
-from dagster_gpuinfer.worker.commit import (
-    PartitionOutput,
-    PartitionTimes,
-    commit_chunks,
-    committed_ids,
-)
-from dagster_gpuinfer.worker.engine_version import engine_versions
+from dagster_gpuinfer.worker.commit import PartitionTimes, commit_chunks, partition_reading
 from dagster_gpuinfer.worker.errors import ShardError
 from dagster_gpuinfer.worker.metrics import current_metrics
-from dagster_gpuinfer.worker.readers import ShardReader
-from dagster_gpuinfer.worker.stream import ChunkCommitted, WorkChunk
-from dagster_gpuinfer.worker.validate import screen_ids
+from dagster_gpuinfer.worker.rows.readers import ShardReader
+from dagster_gpuinfer.worker.rows.validate import screen_ids
+from dagster_gpuinfer.worker.run.engine_version import engine_versions
+from dagster_gpuinfer.worker.stage_messages import POLL_SECONDS, ChunkCommitted, WorkChunk
 
 log = logging.getLogger("dagster_gpuinfer.worker")
-
-POLL_SECONDS = 0.2
 
 
 @dataclass
@@ -209,7 +204,7 @@ class RunCoordinator:
 
     def _feed_partition(self, key: str) -> None:
         try:
-            where = PartitionOutput.reading(self.spec, key, model=self.model_version)
+            where = partition_reading(self.spec, key, model=self.model_version)
         except ShardError as exc:
             self._events.put(_ShardGone(exc))
             return

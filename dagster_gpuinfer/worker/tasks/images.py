@@ -336,7 +336,7 @@ class ImageDecoder:
         options: The pipeline's image options (`decode_threads`: pool size, default cores).
         storage: For `s3://` references.
         source: The reader of references (tests inject one with a fake http opener).
-        fit: The model's image processor's own resize (`worker/image_fit.py`), run on each
+        fit: The model's image processor's own resize (`worker/tasks/image_fit.py`), run on each
             decoded image in the pool, so the render thread finds it at the model's size;
             None leaves decoded images at their size.
     """

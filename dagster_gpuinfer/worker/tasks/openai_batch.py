@@ -10,11 +10,28 @@ parse lines before any engine exists and a test can check every written line aga
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dagster_gpuinfer.storage.openai_lines import (
+    BatchError as BatchError,
+)
+from dagster_gpuinfer.storage.openai_lines import (
+    BatchOutputLine as BatchOutputLine,
+)
+from dagster_gpuinfer.storage.openai_lines import (
+    BatchResponse as BatchResponse,
+)
+from dagster_gpuinfer.storage.openai_lines import (
+    error_line as error_line,
+)
+from dagster_gpuinfer.storage.openai_lines import (
+    openai_error_lines as openai_error_lines,
+)
+from dagster_gpuinfer.storage.openai_lines import (
+    request_id as request_id,
+)
 from dagster_gpuinfer.task_table import ENDPOINTS as TASK_ENDPOINTS
 
 # Which endpoint serves which task, and which body field carries the input (from the task
@@ -31,28 +48,6 @@ class BatchRequestLine(BaseModel):
     method: Literal["POST"] = "POST"
     url: str
     body: dict[str, Any]
-
-
-class BatchError(BaseModel):
-    """The `error` of an error line: OpenAI's `{code, message}`."""
-
-    code: str
-    message: str
-
-
-class BatchResponse(BaseModel):
-    status_code: int = 200
-    request_id: str
-    body: dict[str, Any]
-
-
-class BatchOutputLine(BaseModel):
-    """One line of the output file (`response` set) or of `errors.jsonl` (`error` set)."""
-
-    id: str
-    custom_id: str | None
-    response: BatchResponse | None = None
-    error: BatchError | None = None
 
 
 # ---------------------------------------------------------------- response bodies
@@ -165,32 +160,3 @@ class Rerank(BaseModel):
     model: str
     results: list[RerankResult]
     usage: Usage
-
-
-def request_id(spec_hash: str, custom_id: str | None, row: int | None = None) -> str:
-    """A stable request id: the same line of the same spec always gets the same one."""
-    key = custom_id if custom_id is not None else f"row:{row}"
-    return hashlib.sha256(f"{spec_hash}:{key}".encode()).hexdigest()[:24]
-
-
-def error_line(spec_hash: str, custom_id: str | None, row: int, code: str, message: str) -> str:
-    """An `errors.jsonl` line for a quarantined request."""
-    rid = request_id(spec_hash, custom_id, row)
-    line = BatchOutputLine(
-        id=f"batch_req_{rid}",
-        custom_id=custom_id,
-        response=None,
-        error=BatchError(code=code, message=message),
-    )
-    return line.model_dump_json()
-
-
-def openai_error_lines(spec_hash: str, error_tables: list[Any]) -> bytes:
-    """`errors.jsonl`: every quarantined row of a partition (from its errors tables, with
-    columns id, row, error_type, message) as an OpenAI Batch error line."""
-    lines = [
-        error_line(spec_hash, record["id"], record["row"], record["error_type"], record["message"])
-        for table in error_tables
-        for record in table.select(["id", "row", "error_type", "message"]).to_pylist()
-    ]
-    return ("\n".join(lines) + "\n").encode() if lines else b""

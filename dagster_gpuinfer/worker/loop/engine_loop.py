@@ -45,44 +45,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dagster_gpuinfer.spec import InferenceSpec
-from dagster_gpuinfer.storage import ChunkMarker, SourceVersion
+from dagster_gpuinfer.storage import ChunkMarker, PartitionOutput, SourceVersion
 from dagster_gpuinfer.task_table import task_facts
-from dagster_gpuinfer.worker.commit import PartitionOutput, write_chunk
-from dagster_gpuinfer.worker.engine import ChunkResult, InferenceEngine, RequestRejected
-from dagster_gpuinfer.worker.engine_time import EngineTimeShares
+from dagster_gpuinfer.worker.commit import write_chunk
+from dagster_gpuinfer.worker.loop.engine import InferenceEngine
+from dagster_gpuinfer.worker.loop.engine_time import EngineTimeShares
 from dagster_gpuinfer.worker.metrics import current_metrics
-from dagster_gpuinfer.worker.readers import RawChunk
-from dagster_gpuinfer.worker.tasks import WorkerTask, worker_task
-from dagster_gpuinfer.worker.validate import RowValidator, ValidChunk
+from dagster_gpuinfer.worker.rows.validate import RowValidator, ValidChunk
+from dagster_gpuinfer.worker.stage_messages import (
+    POLL_SECONDS,
+    ChunkCommitted,
+    ChunkResult,
+    RequestRejected,
+    WorkChunk,
+)
+from dagster_gpuinfer.worker.tasks.table import WorkerTask, worker_task
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 
-POLL_SECONDS = 0.2
 # Image prompts the render thread hands the engine thread at a time: one at a time gives the
 # engine batches of one (more engine steps, each with its overhead); a whole chunk delays
 # its first request by the chunk's rendering.
 RENDER_BATCH = 64
 # vLLM's KV block size on GPUs, for an engine that does not say its own (`block_size`).
 DEFAULT_BLOCK_SIZE = 16
-
-
-@dataclass
-class WorkChunk:
-    """One chunk of a shard, for any engine of the run (picklable: it crosses processes)."""
-
-    partition_key: str
-    attempt: str  # names this run's files of the partition (see `chunk_part_name`)
-    chunk: RawChunk  # ids screened in shard order (`screen_ids`)
-    source: SourceVersion  # the shard and model versions its marker records
-
-
-@dataclass
-class ChunkCommitted:
-    """An engine wrote a chunk and its marker (picklable: it crosses processes)."""
-
-    partition_key: str
-    marker: ChunkMarker
-    replica: int
 
 
 @dataclass

@@ -9,28 +9,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from dagster_gpuinfer.out_of_memory import memory_problem
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.task_table import task_facts
-from dagster_gpuinfer.worker.completions import choices_of
-from dagster_gpuinfer.worker.cpu_dtype import resolve_cpu_dtype
-from dagster_gpuinfer.worker.cpu_seeds import (
-    SEED_REFUSED,
-    resolve_cpu_chunked_prefill,
-    seeds_unsafe,
-)
 from dagster_gpuinfer.worker.errors import SpecError
-from dagster_gpuinfer.worker.image_fit import model_image_fit
-from dagster_gpuinfer.worker.image_tasks import vllm_prompt
 from dagster_gpuinfer.worker.lifecycle import EngineWatch, engine_processes_started_by
+from dagster_gpuinfer.worker.loop.cpu_dtype import resolve_cpu_dtype
+from dagster_gpuinfer.worker.loop.cpu_seeds import resolve_cpu_chunked_prefill, seeds_unsafe
 from dagster_gpuinfer.worker.metrics import current_metrics
-from dagster_gpuinfer.worker.tasks import worker_task
+from dagster_gpuinfer.worker.rows.request_params import RequestBuilder
+from dagster_gpuinfer.worker.stage_messages import RequestRejected
+from dagster_gpuinfer.worker.tasks.image import vllm_prompt
+from dagster_gpuinfer.worker.tasks.image_fit import model_image_fit
+from dagster_gpuinfer.worker.tasks.params import SEED_REFUSED
+from dagster_gpuinfer.worker.tasks.table import worker_task
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 
@@ -40,70 +34,6 @@ LOAD_LOG_ENV = "GPUINFER_MODEL_LOAD_LOG"
 # Seconds the engine process gets to exit at shutdown before it is killed.
 SHUTDOWN_GRACE_ENV = "GPUINFER_ENGINE_SHUTDOWN_GRACE_SECONDS"
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 1.0
-
-
-class RequestRejected(Exception):
-    """The engine refused one request at `submit` (a value its transport cannot carry): that
-    row is quarantined and the others go on. Not raised when the engine itself has died."""
-
-
-@dataclass
-class ChunkResult:
-    """Engine output for the rows of one chunk, in input order."""
-
-    embeddings: np.ndarray | None = None  # (rows, dim) float32, for embed
-    texts: list[str] | None = None
-    finish_reasons: list[str | None] | None = None
-    prompt_tokens: list[int] | None = None
-    generated_tokens: list[int] | None = None
-    cached_tokens: list[int] | None = None  # prompt tokens served from vLLM's prefix cache
-    choices: list[list[dict[str, Any]]] | None = None  # every choice of each row (n >= 1)
-    seconds: float = 0.0
-
-    @classmethod
-    def from_outputs(
-        cls,
-        task: str,
-        outputs: Sequence[Any],
-        seconds: float = 0.0,
-        requests: Sequence[Any] | None = None,
-    ) -> ChunkResult:
-        """The columns of a chunk from vLLM's finished outputs, in input order.
-
-        Args:
-            task: The spec's task: pooling tasks give embeddings, the others choices.
-            outputs: `RequestOutput` per row for generate and chat; `PoolingRequestOutput`
-                per prompt for embed (a row whose input is a list has several, see
-                `ValidChunk.spans`).
-            seconds: Inference time of the chunk.
-            requests: Each row's `request_params.RowRequest` (its `top_logprobs`); None: no
-                row asked for logprobs.
-        """
-        if task_facts(task).pooling:
-            if outputs:
-                embeddings = np.stack(
-                    [np.asarray(o.outputs.data, dtype=np.float32) for o in outputs]
-                )
-            else:
-                embeddings = np.zeros((0, 0), np.float32)
-            prompt_tokens = [len(o.prompt_token_ids or ()) for o in outputs]
-            return cls(
-                embeddings=embeddings,
-                prompt_tokens=prompt_tokens,
-                generated_tokens=[0] * len(outputs),
-                seconds=seconds,
-            )
-        top = [r.top_logprobs for r in requests] if requests else [None] * len(outputs)
-        choices = [choices_of(o, k) for o, k in zip(outputs, top, strict=True)]
-        return cls(
-            texts=[c[0]["text"] for c in choices],
-            finish_reasons=[c[0]["finish_reason"] for c in choices],
-            prompt_tokens=[len(o.prompt_token_ids or ()) for o in outputs],
-            generated_tokens=[sum(choice["generated_tokens"] for choice in c) for c in choices],
-            cached_tokens=[o.num_cached_tokens or 0 for o in outputs],
-            choices=choices,
-            seconds=seconds,
-        )
 
 
 def check_model_dir(spec: InferenceSpec) -> None:
@@ -146,8 +76,8 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
 
 def built_engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     """What the worker passes to `vllm.LLM` for `spec`: `engine_kwargs` with compact JSON
-    outputs, the CPU build's dtype (`worker/cpu_dtype.py`) and, on the CPU build, no
-    chunked prefill for sampling tasks (`worker/cpu_seeds.py`). It asks vLLM which
+    outputs, the CPU build's dtype (`worker/loop/cpu_dtype.py`) and, on the CPU build, no
+    chunked prefill for sampling tasks (`worker/loop/cpu_seeds.py`). It asks vLLM which
     platform it runs on, so call it where vLLM is imported anyway; the benchmark gives raw
     vLLM the same."""
     kwargs = with_compact_json(spec, engine_kwargs(spec))
@@ -431,8 +361,6 @@ def _refused(exc: Exception) -> RequestRejected:
 
 def request_builder(spec: InferenceSpec, llm: Any) -> Any:
     """Builds each row's request from its parameters, checked against this engine."""
-    from dagster_gpuinfer.worker.request_params import RequestBuilder
-
     config = llm.llm_engine.vllm_config
     tokenizer = llm.get_tokenizer()
 

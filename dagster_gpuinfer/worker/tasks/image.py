@@ -10,11 +10,11 @@ and the prompts that carry them to vLLM.
 - `vision_chat`: OpenAI chat messages whose `content` parts carry `image_url`s; the parts
   become the template's image placeholders, the URLs are read under the same URL policy.
 
-They are entries of the task table (`worker/tasks.py`: `ImageEmbedTask`,
+They are entries of the task table (`worker/tasks/table.py`: `ImageEmbedTask`,
 `VisionGenerateTask`, `VisionChatTask`); the validator calls `image_candidate` for each row,
 then `admit_image_rows` for the chunk: the chunk's images are read and decoded together in
 the decoder's pool, in the worker's read-ahead thread, and a row whose image fails gets its
-own quarantine record (`worker/images.py` names each fate). `vllm_prompt` builds the request
+own quarantine record (`worker/tasks/images.py` names each fate). `vllm_prompt` builds the request
 the engine takes: token ids plus `multi_modal_data`.
 """
 
@@ -24,7 +24,7 @@ import json
 from typing import Any
 
 from dagster_gpuinfer.worker.errors import RowError
-from dagster_gpuinfer.worker.images import ImageFault, chat_image_parts
+from dagster_gpuinfer.worker.tasks.images import ImageFault, chat_image_parts
 
 
 def image_candidate(

@@ -28,16 +28,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from dagster_gpuinfer.worker.cpu_dtype import vllm_on_cpu
+from dagster_gpuinfer.worker.loop.cpu_dtype import vllm_on_cpu
 
 log = logging.getLogger("dagster_gpuinfer.worker")
-
-SEED_REFUSED = (
-    "vLLM's CPU build cannot sample a seeded request with chunked prefill on (its CPU random "
-    "generator has no offset to rewind when a step splits the prompt, and the engine dies); "
-    "drop the seed, set engine extra enable_chunked_prefill=False (max_num_batched_tokens, "
-    "if set, at least max_model_len), or run on a GPU"
-)
 
 
 def resolve_cpu_chunked_prefill(

@@ -24,9 +24,9 @@ import pyarrow as pa
 
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import ERRORS_SCHEMA
-from dagster_gpuinfer.worker import openai_batch as oa
 from dagster_gpuinfer.worker.errors import RowError, cap_message
-from dagster_gpuinfer.worker.tasks import worker_task
+from dagster_gpuinfer.worker.tasks import openai_batch as oa
+from dagster_gpuinfer.worker.tasks.table import worker_task
 
 
 def output_table(spec: InferenceSpec, valid: Any, result: Any) -> pa.Table:

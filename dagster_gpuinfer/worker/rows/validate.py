@@ -20,15 +20,11 @@ from typing import Any
 from dagster_gpuinfer.image_options import ImageOptions
 from dagster_gpuinfer.spec import RowLimits, StorageOptions
 from dagster_gpuinfer.worker.errors import RowError, cap_message
-from dagster_gpuinfer.worker.pooling_tasks import ScorePairs
-from dagster_gpuinfer.worker.readers import RawChunk, json_depth_exceeds
-from dagster_gpuinfer.worker.request_params import (
-    ParameterError,
-    RequestBuilder,
-    RowRequest,
-    parse_params_value,
-)
-from dagster_gpuinfer.worker.tasks import worker_task
+from dagster_gpuinfer.worker.rows.readers import RawChunk, json_depth_exceeds
+from dagster_gpuinfer.worker.rows.request_params import RequestBuilder
+from dagster_gpuinfer.worker.tasks.params import ParameterError, RowRequest, parse_params_value
+from dagster_gpuinfer.worker.tasks.pooling import ScorePairs
+from dagster_gpuinfer.worker.tasks.table import worker_task
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -159,7 +155,7 @@ class RowValidator:
     def image_decoder(self) -> Any:
         """Image tasks: the pool that reads and decodes images (made at first use)."""
         if self._decoder is None:
-            from dagster_gpuinfer.worker.images import ImageDecoder
+            from dagster_gpuinfer.worker.tasks.images import ImageDecoder
 
             self._decoder = ImageDecoder(self.image_options, self.storage, fit=self.image_fit)
         return self._decoder

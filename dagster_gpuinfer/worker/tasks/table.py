@@ -41,24 +41,17 @@ import numpy as np
 import pyarrow as pa
 
 from dagster_gpuinfer.task_table import TaskFacts, task_facts
-from dagster_gpuinfer.worker import openai_batch as oa
-from dagster_gpuinfer.worker.completions import CHOICE_TYPE, completion_logprobs
 from dagster_gpuinfer.worker.errors import SpecError, cap_message
-from dagster_gpuinfer.worker.image_tasks import (
+from dagster_gpuinfer.worker.tasks import openai_batch as oa
+from dagster_gpuinfer.worker.tasks.completions import CHOICE_TYPE, completion_logprobs
+from dagster_gpuinfer.worker.tasks.image import (
     admit_image_rows,
     chat_payload,
     embed_payload,
     image_candidate,
     vision_payload,
 )
-from dagster_gpuinfer.worker.pooling_tasks import (
-    PoolingResult,
-    model_labels,
-    parse_score_payload,
-    run_classify,
-    run_score,
-)
-from dagster_gpuinfer.worker.request_params import (
+from dagster_gpuinfer.worker.tasks.params import (
     EMBEDDING_KEYS,
     GENERATION_KEYS,
     SCORE_KEYS,
@@ -68,7 +61,14 @@ from dagster_gpuinfer.worker.request_params import (
     ScoreParams,
     typed_params,
 )
-from dagster_gpuinfer.worker.structured import check_output
+from dagster_gpuinfer.worker.tasks.pooling import (
+    PoolingResult,
+    model_labels,
+    parse_score_payload,
+    run_classify,
+    run_score,
+)
+from dagster_gpuinfer.worker.tasks.structured import check_output
 
 GENERATION_SCHEMA = pa.schema(
     [

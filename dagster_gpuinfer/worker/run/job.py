@@ -4,9 +4,9 @@ A shard that cannot be processed (`ShardError`: missing, unreadable, missing a c
 that partition alone: it is reported and the run's other partitions go on. Shards that fail
 their preflight never cost a model load; when every shard of the run fails it, none loads.
 
-The worker streams: one coordinator (`worker/coordinator.py`) reads the shards in order and
+The worker streams: one coordinator (`worker/run/coordinator.py`) reads the shards in order and
 commits partitions; each engine keeps a bounded window of requests in flight across chunk and
-shard boundaries (`worker/stream.py`). With `replicas=N > 1` the worker starts N engine
+shard boundaries (`worker/loop/engine_loop.py`). With `replicas=N > 1` the worker starts N engine
 processes, each pinned to its own devices (`CUDA_VISIBLE_DEVICES` slice of
 `tensor_parallel_size` GPUs, or its own CPU cores), and each pulls chunks (not shards) from
 one queue: one large shard keeps every engine busy.
@@ -42,23 +42,30 @@ from typing import Any, Protocol
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest, committed_manifest
 from dagster_gpuinfer.storage import model_version as local_model_version
-from dagster_gpuinfer.worker.coordinator import RunCoordinator
-from dagster_gpuinfer.worker.engine import InferenceEngine, check_model_dir
-from dagster_gpuinfer.worker.engine_version import check_engine_version
 from dagster_gpuinfer.worker.errors import Drained, ShardError, SpecError, WorkerError
 from dagster_gpuinfer.worker.lifecycle import (
     children_die_with_this_process,
     draining,
     install_signal_handlers,
 )
+from dagster_gpuinfer.worker.loop.engine import InferenceEngine, check_model_dir
+from dagster_gpuinfer.worker.loop.engine_loop import serve_chunks
 from dagster_gpuinfer.worker.metrics import current_metrics, start_worker_metrics
-from dagster_gpuinfer.worker.readers import ShardReader
-from dagster_gpuinfer.worker.stream import ChunkCommitted, WorkChunk, serve_chunks
+from dagster_gpuinfer.worker.rows.readers import ShardReader
+from dagster_gpuinfer.worker.run.coordinator import RunCoordinator
+from dagster_gpuinfer.worker.run.engine_version import check_engine_version
+from dagster_gpuinfer.worker.stage_messages import (
+    POLL_SECONDS,
+    ReplicaChunk,
+    ReplicaCrashed,
+    ReplicaFinished,
+    ReplicaLoaded,
+    ReplicaMessage,
+    ReplicaUserError,
+    WorkChunk,
+)
 
 log = logging.getLogger("dagster_gpuinfer.worker")
-
-POLL_SECONDS = 0.2
-USER_ERRORS: dict[str, type[WorkerError]] = {"ShardError": ShardError, "SpecError": SpecError}
 
 
 class Reporter(Protocol):
@@ -147,60 +154,6 @@ class RunTiming:
     load_seconds: list[float] = field(default_factory=list)
     shutdown_seconds: list[float] = field(default_factory=list)
     inference_seconds: float = 0.0
-
-
-# --------------------------------------------------------------------------- replica messages
-
-
-@dataclass(frozen=True)
-class ReplicaLoaded:
-    """A replica's engine is built: its load time and its window of requests in flight."""
-
-    replica: int
-    load_seconds: float
-    window: int
-
-
-@dataclass(frozen=True)
-class ReplicaChunk:
-    """A replica wrote and marked a chunk (its marker carries the chunk's times)."""
-
-    replica: int
-    committed: ChunkCommitted
-
-
-@dataclass(frozen=True)
-class ReplicaFinished:
-    """A replica served its last chunk and shut its engine down."""
-
-    replica: int
-    shutdown_seconds: float
-
-
-@dataclass(frozen=True)
-class ReplicaUserError:
-    """A replica met a `WorkerError` (a bad shard or spec): raised again in the parent."""
-
-    replica: int
-    error_class: str
-    message: str
-    partition_key: str | None
-
-    def error(self) -> WorkerError:
-        return USER_ERRORS.get(self.error_class, WorkerError)(
-            self.message, partition_key=self.partition_key
-        )
-
-
-@dataclass(frozen=True)
-class ReplicaCrashed:
-    """A replica died of anything else; `traceback` is its formatted traceback."""
-
-    replica: int
-    traceback: str
-
-
-ReplicaMessage = ReplicaLoaded | ReplicaChunk | ReplicaFinished | ReplicaUserError | ReplicaCrashed
 
 
 def process_age_seconds() -> float:

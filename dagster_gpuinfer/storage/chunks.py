@@ -1,0 +1,149 @@
+"""The chunks of one partition being written: where they go, their files, what they hold.
+
+A run writes a partition through a `PartitionOutput` (its folder, spec hash and source
+version): each chunk's part file and errors file under names unique to the attempt
+(`write_chunk_files`), then its marker (`layout.write_chunk_marker`), which commits the chunk.
+A restarted run reads the markers back (`PartitionOutput.markers`) and the ids they took
+(`committed_ids`), so it resumes instead of recomputing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
+from dagster_gpuinfer.storage.files import (
+    FileEntry,
+    delete_quietly,
+    filesystem_for,
+    list_names,
+    read_bytes,
+    table_to_parquet_bytes,
+    write_file_entry,
+)
+from dagster_gpuinfer.storage.layout import (
+    CHUNKS_DIR,
+    ChunkMarker,
+    Manifest,
+    chunk_dir,
+    chunk_part_name,
+    partition_dir,
+    read_chunk_markers,
+    read_manifest,
+)
+from dagster_gpuinfer.storage.versions import SourceVersion
+
+log = logging.getLogger("dagster_gpuinfer.worker")
+
+
+@dataclass
+class PartitionOutput:
+    """Where one output partition's files live, and the spec hash and source version (the
+    shard's and the model folder's, `SourceVersion`) they must carry."""
+
+    fs: pafs.FileSystem
+    path: str
+    spec_hash: str
+    partition_key: str
+    source: SourceVersion
+    storage: StorageOptions | None = None
+
+    @classmethod
+    def of(
+        cls, spec: InferenceSpec, partition_key: str, *, source: SourceVersion
+    ) -> PartitionOutput:
+        fs, path = filesystem_for(partition_dir(spec.output, partition_key), spec.storage)
+        return cls(
+            fs=fs,
+            path=path,
+            spec_hash=spec.spec_hash(),
+            partition_key=partition_key,
+            source=source,
+            storage=spec.storage,
+        )
+
+    def committed(self) -> Manifest | None:
+        """The manifest if the partition is committed for this spec and source (by anyone),
+        else None."""
+        manifest = read_manifest(self.fs, self.path)
+        if manifest is not None and manifest.computed_from(self.spec_hash, self.source):
+            return manifest
+        return None
+
+    def markers(self) -> dict[int, ChunkMarker]:
+        """The chunks committed for this spec and source, by index."""
+        return read_chunk_markers(self.fs, self.path, self.spec_hash, self.source)
+
+    def yield_to(self, manifest: Manifest, attempt: str) -> Manifest:
+        """Another worker committed this partition while this one ran: remove this attempt's
+        own files that the manifest does not name, and leave everything else alone."""
+        log.info("partition %s was committed by another worker; stopping", self.partition_key)
+        named = {part.name for part in manifest.parts}
+        own = [
+            posixpath.join(self.path, name)
+            for name in list_names(self.fs, self.path)
+            if f"-{attempt}." in name and name not in named
+        ]
+        delete_quietly(self.fs, [*own, posixpath.join(self.path, CHUNKS_DIR)])
+        return manifest
+
+
+def write_chunk_files(
+    where: PartitionOutput,
+    index: int,
+    attempt: str,
+    *,
+    part: tuple[bytes, str, int] | None,
+    errors: pa.Table | None,
+) -> tuple[FileEntry | None, FileEntry | None]:
+    """Write chunk `index`'s part file (`part`: its bytes, suffix and rows) and its errors
+    file (the quarantined rows, `ERRORS_SCHEMA`), under names unique to `attempt`; returns
+    their entries for the chunk's marker, which the caller writes last."""
+    part_entry = errors_entry = None
+    if part is not None:
+        data, suffix, rows = part
+        name = chunk_part_name(where.spec_hash, index, attempt, suffix)
+        part_entry = write_file_entry(where.fs, where.path, name, data, rows)
+    if errors is not None:
+        errors_entry = write_file_entry(
+            where.fs,
+            chunk_dir(where.path, where.spec_hash),
+            f"errors-{index:05d}-{attempt}.parquet",
+            table_to_parquet_bytes(errors),
+            errors.num_rows,
+        )
+    return part_entry, errors_entry
+
+
+def read_chunk_errors(where: PartitionOutput, marker: ChunkMarker) -> pa.Table:
+    """The quarantined rows of a committed chunk."""
+    assert marker.errors is not None
+    path = posixpath.join(chunk_dir(where.path, where.spec_hash), marker.errors.name)
+    with where.fs.open_input_file(path) as handle:
+        return pq.read_table(handle)
+
+
+def committed_ids(where: PartitionOutput, markers: dict[int, ChunkMarker]) -> set[str]:
+    """Ids already taken by committed chunks: resume must not let a later duplicate in."""
+    ids: set[str] = set()
+    for marker in markers.values():
+        if marker.part is not None:
+            part_path = posixpath.join(where.path, marker.part.name)
+            if marker.part.name.endswith(".parquet"):
+                with where.fs.open_input_file(part_path) as handle:
+                    ids.update(pq.read_table(handle, columns=["id"]).column("id").to_pylist())
+            else:
+                for line in read_bytes(where.fs, part_path).splitlines():
+                    if line.strip():
+                        ids.add(json.loads(line)["custom_id"])
+        if marker.errors is not None:
+            table = read_chunk_errors(where, marker)
+            ids.update(i for i in table.column("id").to_pylist() if i is not None)
+    return ids

@@ -1,0 +1,125 @@
+"""Source versions: the shard's and the model folder's versions a partition was computed
+from, so a rewritten shard or new weights are never taken for the committed ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import pyarrow.fs as pafs
+from pydantic import BaseModel, ConfigDict, Field
+
+from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
+from dagster_gpuinfer.storage.files import display_uri, filesystem_for, s3_client
+
+
+class SourceVersion(BaseModel):
+    """What a partition's outputs were computed from, beside its spec: the version of its
+    input shard and, for a model given as a local folder, of that folder's files.
+
+    The spec hash names the model by its path or hub id (and revision); a shard by its URI
+    template. Neither says whether the bytes behind them changed, so a manifest or chunk
+    marker counts only for the spec hash *and* the source version it records.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input: str = Field(description="The input shard's version (`input_version`).")
+    model: str | None = Field(
+        None, description="The local model folder's version (`model_version`); None: a hub id."
+    )
+
+
+def file_version(fs: pafs.FileSystem, path: str, storage: StorageOptions | None = None) -> str:
+    """A version of one file that changes whenever the file is rewritten.
+
+    S3: the object's ETag (a digest of its content, or of its parts' for a multipart upload)
+    and its version id where the bucket keeps versions, read with one HEAD (boto3); without
+    boto3, its size and last-modified time. Local disk: size, modification time in
+    nanoseconds (what `make` and `rsync` compare) and inode (a writer that renames a new
+    file into place, as most do, changes it even within one tick of the file system's
+    clock): a rewrite with other content changes it; a rewrite with the same bytes or a
+    `touch` changes it too, which costs a recompute and never serves stale rows.
+
+    Raises:
+        FileNotFoundError: no file at `path`.
+    """
+    if isinstance(fs, pafs.S3FileSystem):
+        try:
+            client = s3_client(storage)
+        except ImportError:
+            client = None
+        if client is not None:
+            return _s3_object_version(client, path)
+    info = fs.get_file_info(path)
+    if info.type != pafs.FileType.File:
+        raise FileNotFoundError(f"{display_uri(fs, path)} is not a file")
+    if isinstance(fs, pafs.LocalFileSystem):
+        stat = os.stat(path)
+        return f"local:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
+    return f"{fs.type_name}:{info.size}:{info.mtime_ns}"
+
+
+def _s3_object_version(client: Any, path: str) -> str:
+    from botocore.exceptions import ClientError
+
+    bucket, _, key = path.partition("/")
+    try:
+        head = client.head_object(Bucket=bucket, Key=key)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            raise FileNotFoundError(f"s3://{path} does not exist") from None
+        raise
+    version = head.get("VersionId")
+    etag = str(head.get("ETag", "")).strip('"')
+    return f"s3:{etag}:{head.get('ContentLength')}" + (f":{version}" if version else "")
+
+
+def input_version(spec: InferenceSpec, partition_key: str) -> str:
+    """The version of the file `partition_key` reads (`file_version`); a range partition
+    (`big@rows=0-1000`) takes its whole file's, so any change to the file recomputes it.
+
+    Raises:
+        FileNotFoundError: the shard is not there.
+    """
+    fs, path = filesystem_for(spec.input.shard_uri(partition_key), spec.storage)
+    return file_version(fs, path, spec.storage)
+
+
+def model_version(spec: InferenceSpec) -> str | None:
+    """The version of a model given as a local folder: a digest of every file's relative
+    path, size and modification time (links followed; hidden entries such as a download
+    tool's `.cache/` left out). None for a hub id, which the spec hash names with its
+    revision. Stat calls only: a 140 GB folder costs what listing it costs.
+
+    Raises:
+        FileNotFoundError: the folder is not there (or not readable from this process).
+    """
+    if not spec.model_is_local_path():
+        return None
+    root = os.path.expanduser(spec.model.removeprefix("file://"))
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"model folder {spec.model!r} is not there")
+    digest = hashlib.sha256()
+    files = 0
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(n for n in names if not n.startswith(".")):
+            path = os.path.join(folder, name)
+            stat = os.stat(path)
+            relative = os.path.relpath(path, root)
+            digest.update(f"{relative}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+            files += 1
+    return f"files:{files}:{digest.hexdigest()[:16]}"
+
+
+def source_version(spec: InferenceSpec, partition_key: str, *, model: str | None) -> SourceVersion:
+    """The source version of a partition now, with the model folder's `model_version(spec)`
+    computed once by the caller for all its partitions.
+
+    Raises:
+        FileNotFoundError: the shard is not there.
+    """
+    return SourceVersion(input=input_version(spec, partition_key), model=model)
