@@ -24,6 +24,6 @@ from dagster_gpuinfer.pools.lease_queue import LeaseQueueError as LeaseQueueErro
 from dagster_gpuinfer.pools.lease_queue import PoolStats as PoolStats
 from dagster_gpuinfer.pools.lease_queue import UnknownJobError as UnknownJobError
 from dagster_gpuinfer.pools.lease_queue import WorkItem as WorkItem
-from dagster_gpuinfer.pools.lease_queue import open_lease_queue as open_lease_queue
 from dagster_gpuinfer.pools.postgres_queue import PostgresLeaseQueue as PostgresLeaseQueue
 from dagster_gpuinfer.pools.sqlite_queue import SqliteLeaseQueue as SqliteLeaseQueue
+from dagster_gpuinfer.pools.stores import open_lease_queue as open_lease_queue

@@ -376,24 +376,3 @@ def check_ttl(ttl_s: float) -> float:
             "heartbeat interval, e.g. 30"
         )
     return float(ttl_s)
-
-
-def open_lease_queue(location: str, *, clock: Clock | None = None) -> LeaseQueue:
-    """Open the lease queue at `location`: a `postgresql://` URL or a SQLite file path
-    (`sqlite:///path` or a plain path).
-
-    Args:
-        location: Where the queue lives.
-        clock: Seconds since the epoch; `time.time` by default (tests pass a fake).
-
-    Returns:
-        The store; close it (or use it as a context manager) when done.
-    """
-    kwargs = {} if clock is None else {"clock": clock}
-    if location.startswith(("postgresql://", "postgres://")):
-        from dagster_gpuinfer.pools.postgres_queue import PostgresLeaseQueue
-
-        return PostgresLeaseQueue(location, **kwargs)
-    from dagster_gpuinfer.pools.sqlite_queue import SqliteLeaseQueue
-
-    return SqliteLeaseQueue(location.removeprefix("sqlite:///"), **kwargs)
