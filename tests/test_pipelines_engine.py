@@ -378,7 +378,9 @@ def test_generation_metadata_counts_generated_tokens(generate_runs):
     md = partition_metadata(generate_runs["instance"], generate_runs["two"].output_asset.key, "g0")
     assert md["generated_tokens"] > 0 and md["generated_tokens"] <= 12 * 16
     assert md["tokens_per_second"] > 0
-    assert md["sampling_params"]["max_tokens"] == 16 and "seed" not in md["sampling_params"]
+    # g0's latest materialization is the changed run's: its run config set max_tokens=4,
+    # and the metadata shows the parameters that run used, unset ones (seed) left out.
+    assert md["sampling_params"]["max_tokens"] == 4 and "seed" not in md["sampling_params"]
 
 
 def test_changed_sampling_recomputes_and_replaces_the_old_outputs(generate_runs):
