@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from dagster_gpuinfer.batch_api.store import BATCH_TIMESTAMPS
@@ -211,3 +212,10 @@ def page_ids(data: list[Any]) -> dict[str, str | None]:
         "first_id": data[0].id if data else None,
         "last_id": data[-1].id if data else None,
     }
+
+
+def error_response(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+    """An OpenAI-shaped error answer."""
+    kind = "invalid_request_error" if 400 <= status < 500 else "api_error"
+    body = ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
