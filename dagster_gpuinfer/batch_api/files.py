@@ -52,6 +52,13 @@ class FileBytes:
             fs.create_dir(posixpath.dirname(path), recursive=True)
         write_bytes_atomic(fs, path, data)
 
+    def open_writer(self, uri: str):
+        """A stream writing `uri` as it is fed (S3: a multipart upload); close it to finish."""
+        fs, path = filesystem_for(uri, self.storage)
+        if not uri.startswith("s3://"):
+            fs.create_dir(posixpath.dirname(path), recursive=True)
+        return fs.open_output_stream(path)
+
     def read(self, uri: str) -> bytes:
         fs, path = filesystem_for(uri, self.storage)
         return read_bytes(fs, path)

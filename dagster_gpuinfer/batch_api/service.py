@@ -11,16 +11,16 @@ as they are and write nothing; only creates, cancels, deletes and the loop write
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from dagster_gpuinfer.batch_api.audit import audit, audit_refusal
 from dagster_gpuinfer.batch_api.files import FileBytes
 from dagster_gpuinfer.batch_api.routing import RoutingTable
-from dagster_gpuinfer.batch_api.store import BatchStore, Tenant, now
+from dagster_gpuinfer.batch_api.store import FILES, BatchStore, Tenant, now
 from dagster_gpuinfer.batch_api.tags import BATCH_ID_TAG
 from dagster_gpuinfer.batch_api.validation import (
     DEFAULT_MAX_BYTES,
@@ -31,13 +31,14 @@ from dagster_gpuinfer.storage import RowCounts, partition_progress
 
 ACTIVE = ("in_progress", "cancelling", "finalizing")
 TERMINAL = ("failed", "completed", "expired", "cancelled")
-AUDIT = logging.getLogger("dagster_gpuinfer.batch_api.audit")
 log = logging.getLogger(__name__)
 _WINDOW = re.compile(r"^(\d+)([smh])$")
 # A cancelled run that has not stopped after this long is finalized anyway.
 CANCEL_GRACE_SECONDS = 120
 # A batch validating this long was left by a service that died inside the create request.
 VALIDATION_TIMEOUT_SECONDS = 600
+# An upload still unfinished this long after it began was left by a request that died.
+UPLOAD_TIMEOUT_SECONDS = 3600
 
 
 class ApiError(Exception):
@@ -52,10 +53,55 @@ def not_found(what: str, object_id: str) -> ApiError:
     return ApiError(404, f"No {what} found with id {object_id!r}.", code="not_found")
 
 
-def audit(tenant: Tenant, action: str, object_id: str, **details: Any) -> None:
-    """One JSON audit line per create/cancel/delete, with the key's tenant."""
-    record = {"action": action, "tenant": tenant.name, "key_id": tenant.key_id, "id": object_id}
-    AUDIT.info(json.dumps({"ts": now(), **record, **details}, sort_keys=True))
+def check_filename(filename: str) -> None:
+    """Refuse a filename the store cannot hold (PostgreSQL: too long, or a NUL) or that
+    would corrupt a log line or a header (control characters)."""
+    limit = FILES.c.filename.type.length
+    problem = None
+    if not filename:
+        problem = "is empty"
+    elif len(filename) > limit:
+        problem = f"has {len(filename)} characters, more than {limit}"
+    elif any(ord(c) < 32 or ord(c) == 127 for c in filename):
+        problem = "holds control characters"
+    if problem:
+        raise ApiError(
+            400,
+            f"the file name {filename[:40]!r} {problem}; rename the file and upload it again",
+            code="invalid_request",
+            param="file",
+        )
+
+
+def check_purpose(purpose: str) -> None:
+    if purpose != "batch":
+        raise ApiError(
+            400,
+            f"purpose {purpose[:40]!r} is not supported here; upload batch input with "
+            "purpose='batch'",
+            code="invalid_request",
+            param="purpose",
+        )
+
+
+class Upload:
+    """A file being written: its row (status `uploaded`) is in the store, its bytes go to
+    `writer` as they come; `abandon()` deletes both."""
+
+    def __init__(self, service: BatchService, tenant: Tenant, record: dict, writer: Any):
+        self.service, self.tenant, self.record, self.writer = service, tenant, record, writer
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self.writer.write(data)
+        self.size += len(data)
+
+    def abandon(self) -> None:
+        try:
+            self.writer.close()
+        finally:
+            self.service.files.delete(self.record["path"])
+            self.service.store.delete_file(self.record["id"], self.tenant.name)
 
 
 def window_seconds(window: str) -> int:
@@ -93,37 +139,96 @@ class BatchService:
     # ---------------------------------------------------------------- files
 
     def upload(self, tenant: Tenant, *, filename: str, purpose: str, data: bytes) -> dict:
-        if purpose != "batch":
-            raise ApiError(
-                400,
-                f"purpose {purpose!r} is not supported here; upload batch input with "
-                "purpose='batch'",
-                code="invalid_request",
-                param="purpose",
-            )
+        """A new file holding `data` (the HTTP route streams instead: uploads.py)."""
         if len(data) > self.max_bytes:
-            raise ApiError(
-                413,
-                f"{filename}: {len(data)} bytes is more than the limit of {self.max_bytes}",
-                code="file_too_large",
-                param="file",
+            raise self.refuse_upload(
+                tenant,
+                ApiError(
+                    413,
+                    f"{filename}: {len(data)} bytes is more than the limit of {self.max_bytes}",
+                    code="file_too_large",
+                    param="file",
+                ),
             )
+        try:
+            upload = self.begin_upload(tenant, filename=filename, purpose=purpose)
+        except ApiError as exc:
+            raise self.refuse_upload(tenant, exc) from None
+        upload.write(data)
+        return self.finish_upload(upload, purpose)
+
+    def begin_upload(self, tenant: Tenant, *, filename: str, purpose: str | None) -> Upload:
+        """Check what a file's row needs, write the row (status `uploaded`), open the bytes.
+
+        `purpose` may be None when the form sends it after the file part: `finish_upload`
+        checks it then. The row comes first so that bytes never exist without one.
+
+        Raises:
+            ApiError: 400 for a filename the store cannot hold or a purpose other than batch.
+        """
+        check_filename(filename)
+        if purpose is not None:
+            check_purpose(purpose)
         file_id = f"file-{uuid.uuid4().hex}"
-        uri = self.files.file_uri(file_id)
-        self.files.write(uri, data)
         record = {
             "id": file_id,
             "tenant": tenant.name,
-            "purpose": purpose,
+            "purpose": "batch",
             "filename": filename,
-            "bytes": len(data),
+            "bytes": 0,
             "created_at": now(),
-            "status": "processed",
-            "path": uri,
+            "status": "uploaded",
+            "path": self.files.file_uri(file_id),
         }
         self.store.add_file(record)
-        audit(tenant, "file.create", file_id, bytes=len(data), filename=filename)
+        try:
+            writer = self.files.open_writer(record["path"])
+        except BaseException:
+            self.store.delete_file(file_id, tenant.name)
+            raise
+        return Upload(self, tenant, record, writer)
+
+    def finish_upload(self, upload: Upload, purpose: str | None) -> dict:
+        """Close the bytes and mark the row `processed`; an upload refused here is deleted.
+
+        Raises:
+            ApiError: 400 when the form had no purpose, or not 'batch'.
+        """
+        if purpose is None:
+            raise ApiError(
+                400,
+                f"{upload.record['filename']}: the form has no 'purpose' field; send "
+                "purpose='batch'",
+                code="missing_required_parameter",
+                param="purpose",
+            )
+        check_purpose(purpose)
+        upload.writer.close()
+        record = {**upload.record, "bytes": upload.size, "status": "processed"}
+        self.store.put_file(record)
+        audit(
+            upload.tenant,
+            "file.create",
+            record["id"],
+            outcome="created",
+            status=200,
+            bytes=upload.size,
+            filename=record["filename"],
+        )
         return record
+
+    def refuse_upload(self, tenant: Tenant, error: ApiError) -> ApiError:
+        """Audit a refused upload; returns the error to raise."""
+        audit_refusal(tenant, "file.create", None, error)
+        return error
+
+    def sweep_abandoned_uploads(self) -> None:
+        """Delete uploads still `uploaded` long after they began: their request died with
+        the service (the row was written first, so the bytes are found by it)."""
+        for record in self.store.files_uploading_since(now() - UPLOAD_TIMEOUT_SECONDS):
+            self.files.delete(record["path"])
+            self.store.delete_file(record["id"], record["tenant"])
+            log.warning("deleted upload %s left unfinished by a dead request", record["id"])
 
     def file(self, tenant: Tenant, file_id: str) -> dict:
         record = self.store.get_file(file_id, tenant.name)
@@ -403,6 +508,7 @@ class BatchService:
         the batch jobs' unfinished runs."""
         for record in self.store.batches_in(("validating", *ACTIVE)):
             self.reconcile(record)
+        self.sweep_abandoned_uploads()
         self.stop_runs_of_stopped_batches()
 
     def stop_runs_of_stopped_batches(self) -> None:
