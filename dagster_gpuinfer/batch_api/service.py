@@ -25,6 +25,7 @@ from dagster_gpuinfer.batch_api.tags import BATCH_ID_TAG
 from dagster_gpuinfer.batch_api.validation import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_REQUESTS,
+    ValidatedInput,
     validate_batch_input,
 )
 from dagster_gpuinfer.storage import RowCounts, partition_progress
@@ -32,7 +33,9 @@ from dagster_gpuinfer.storage import RowCounts, partition_progress
 ACTIVE = ("in_progress", "cancelling", "finalizing")
 TERMINAL = ("failed", "completed", "expired", "cancelled")
 log = logging.getLogger(__name__)
-_WINDOW = re.compile(r"^(\d+)([smh])$")
+_WINDOW = re.compile(r"(\d{1,5})([smh])")
+# OpenAI's one window; shorter ones are accepted (tests, small jobs), longer ones are not.
+MAX_WINDOW_SECONDS = 24 * 3600
 # A cancelled run that has not stopped after this long is finalized anyway.
 CANCEL_GRACE_SECONDS = 120
 # A batch validating this long was left by a service that died inside the create request.
@@ -105,16 +108,21 @@ class Upload:
 
 
 def window_seconds(window: str) -> int:
-    match = _WINDOW.match(window)
-    if match is None:
+    """The seconds of a `completion_window` ('24h', '30m', '90s'), at most 24 hours.
+
+    Bounded before it reaches the store: a 17-character window overflowed its column on
+    PostgreSQL, and a huge number overflowed SQLite's integer, both as 500s."""
+    match = _WINDOW.fullmatch(window)
+    seconds = int(match[1]) * {"s": 1, "m": 60, "h": 3600}[match[2]] if match else None
+    if seconds is None or not 0 < seconds <= MAX_WINDOW_SECONDS:
         raise ApiError(
             400,
-            f"completion_window {window!r} is not supported; use '24h' (or e.g. '30m', '90s')",
+            f"completion_window {window[:40]!r} is not supported; use '24h' (or a shorter "
+            "window such as '30m' or '90s'; at most 24h)",
             code="invalid_request",
             param="completion_window",
         )
-    number, unit = int(match[1]), match[2]
-    return number * {"s": 1, "m": 60, "h": 3600}[unit]
+    return seconds
 
 
 @dataclass
@@ -270,23 +278,97 @@ class BatchService:
         completion_window: str,
         metadata: dict[str, str] | None,
     ) -> dict:
-        """Validate the input file, then queue it (status in_progress) or fail it."""
+        """Validate the input file, then queue it (status in_progress) or fail it.
+
+        The file is read as a stream, line by line, and copied to the batch's shard inside
+        the storage, never held whole (a 198 MB file took 609 MiB). Every status change is
+        compare-and-set from `validating`: a cancel that lands during validation wins, and
+        the batch is never queued after it.
+        """
+        try:
+            record, source = self._new_batch(
+                tenant, input_file_id, endpoint, completion_window, metadata
+            )
+        except ApiError as exc:
+            audit_refusal(tenant, "batch.create", None, exc)
+            raise
+        checked = self._validate(record, source)
+        batch_id = record["id"]
+        if checked.errors or checked.route is None:
+            self.store.update_batch(
+                batch_id,
+                when_status=("validating",),
+                status="failed",
+                failed_at=now(),
+                total=checked.total,
+                errors={"object": "list", "data": checked.errors},
+            )
+        else:
+            # The shard first, the status second: the sensor queues only in_progress batches.
+            shard = self.files.copy_batch_input(source["path"], batch_id)
+            queued = self.store.update_batch(
+                batch_id,
+                when_status=("validating",),
+                status="in_progress",
+                in_progress_at=now(),
+                total=checked.total,
+                model=checked.model,
+                pipeline=checked.route.pipeline,
+                input_tokens=0,
+                output_tokens=0,
+            )
+            if not queued:  # cancelled while it was validated: nothing may run it
+                self.files.delete(shard)
+        created = self.batch(tenant, batch_id)
+        audit(
+            tenant,
+            "batch.create",
+            batch_id,
+            outcome=created["status"],
+            status=200,
+            input_file_id=input_file_id,
+            endpoint=endpoint,
+        )
+        return created
+
+    def _new_batch(
+        self,
+        tenant: Tenant,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict[str, str] | None,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Check the request, then write the batch's row (status validating); returns the
+        row and its input file's row.
+
+        Raises:
+            ApiError: 400 for a window or endpoint not served, 404 for an unknown file,
+                409 for a file still being uploaded.
+        """
         window = window_seconds(completion_window)
         if not self.routes.models_on(endpoint):
             served = sorted({route.endpoint for route in self.routes.routes})
             raise ApiError(
                 400,
-                f"endpoint {endpoint!r} is not served here; use one of {served}",
+                f"endpoint {endpoint[:80]!r} is not served here; use one of {served}",
                 code="invalid_request",
                 param="endpoint",
             )
         source = self.store.get_file(input_file_id, tenant.name)
-        if source is None:
-            raise not_found("file", input_file_id)
-        batch_id = f"batch_{uuid.uuid4().hex}"
+        if source is None or source["purpose"] != "batch":
+            raise not_found("file", input_file_id[:80])
+        if source["status"] != "processed":
+            raise ApiError(
+                409,
+                f"file {input_file_id} is still being uploaded; create the batch once its "
+                "upload has finished",
+                code="file_not_ready",
+                param="input_file_id",
+            )
         created = now()
         record: dict[str, Any] = {
-            "id": batch_id,
+            "id": f"batch_{uuid.uuid4().hex}",
             "tenant": tenant.name,
             "endpoint": endpoint,
             "input_file_id": input_file_id,
@@ -297,37 +379,29 @@ class BatchService:
             "expires_at": created + window,
         }
         self.store.add_batch(record)
-        data = self.files.read(source["path"])
-        checked = validate_batch_input(
-            data,
-            endpoint=endpoint,
-            routes=self.routes,
-            max_requests=self.max_requests,
-            max_bytes=self.max_bytes,
-        )
-        if checked.errors or checked.route is None:
-            self.store.update_batch(
-                batch_id,
-                status="failed",
-                failed_at=now(),
-                total=checked.total,
-                errors={"object": "list", "data": checked.errors},
+        return record, source
+
+    def _validate(self, record: dict[str, Any], source: dict[str, Any]) -> ValidatedInput:
+        """The input file checked line by line; whatever breaks the check itself fails the
+        batch with a reason, so it never sits in `validating` until the timeout."""
+        try:
+            return validate_batch_input(
+                self.files.lines(source["path"]),
+                size=source["bytes"],
+                endpoint=record["endpoint"],
+                routes=self.routes,
+                max_requests=self.max_requests,
+                max_bytes=self.max_bytes,
             )
-        else:
-            # The shard first, the status second: the sensor queues only in_progress batches.
-            self.files.write_batch_input(batch_id, data)
-            self.store.update_batch(
-                batch_id,
-                status="in_progress",
-                in_progress_at=now(),
-                total=checked.total,
-                model=checked.model,
-                pipeline=checked.route.pipeline,
-                input_tokens=0,
-                output_tokens=0,
+        except Exception as exc:
+            log.exception("validating batch %s (file %s) failed", record["id"], source["id"])
+            checked = ValidatedInput()
+            checked.error(
+                "validation_error",
+                f"the input file {source['id']} could not be validated ({type(exc).__name__}: "
+                f"{str(exc)[:200]}); create the batch again, and report it if this repeats",
             )
-        audit(tenant, "batch.create", batch_id, input_file_id=input_file_id, endpoint=endpoint)
-        return self.batch(tenant, batch_id)
+            return checked
 
     def batch(self, tenant: Tenant, batch_id: str) -> dict:
         """The tenant's batch as the store holds it (read only: the loop keeps it current)."""
@@ -341,21 +415,32 @@ class BatchService:
         return self.store.list_batches(tenant.name, after=after, limit=limit)
 
     def cancel(self, tenant: Tenant, batch_id: str) -> dict:
-        """Mark the batch cancelling and reconcile it at once: stop its run, or, with none
-        running, publish what it committed and finish it as cancelled.
+        """Cancel a batch. One still validating is cancelled at once (compare-and-set: the
+        create that validates it then neither queues nor fails it). One in progress is
+        marked cancelling and reconciled at once: its run is stopped, or, with none running,
+        what it committed is published and it finishes as cancelled.
 
         Raises:
             ApiError: 404 for another tenant's or an unknown batch, 409 for a finished one.
         """
         record = self.batch(tenant, batch_id)
-        if record["status"] in ("validating", "in_progress"):
-            self.store.update_batch(
+        if record["status"] == "validating":
+            stamp = now()
+            if self.store.update_batch(
                 batch_id,
-                when_status=("validating", "in_progress"),
-                status="cancelling",
-                cancelling_at=now(),
-            )
-            audit(tenant, "batch.cancel", batch_id)
+                when_status=("validating",),
+                status="cancelled",
+                cancelling_at=stamp,
+                cancelled_at=stamp,
+            ):
+                audit(tenant, "batch.cancel", batch_id)
+                return self.batch(tenant, batch_id)
+            record = self.batch(tenant, batch_id)  # validation finished first
+        if record["status"] == "in_progress":
+            if self.store.update_batch(
+                batch_id, when_status=("in_progress",), status="cancelling", cancelling_at=now()
+            ):
+                audit(tenant, "batch.cancel", batch_id)
         elif record["status"] != "cancelling":
             raise ApiError(
                 409,
