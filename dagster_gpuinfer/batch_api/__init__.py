@@ -42,7 +42,12 @@ Design decisions, and why:
   tenant; another tenant's ids answer 404, a bad key 401. The tenant and its Kueue
   LocalQueue travel as run tags; the k8s launcher puts the queue on the worker pod's
   `kueue.x-k8s.io/queue-name` label, so quotas and fair sharing come from Kueue. Every
-  create, cancel and delete is an audit line (logger `dagster_gpuinfer.batch_api.audit`).
+  create, cancel and delete, every refused create or upload and every 401 is an audit line
+  (audit.py; logger `dagster_gpuinfer.batch_api.audit`).
+- **The key is checked before the body is read** (authentication.py: FastAPI reads a body
+  before it resolves dependencies), uploads stream into storage under their bound
+  (uploads.py), and a create streams its file line by line: no request makes the server
+  hold a whole file, and none from an unknown caller makes it hold anything.
 """
 
 from dagster_gpuinfer.batch_api.tags import BATCH_ID_TAG, QUEUE_TAG, TENANT_TAG

@@ -21,9 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from dagster_gpuinfer.batch_api.authentication import AuthenticateFirst
 from dagster_gpuinfer.batch_api.dependencies import ServiceDep
 from dagster_gpuinfer.batch_api.routers import batches, files
-from dagster_gpuinfer.batch_api.schemas import ErrorDetail, ErrorResponse, Health
+from dagster_gpuinfer.batch_api.schemas import Health, error_response
 from dagster_gpuinfer.batch_api.service import ApiError, BatchService
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ def create_app(service: BatchService, *, reconcile_interval: float | None = 5.0)
 
     app = FastAPI(title="dagster-gpuinfer batch API", lifespan=lifespan)
     app.state.service = service
+    app.add_middleware(AuthenticateFirst)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.include_router(files.router)
@@ -91,13 +93,6 @@ def health(service: ServiceDep) -> Health:
     """Unauthenticated liveness/readiness probe: the store answers."""
     service.store.engine.connect().close()
     return Health()
-
-
-def error_response(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
-    """An OpenAI-shaped error answer."""
-    kind = "invalid_request_error" if 400 <= status < 500 else "api_error"
-    body = ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
 
 
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:

@@ -3,7 +3,9 @@
 Routes declare `service: ServiceDep` and `tenant: TenantDep`; tests can swap either with
 `app.dependency_overrides`. The bearer token is read by FastAPI's own `HTTPBearer` (which
 also puts the scheme in the OpenAPI document); `auto_error=False` so that a missing or
-malformed header is answered in OpenAI's error shape below, not FastAPI's 403.
+malformed header is answered in OpenAI's error shape below, not FastAPI's 403. The key is
+checked before the route's body is read, by the `AuthenticateFirst` middleware; this
+dependency hands the route the tenant it found.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from dagster_gpuinfer.batch_api.authentication import KEY_REFUSED_MESSAGE
 from dagster_gpuinfer.batch_api.service import ApiError, BatchService
 from dagster_gpuinfer.batch_api.store import Tenant
 
@@ -28,22 +31,21 @@ ServiceDep = Annotated[BatchService, Depends(get_service)]
 
 
 def authenticated_tenant(
+    request: Request,
     service: ServiceDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Tenant:
-    """The tenant of the request's bearer key.
+    """The tenant of the request's bearer key: the one `AuthenticateFirst` found before the
+    body was read (authentication.py), or, in an app built without it, the store's answer.
 
     Raises:
         ApiError: 401 when the key is missing, malformed, unknown or revoked.
     """
-    found = service.store.authenticate(credentials.credentials) if credentials else None
+    found = getattr(request.state, "tenant", None)
+    if found is None and credentials is not None:
+        found = service.store.authenticate(credentials.credentials)
     if found is None:
-        raise ApiError(
-            401,
-            "Incorrect API key provided: send `Authorization: Bearer sk-gpi-...`; create a key "
-            "with `python -m dagster_gpuinfer.batch_api keys create --tenant NAME`.",
-            code="invalid_api_key",
-        )
+        raise ApiError(401, KEY_REFUSED_MESSAGE, code="invalid_api_key")
     return found
 
 

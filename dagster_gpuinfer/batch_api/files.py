@@ -11,7 +11,10 @@ file never pulls the rows from under a running batch.
 
 from __future__ import annotations
 
+import os
 import posixpath
+import uuid
+from collections.abc import Iterator
 
 from dagster_gpuinfer.spec import OutputSpec, StorageOptions
 from dagster_gpuinfer.storage import (
@@ -22,6 +25,9 @@ from dagster_gpuinfer.storage import (
     read_openai_batch_files,
     write_bytes_atomic,
 )
+
+# How much of a file `lines` reads at a time.
+READ_BYTES = 1024 * 1024
 
 
 class FileBytes:
@@ -52,6 +58,13 @@ class FileBytes:
             fs.create_dir(posixpath.dirname(path), recursive=True)
         write_bytes_atomic(fs, path, data)
 
+    def open_writer(self, uri: str):
+        """A stream writing `uri` as it is fed (S3: a multipart upload); close it to finish."""
+        fs, path = filesystem_for(uri, self.storage)
+        if not uri.startswith("s3://"):
+            fs.create_dir(posixpath.dirname(path), recursive=True)
+        return fs.open_output_stream(path)
+
     def read(self, uri: str) -> bytes:
         fs, path = filesystem_for(uri, self.storage)
         return read_bytes(fs, path)
@@ -60,9 +73,36 @@ class FileBytes:
         fs, path = filesystem_for(uri, self.storage)
         delete_quietly(fs, [path])
 
-    def write_batch_input(self, batch_id: str, data: bytes) -> str:
+    def lines(self, uri: str) -> Iterator[bytes]:
+        """The file's lines (split at b"\\n", without it), read `READ_BYTES` at a time:
+        the file is never held whole, only the lines of one read (and a line that spans
+        reads)."""
+        fs, path = filesystem_for(uri, self.storage)
+        with fs.open_input_stream(path) as stream:
+            buffer = bytearray()
+            while chunk := stream.read(READ_BYTES):
+                buffer += chunk
+                end = buffer.rfind(b"\n")
+                if end < 0:
+                    continue
+                yield from bytes(buffer[:end]).split(b"\n")
+                del buffer[: end + 1]
+            if buffer:
+                yield bytes(buffer)
+
+    def copy_batch_input(self, source_uri: str, batch_id: str) -> str:
+        """Copy an uploaded file to the batch's input shard inside the storage (S3: one
+        server-side copy; local: a copy beside it, then a rename), never through memory."""
         uri = self.input_template.replace("{partition_key}", batch_id)
-        self.write(uri, data)
+        fs, source = filesystem_for(source_uri, self.storage)
+        _, target = filesystem_for(uri, self.storage)
+        if uri.startswith("s3://"):
+            fs.copy_file(source, target)
+            return uri
+        fs.create_dir(posixpath.dirname(target), recursive=True)
+        temporary = posixpath.join(posixpath.dirname(target), f".tmp-{uuid.uuid4().hex}")
+        fs.copy_file(source, temporary)
+        os.replace(temporary, target)
         return uri
 
     def batch_results(self, pipeline: str, batch_id: str) -> OpenAIBatchFiles:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field, field_validator
 
 from dagster_gpuinfer.batch_api.store import BATCH_TIMESTAMPS
 
@@ -31,6 +32,10 @@ BATCH_PAGE_MAX = 100
 BATCH_PAGE_DEFAULT = 20
 FILE_PAGE_MAX = 10_000
 FILE_PAGE_DEFAULT = 10_000
+# OpenAI's bounds on a batch's `metadata`.
+METADATA_MAX_PAIRS = 16
+METADATA_MAX_KEY_CHARS = 64
+METADATA_MAX_VALUE_CHARS = 512
 
 
 class FileObject(BaseModel):
@@ -185,7 +190,35 @@ class CreateBatch(BaseModel):
     completion_window: str = Field(
         "24h", description="How long the batch may take: '24h', or e.g. '30m', '90s'."
     )
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: dict[str, str] | None = Field(
+        None,
+        description=f"At most {METADATA_MAX_PAIRS} pairs; keys up to {METADATA_MAX_KEY_CHARS} "
+        f"and values up to {METADATA_MAX_VALUE_CHARS} characters (OpenAI's bounds).",
+    )
+
+    @field_validator("metadata")
+    @classmethod
+    def _openai_metadata_bounds(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        """OpenAI's bounds, so a batch row stays small: the probe stored 16 values of 4 MiB,
+        and nine such batches took the idle service to 1,318 MiB on every restart."""
+        if metadata is None:
+            return None
+        if len(metadata) > METADATA_MAX_PAIRS:
+            raise ValueError(
+                f"{len(metadata)} pairs, more than {METADATA_MAX_PAIRS}; keep the rest elsewhere"
+            )
+        for key, value in metadata.items():
+            if len(key) > METADATA_MAX_KEY_CHARS:
+                raise ValueError(
+                    f"key {key[:20]!r}... has {len(key)} characters, more than "
+                    f"{METADATA_MAX_KEY_CHARS}; shorten it"
+                )
+            if len(value) > METADATA_MAX_VALUE_CHARS:
+                raise ValueError(
+                    f"the value of {key[:20]!r} has {len(value)} characters, more than "
+                    f"{METADATA_MAX_VALUE_CHARS}; shorten it"
+                )
+        return metadata
 
 
 class ErrorDetail(BaseModel):
@@ -211,3 +244,10 @@ def page_ids(data: list[Any]) -> dict[str, str | None]:
         "first_id": data[0].id if data else None,
         "last_id": data[-1].id if data else None,
     }
+
+
+def error_response(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+    """An OpenAI-shaped error answer."""
+    kind = "invalid_request_error" if 400 <= status < 500 else "api_error"
+    body = ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)

@@ -11,33 +11,37 @@ as they are and write nothing; only creates, cancels, deletes and the loop write
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from dagster_gpuinfer.batch_api.audit import audit, audit_refusal
 from dagster_gpuinfer.batch_api.files import FileBytes
 from dagster_gpuinfer.batch_api.routing import RoutingTable
-from dagster_gpuinfer.batch_api.store import BatchStore, Tenant, now
+from dagster_gpuinfer.batch_api.store import FILES, BatchStore, Tenant, now
 from dagster_gpuinfer.batch_api.tags import BATCH_ID_TAG
 from dagster_gpuinfer.batch_api.validation import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_REQUESTS,
+    ValidatedInput,
     validate_batch_input,
 )
 from dagster_gpuinfer.storage import RowCounts, partition_progress
 
 ACTIVE = ("in_progress", "cancelling", "finalizing")
 TERMINAL = ("failed", "completed", "expired", "cancelled")
-AUDIT = logging.getLogger("dagster_gpuinfer.batch_api.audit")
 log = logging.getLogger(__name__)
-_WINDOW = re.compile(r"^(\d+)([smh])$")
+_WINDOW = re.compile(r"(\d{1,5})([smh])")
+# OpenAI's one window; shorter ones are accepted (tests, small jobs), longer ones are not.
+MAX_WINDOW_SECONDS = 24 * 3600
 # A cancelled run that has not stopped after this long is finalized anyway.
 CANCEL_GRACE_SECONDS = 120
 # A batch validating this long was left by a service that died inside the create request.
 VALIDATION_TIMEOUT_SECONDS = 600
+# An upload still unfinished this long after it began was left by a request that died.
+UPLOAD_TIMEOUT_SECONDS = 3600
 
 
 class ApiError(Exception):
@@ -52,23 +56,73 @@ def not_found(what: str, object_id: str) -> ApiError:
     return ApiError(404, f"No {what} found with id {object_id!r}.", code="not_found")
 
 
-def audit(tenant: Tenant, action: str, object_id: str, **details: Any) -> None:
-    """One JSON audit line per create/cancel/delete, with the key's tenant."""
-    record = {"action": action, "tenant": tenant.name, "key_id": tenant.key_id, "id": object_id}
-    AUDIT.info(json.dumps({"ts": now(), **record, **details}, sort_keys=True))
+def check_filename(filename: str) -> None:
+    """Refuse a filename the store cannot hold (PostgreSQL: too long, or a NUL) or that
+    would corrupt a log line or a header (control characters)."""
+    limit = FILES.c.filename.type.length
+    problem = None
+    if not filename:
+        problem = "is empty"
+    elif len(filename) > limit:
+        problem = f"has {len(filename)} characters, more than {limit}"
+    elif any(ord(c) < 32 or ord(c) == 127 for c in filename):
+        problem = "holds control characters"
+    if problem:
+        raise ApiError(
+            400,
+            f"the file name {filename[:40]!r} {problem}; rename the file and upload it again",
+            code="invalid_request",
+            param="file",
+        )
+
+
+def check_purpose(purpose: str) -> None:
+    if purpose != "batch":
+        raise ApiError(
+            400,
+            f"purpose {purpose[:40]!r} is not supported here; upload batch input with "
+            "purpose='batch'",
+            code="invalid_request",
+            param="purpose",
+        )
+
+
+class Upload:
+    """A file being written: its row (status `uploaded`) is in the store, its bytes go to
+    `writer` as they come; `abandon()` deletes both."""
+
+    def __init__(self, service: BatchService, tenant: Tenant, record: dict, writer: Any):
+        self.service, self.tenant, self.record, self.writer = service, tenant, record, writer
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self.writer.write(data)
+        self.size += len(data)
+
+    def abandon(self) -> None:
+        try:
+            self.writer.close()
+        finally:
+            self.service.files.delete(self.record["path"])
+            self.service.store.delete_file(self.record["id"], self.tenant.name)
 
 
 def window_seconds(window: str) -> int:
-    match = _WINDOW.match(window)
-    if match is None:
+    """The seconds of a `completion_window` ('24h', '30m', '90s'), at most 24 hours.
+
+    Bounded before it reaches the store: a 17-character window overflowed its column on
+    PostgreSQL, and a huge number overflowed SQLite's integer, both as 500s."""
+    match = _WINDOW.fullmatch(window)
+    seconds = int(match[1]) * {"s": 1, "m": 60, "h": 3600}[match[2]] if match else None
+    if seconds is None or not 0 < seconds <= MAX_WINDOW_SECONDS:
         raise ApiError(
             400,
-            f"completion_window {window!r} is not supported; use '24h' (or e.g. '30m', '90s')",
+            f"completion_window {window[:40]!r} is not supported; use '24h' (or a shorter "
+            "window such as '30m' or '90s'; at most 24h)",
             code="invalid_request",
             param="completion_window",
         )
-    number, unit = int(match[1]), match[2]
-    return number * {"s": 1, "m": 60, "h": 3600}[unit]
+    return seconds
 
 
 @dataclass
@@ -93,37 +147,96 @@ class BatchService:
     # ---------------------------------------------------------------- files
 
     def upload(self, tenant: Tenant, *, filename: str, purpose: str, data: bytes) -> dict:
-        if purpose != "batch":
-            raise ApiError(
-                400,
-                f"purpose {purpose!r} is not supported here; upload batch input with "
-                "purpose='batch'",
-                code="invalid_request",
-                param="purpose",
-            )
+        """A new file holding `data` (the HTTP route streams instead: uploads.py)."""
         if len(data) > self.max_bytes:
-            raise ApiError(
-                413,
-                f"{filename}: {len(data)} bytes is more than the limit of {self.max_bytes}",
-                code="file_too_large",
-                param="file",
+            raise self.refuse_upload(
+                tenant,
+                ApiError(
+                    413,
+                    f"{filename}: {len(data)} bytes is more than the limit of {self.max_bytes}",
+                    code="file_too_large",
+                    param="file",
+                ),
             )
+        try:
+            upload = self.begin_upload(tenant, filename=filename, purpose=purpose)
+        except ApiError as exc:
+            raise self.refuse_upload(tenant, exc) from None
+        upload.write(data)
+        return self.finish_upload(upload, purpose)
+
+    def begin_upload(self, tenant: Tenant, *, filename: str, purpose: str | None) -> Upload:
+        """Check what a file's row needs, write the row (status `uploaded`), open the bytes.
+
+        `purpose` may be None when the form sends it after the file part: `finish_upload`
+        checks it then. The row comes first so that bytes never exist without one.
+
+        Raises:
+            ApiError: 400 for a filename the store cannot hold or a purpose other than batch.
+        """
+        check_filename(filename)
+        if purpose is not None:
+            check_purpose(purpose)
         file_id = f"file-{uuid.uuid4().hex}"
-        uri = self.files.file_uri(file_id)
-        self.files.write(uri, data)
         record = {
             "id": file_id,
             "tenant": tenant.name,
-            "purpose": purpose,
+            "purpose": "batch",
             "filename": filename,
-            "bytes": len(data),
+            "bytes": 0,
             "created_at": now(),
-            "status": "processed",
-            "path": uri,
+            "status": "uploaded",
+            "path": self.files.file_uri(file_id),
         }
         self.store.add_file(record)
-        audit(tenant, "file.create", file_id, bytes=len(data), filename=filename)
+        try:
+            writer = self.files.open_writer(record["path"])
+        except BaseException:
+            self.store.delete_file(file_id, tenant.name)
+            raise
+        return Upload(self, tenant, record, writer)
+
+    def finish_upload(self, upload: Upload, purpose: str | None) -> dict:
+        """Close the bytes and mark the row `processed`; an upload refused here is deleted.
+
+        Raises:
+            ApiError: 400 when the form had no purpose, or not 'batch'.
+        """
+        if purpose is None:
+            raise ApiError(
+                400,
+                f"{upload.record['filename']}: the form has no 'purpose' field; send "
+                "purpose='batch'",
+                code="missing_required_parameter",
+                param="purpose",
+            )
+        check_purpose(purpose)
+        upload.writer.close()
+        record = {**upload.record, "bytes": upload.size, "status": "processed"}
+        self.store.put_file(record)
+        audit(
+            upload.tenant,
+            "file.create",
+            record["id"],
+            outcome="created",
+            status=200,
+            bytes=upload.size,
+            filename=record["filename"],
+        )
         return record
+
+    def refuse_upload(self, tenant: Tenant, error: ApiError) -> ApiError:
+        """Audit a refused upload; returns the error to raise."""
+        audit_refusal(tenant, "file.create", None, error)
+        return error
+
+    def sweep_abandoned_uploads(self) -> None:
+        """Delete uploads still `uploaded` long after they began: their request died with
+        the service (the row was written first, so the bytes are found by it)."""
+        for record in self.store.files_uploading_since(now() - UPLOAD_TIMEOUT_SECONDS):
+            self.files.delete(record["path"])
+            self.store.delete_file(record["id"], record["tenant"])
+            log.warning("deleted upload %s left unfinished by a dead request", record["id"])
 
     def file(self, tenant: Tenant, file_id: str) -> dict:
         record = self.store.get_file(file_id, tenant.name)
@@ -165,23 +278,97 @@ class BatchService:
         completion_window: str,
         metadata: dict[str, str] | None,
     ) -> dict:
-        """Validate the input file, then queue it (status in_progress) or fail it."""
+        """Validate the input file, then queue it (status in_progress) or fail it.
+
+        The file is read as a stream, line by line, and copied to the batch's shard inside
+        the storage, never held whole (a 198 MB file took 609 MiB). Every status change is
+        compare-and-set from `validating`: a cancel that lands during validation wins, and
+        the batch is never queued after it.
+        """
+        try:
+            record, source = self._new_batch(
+                tenant, input_file_id, endpoint, completion_window, metadata
+            )
+        except ApiError as exc:
+            audit_refusal(tenant, "batch.create", None, exc)
+            raise
+        checked = self._validate(record, source)
+        batch_id = record["id"]
+        if checked.errors or checked.route is None:
+            self.store.update_batch(
+                batch_id,
+                when_status=("validating",),
+                status="failed",
+                failed_at=now(),
+                total=checked.total,
+                errors={"object": "list", "data": checked.errors},
+            )
+        else:
+            # The shard first, the status second: the sensor queues only in_progress batches.
+            shard = self.files.copy_batch_input(source["path"], batch_id)
+            queued = self.store.update_batch(
+                batch_id,
+                when_status=("validating",),
+                status="in_progress",
+                in_progress_at=now(),
+                total=checked.total,
+                model=checked.model,
+                pipeline=checked.route.pipeline,
+                input_tokens=0,
+                output_tokens=0,
+            )
+            if not queued:  # cancelled while it was validated: nothing may run it
+                self.files.delete(shard)
+        created = self.batch(tenant, batch_id)
+        audit(
+            tenant,
+            "batch.create",
+            batch_id,
+            outcome=created["status"],
+            status=200,
+            input_file_id=input_file_id,
+            endpoint=endpoint,
+        )
+        return created
+
+    def _new_batch(
+        self,
+        tenant: Tenant,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict[str, str] | None,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Check the request, then write the batch's row (status validating); returns the
+        row and its input file's row.
+
+        Raises:
+            ApiError: 400 for a window or endpoint not served, 404 for an unknown file,
+                409 for a file still being uploaded.
+        """
         window = window_seconds(completion_window)
         if not self.routes.models_on(endpoint):
             served = sorted({route.endpoint for route in self.routes.routes})
             raise ApiError(
                 400,
-                f"endpoint {endpoint!r} is not served here; use one of {served}",
+                f"endpoint {endpoint[:80]!r} is not served here; use one of {served}",
                 code="invalid_request",
                 param="endpoint",
             )
         source = self.store.get_file(input_file_id, tenant.name)
-        if source is None:
-            raise not_found("file", input_file_id)
-        batch_id = f"batch_{uuid.uuid4().hex}"
+        if source is None or source["purpose"] != "batch":
+            raise not_found("file", input_file_id[:80])
+        if source["status"] != "processed":
+            raise ApiError(
+                409,
+                f"file {input_file_id} is still being uploaded; create the batch once its "
+                "upload has finished",
+                code="file_not_ready",
+                param="input_file_id",
+            )
         created = now()
         record: dict[str, Any] = {
-            "id": batch_id,
+            "id": f"batch_{uuid.uuid4().hex}",
             "tenant": tenant.name,
             "endpoint": endpoint,
             "input_file_id": input_file_id,
@@ -192,37 +379,29 @@ class BatchService:
             "expires_at": created + window,
         }
         self.store.add_batch(record)
-        data = self.files.read(source["path"])
-        checked = validate_batch_input(
-            data,
-            endpoint=endpoint,
-            routes=self.routes,
-            max_requests=self.max_requests,
-            max_bytes=self.max_bytes,
-        )
-        if checked.errors or checked.route is None:
-            self.store.update_batch(
-                batch_id,
-                status="failed",
-                failed_at=now(),
-                total=checked.total,
-                errors={"object": "list", "data": checked.errors},
+        return record, source
+
+    def _validate(self, record: dict[str, Any], source: dict[str, Any]) -> ValidatedInput:
+        """The input file checked line by line; whatever breaks the check itself fails the
+        batch with a reason, so it never sits in `validating` until the timeout."""
+        try:
+            return validate_batch_input(
+                self.files.lines(source["path"]),
+                size=source["bytes"],
+                endpoint=record["endpoint"],
+                routes=self.routes,
+                max_requests=self.max_requests,
+                max_bytes=self.max_bytes,
             )
-        else:
-            # The shard first, the status second: the sensor queues only in_progress batches.
-            self.files.write_batch_input(batch_id, data)
-            self.store.update_batch(
-                batch_id,
-                status="in_progress",
-                in_progress_at=now(),
-                total=checked.total,
-                model=checked.model,
-                pipeline=checked.route.pipeline,
-                input_tokens=0,
-                output_tokens=0,
+        except Exception as exc:
+            log.exception("validating batch %s (file %s) failed", record["id"], source["id"])
+            checked = ValidatedInput()
+            checked.error(
+                "validation_error",
+                f"the input file {source['id']} could not be validated ({type(exc).__name__}: "
+                f"{str(exc)[:200]}); create the batch again, and report it if this repeats",
             )
-        audit(tenant, "batch.create", batch_id, input_file_id=input_file_id, endpoint=endpoint)
-        return self.batch(tenant, batch_id)
+            return checked
 
     def batch(self, tenant: Tenant, batch_id: str) -> dict:
         """The tenant's batch as the store holds it (read only: the loop keeps it current)."""
@@ -236,21 +415,32 @@ class BatchService:
         return self.store.list_batches(tenant.name, after=after, limit=limit)
 
     def cancel(self, tenant: Tenant, batch_id: str) -> dict:
-        """Mark the batch cancelling and reconcile it at once: stop its run, or, with none
-        running, publish what it committed and finish it as cancelled.
+        """Cancel a batch. One still validating is cancelled at once (compare-and-set: the
+        create that validates it then neither queues nor fails it). One in progress is
+        marked cancelling and reconciled at once: its run is stopped, or, with none running,
+        what it committed is published and it finishes as cancelled.
 
         Raises:
             ApiError: 404 for another tenant's or an unknown batch, 409 for a finished one.
         """
         record = self.batch(tenant, batch_id)
-        if record["status"] in ("validating", "in_progress"):
-            self.store.update_batch(
+        if record["status"] == "validating":
+            stamp = now()
+            if self.store.update_batch(
                 batch_id,
-                when_status=("validating", "in_progress"),
-                status="cancelling",
-                cancelling_at=now(),
-            )
-            audit(tenant, "batch.cancel", batch_id)
+                when_status=("validating",),
+                status="cancelled",
+                cancelling_at=stamp,
+                cancelled_at=stamp,
+            ):
+                audit(tenant, "batch.cancel", batch_id)
+                return self.batch(tenant, batch_id)
+            record = self.batch(tenant, batch_id)  # validation finished first
+        if record["status"] == "in_progress":
+            if self.store.update_batch(
+                batch_id, when_status=("in_progress",), status="cancelling", cancelling_at=now()
+            ):
+                audit(tenant, "batch.cancel", batch_id)
         elif record["status"] != "cancelling":
             raise ApiError(
                 409,
@@ -403,6 +593,7 @@ class BatchService:
         the batch jobs' unfinished runs."""
         for record in self.store.batches_in(("validating", *ACTIVE)):
             self.reconcile(record)
+        self.sweep_abandoned_uploads()
         self.stop_runs_of_stopped_batches()
 
     def stop_runs_of_stopped_batches(self) -> None:

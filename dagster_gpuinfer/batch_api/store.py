@@ -227,6 +227,17 @@ class BatchStore:
             )
         return result.rowcount == 1
 
+    def files_uploading_since(self, before: int, limit: int = 500) -> list[dict[str, Any]]:
+        """Files still `uploaded` (bytes coming in) that were created before `before`."""
+        query = (
+            sa.select(FILES)
+            .where(FILES.c.status == "uploaded", FILES.c.created_at < before)
+            .order_by(FILES.c.seq)
+            .limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [dict(row._mapping) for row in conn.execute(query)]
+
     def list_files(
         self,
         tenant: str,

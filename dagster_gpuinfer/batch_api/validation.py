@@ -8,6 +8,7 @@ worker, which keeps its row-level contract for whatever a line's body holds.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,14 +36,20 @@ class ValidatedInput:
 
 
 def validate_batch_input(
-    data: bytes,
+    lines: Iterable[bytes],
     *,
+    size: int,
     endpoint: str,
     routes: RoutingTable,
     max_requests: int = DEFAULT_MAX_REQUESTS,
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> ValidatedInput:
     """Check every line of a batch input file against the batch's endpoint and the routes.
+
+    Args:
+        lines: The file's lines, as read (`FileBytes.lines` streams them): one at a time is
+            all that is held.
+        size: The file's size in bytes.
 
     Checks: the file's size and line count; each line is a JSON object with a non-empty
     string `custom_id` (unique in the file), `method` POST, a `url` equal to the batch's
@@ -58,15 +65,15 @@ def validate_batch_input(
             param="endpoint",
         )
         return result
-    if len(data) > max_bytes:
+    if size > max_bytes:
         result.error(
             "file_too_large",
-            f"the input file has {len(data)} bytes, more than the limit of {max_bytes}; "
+            f"the input file has {size} bytes, more than the limit of {max_bytes}; "
             "split it into several batches",
         )
         return result
     seen: set[str] = set()
-    for number, raw in enumerate(data.splitlines(), start=1):
+    for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         result.total += 1
@@ -98,6 +105,14 @@ def _check_line(
         line = json.loads(raw)
     except ValueError as exc:
         result.error("invalid_json_line", f"line {number} is not valid JSON: {exc}", line=number)
+        return
+    except RecursionError:
+        result.error(
+            "invalid_json_line",
+            f"line {number} is nested too deeply to parse (thousands of levels of arrays or "
+            "objects); flatten that request",
+            line=number,
+        )
         return
     if not isinstance(line, dict):
         result.error("invalid_json_line", f"line {number} is not a JSON object", line=number)

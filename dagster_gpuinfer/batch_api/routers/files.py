@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from dagster_gpuinfer.batch_api.dependencies import ServiceDep, TenantDep
@@ -18,6 +18,28 @@ from dagster_gpuinfer.batch_api.schemas import (
     FileObject,
     page_ids,
 )
+from dagster_gpuinfer.batch_api.uploads import receive_upload
+
+# The form the route reads itself (uploads.py streams it), documented as FastAPI would.
+_UPLOAD_BODY = {
+    "required": True,
+    "content": {
+        "multipart/form-data": {
+            "schema": {
+                "type": "object",
+                "required": ["file", "purpose"],
+                "properties": {
+                    "file": {
+                        "type": "string",
+                        "format": "binary",
+                        "description": "OpenAI Batch JSONL lines.",
+                    },
+                    "purpose": {"type": "string", "description": "Only 'batch' is accepted."},
+                },
+            }
+        }
+    },
+}
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=ERROR_RESPONSES)
 
@@ -31,19 +53,11 @@ _JSONL_CONTENT = {
     "",
     response_model=FileObject,
     responses={413: {"model": ErrorResponse, "description": "The file is over the limit."}},
+    openapi_extra={"requestBody": _UPLOAD_BODY},
 )
-def upload_file(
-    service: ServiceDep,
-    tenant: TenantDep,
-    file: Annotated[UploadFile, File(description="OpenAI Batch JSONL lines.")],
-    purpose: Annotated[str, Form(description="Only 'batch' is accepted.")],
-) -> FileObject:
-    """Upload a batch input file."""
-    data = file.file.read(service.max_bytes + 1)
-    record = service.upload(
-        tenant, filename=file.filename or "upload.jsonl", purpose=purpose, data=data
-    )
-    return FileObject.from_record(record)
+async def upload_file(request: Request, service: ServiceDep, tenant: TenantDep) -> FileObject:
+    """Upload a batch input file (streamed into storage under the size limit)."""
+    return FileObject.from_record(await receive_upload(request, service, tenant))
 
 
 @router.get("", response_model=FileList)
