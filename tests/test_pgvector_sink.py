@@ -425,3 +425,22 @@ def test_the_control_plane_loads_no_database_driver_until_a_sink_writes():
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_yaml_pipeline_sets_the_sink_as_configuration(root):
+    from dagster_gpuinfer.components.inference_pipeline import InferencePipelineComponent
+
+    component = InferencePipelineComponent.resolve_from_yaml(
+        f"""
+name: emb
+model: {root / "model"}
+task: embed
+input: {{uri: "{root / "in"}/{{partition_key}}.parquet"}}
+output_root: {root / "out"}
+partitioning: {{type: static, keys: [p0]}}
+sink: {{url_env: {URL_ENV}, table: doc_embeddings, distance: l2}}
+"""
+    )
+    asset = component.build_pipeline().output_asset
+    shown = asset.specs_by_key[asset.key].metadata["gpuinfer/sink"].value
+    assert shown["table"] == "doc_embeddings" and shown["distance"] == "l2"
