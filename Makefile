@@ -42,19 +42,24 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 # The suite includes a Dagster instance on a real PostgreSQL server, and a real Prometheus
-# server with a Pushgateway (metrics of real worker runs, promtool on the alert rules):
-# start throwaway ones on loopback. The linters and the security gate run first, so CI
+# server with a Pushgateway (metrics of real worker runs, promtool on the alert rules), and
+# the sinks on a PostgreSQL with pgvector (the pgserver wheel's, Debian's has none): start
+# throwaway ones on loopback. The linters and the security gate run first, so CI
 # fails on them before the long suite. Two pytest-xdist workers, a file to each: an engine
 # test spends most of its wall time in vLLM's spawned processes importing vLLM on one core
 # while the other idles (47 min on one worker, 27 on two, on a 2-core AVX2 EPYC).
 PYTEST_WORKERS ?= -n 2 --dist loadfile
 test: lint security prepare
 	PROMETHEUS_ENV=$$(bash deploy/local/test-prometheus.sh) && eval "$$PROMETHEUS_ENV" && \
+	GPUINFER_TEST_PGVECTOR_URL=$$(PY=$(PY) bash deploy/local/test-pgvector.sh) && \
+	export GPUINFER_TEST_PGVECTOR_URL && \
 	GPUINFER_TEST_POSTGRES_URL=$$(bash deploy/local/test-postgres.sh) $(PY) -m pytest tests -m "not slow" $(PYTEST_WORKERS) --durations=20
 
 # Everything, the slow cases too (each class keeps one case in `make test`).
 test-all: prepare
 	PROMETHEUS_ENV=$$(bash deploy/local/test-prometheus.sh) && eval "$$PROMETHEUS_ENV" && \
+	GPUINFER_TEST_PGVECTOR_URL=$$(PY=$(PY) bash deploy/local/test-pgvector.sh) && \
+	export GPUINFER_TEST_PGVECTOR_URL && \
 	GPUINFER_TEST_POSTGRES_URL=$$(bash deploy/local/test-postgres.sh) $(PY) -m pytest tests $(PYTEST_WORKERS)
 
 # The security gate: checkov (offline) over deploy/ and generated worker pods, failing on any
@@ -78,7 +83,8 @@ test-cluster: prepare
 
 test-fast: install
 	PROMETHEUS_ENV=$$(bash deploy/local/test-prometheus.sh) && eval "$$PROMETHEUS_ENV" && \
-	$(PY) -m pytest tests -m "not engine"
+	GPUINFER_TEST_PGVECTOR_URL=$$(PY=$(PY) bash deploy/local/test-pgvector.sh) && \
+	export GPUINFER_TEST_PGVECTOR_URL && $(PY) -m pytest tests -m "not engine"
 
 # The batch API (OpenAI /v1/files, /v1/batches) on 127.0.0.1:8001 beside `dagster dev`,
 # stopped with it; both find the same store and files (dagster_gpuinfer/batch_api/settings.py).

@@ -46,6 +46,7 @@ _EXPORTS = {
     "read_errors": "dagster_gpuinfer.storage",
     "partition_error_files": "dagster_gpuinfer.storage",
     "RowLimits": "dagster_gpuinfer.spec",
+    "PgVectorSink": "dagster_gpuinfer.sinks",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
     from dagster_gpuinfer.resource import GpuInferenceResource as GpuInferenceResource
     from dagster_gpuinfer.resource import InvalidInferenceSpec as InvalidInferenceSpec
     from dagster_gpuinfer.sensors import arrival_sensor as arrival_sensor
+    from dagster_gpuinfer.sinks import PgVectorSink as PgVectorSink
     from dagster_gpuinfer.spec import EngineArgs as EngineArgs
     from dagster_gpuinfer.spec import InferenceSpec as InferenceSpec
     from dagster_gpuinfer.spec import InputSpec as InputSpec

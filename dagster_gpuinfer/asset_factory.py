@@ -15,7 +15,14 @@ from pydantic import Field, create_model
 
 from dagster_gpuinfer.checks import ERROR_RATE, ROWS_BALANCED, VALID_OUTPUT, check_results
 from dagster_gpuinfer.metadata import PARTITION_FIGURES, partition_metadata, run_metadata
-from dagster_gpuinfer.resource import GpuInferenceResource, InferenceRunResult, validate_spec
+from dagster_gpuinfer.resource import (
+    GpuInferenceResource,
+    InferenceRunResult,
+    InvalidInferenceSpec,
+    validate_spec,
+)
+from dagster_gpuinfer.sinks.materialize import sink_partitions
+from dagster_gpuinfer.sinks.pgvector import PgVectorSink, sink_layout
 from dagster_gpuinfer.spec import (
     EngineArgs,
     InferenceSpec,
@@ -32,7 +39,10 @@ DEFAULT_PARTITIONS_PER_RUN = 4
 
 
 def fail_partitions(
-    context: dg.AssetExecutionContext, result: InferenceRunResult, spec: InferenceSpec
+    context: dg.AssetExecutionContext,
+    result: InferenceRunResult,
+    spec: InferenceSpec,
+    sunk: Mapping[str, Mapping[str, Any]],
 ) -> NoReturn:
     """Materialize the committed partitions of a run in which some shards failed, then fail
     the step naming the failed ones (not retried: the input must be fixed).
@@ -46,9 +56,12 @@ def fail_partitions(
             dg.AssetMaterialization(
                 asset_key=context.asset_key,
                 partition=key,
-                metadata=partition_metadata(
-                    result.spec or spec, manifest, computed=key in result.computed
-                ),
+                metadata={
+                    **partition_metadata(
+                        result.spec or spec, manifest, computed=key in result.computed
+                    ),
+                    **sunk.get(key, {}),
+                },
             )
         )
     failures = "; ".join(
@@ -254,9 +267,11 @@ def materialize_run(
     resource_key: str,
     max_error_rate: float,
     max_invalid_output_rate: float | None,
+    sink: PgVectorSink | None = None,
 ) -> dg.MaterializeResult:
-    """The output asset's body: run the worker over the run's partitions, then give each
-    partition its own figures first and the run's (`run_*`) after them."""
+    """The output asset's body: run the worker over the run's partitions, send the committed
+    ones to the sink (if any), then give each partition its own figures first and the run's
+    (`run_*`) after them."""
     gpu: GpuInferenceResource = getattr(context.resources, resource_key)
     run_spec = dict(raw_spec, partition_keys=list(context.partition_keys))
     try:
@@ -264,13 +279,14 @@ def materialize_run(
     except ValueError as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     result = gpu.run_inference(context=context, spec=spec)
+    sunk = sink_partitions(sink, result.spec or spec, result.manifests)
     if result.failed:
-        fail_partitions(context, result, spec)
+        fail_partitions(context, result, spec, sunk)
     shared = run_metadata(result)
     for key, manifest in result.manifests.items():
         # Metadata given to MaterializeResult would be listed above every partition's own.
         own = partition_metadata(result.spec or spec, manifest, computed=key in result.computed)
-        context.add_asset_metadata({**own, **shared}, partition_key=key)
+        context.add_asset_metadata({**own, **sunk.get(key, {}), **shared}, partition_key=key)
     return dg.MaterializeResult(
         check_results=check_results(
             result, max_error_rate=max_error_rate, max_invalid_output_rate=max_invalid_output_rate
@@ -310,6 +326,7 @@ def inference_assets(
     key_prefix: Sequence[str] | str | None = None,
     resource_key: str = "gpu",
     description: str | None = None,
+    sink: PgVectorSink | Mapping[str, Any] | None = None,
     **spec_fields: Any,
 ) -> InferencePipeline:
     """Declare a batch inference pipeline as two partitioned assets.
@@ -351,6 +368,8 @@ def inference_assets(
         resource_key: Resource key of the `GpuInferenceResource`.
         description: Asset description; a note on what the partition figures mean is added
             below it (`metadata.PARTITION_FIGURES`), so each partition lists numbers only.
+        sink: Where each committed partition also goes, replaced whole in one transaction
+            (`PgVectorSink(url_env=..., table=...)`); the files stay the record of commits.
         **spec_fields: Any other pipeline setting of `InferenceSpec` by its name
             (`spec.pipeline_fields`), so a setting added to the spec is settable here too.
 
@@ -390,6 +409,7 @@ def inference_assets(
         },
     )
     spec = validate_spec(raw_spec, where=f"asset {name!r}")
+    sink = validate_sink(sink, spec, where=f"asset {name!r}")
 
     prefix = [key_prefix] if isinstance(key_prefix, str) else list(key_prefix or [])
     input_spec = _input_asset(
@@ -420,8 +440,32 @@ def inference_assets(
         description=description,
         max_error_rate=max_error_rate,
         max_invalid_output_rate=max_invalid_output_rate,
+        sink=sink,
     )
     return InferencePipeline(input_asset=input_spec, output_asset=output_asset, spec=raw_spec)
+
+
+def validate_sink(
+    sink: PgVectorSink | Mapping[str, Any] | None, spec: InferenceSpec, *, where: str
+) -> PgVectorSink | None:
+    """The pipeline's sink, checked against its task and output format.
+
+    Raises:
+        InvalidInferenceSpec: the sink's settings are wrong, or it cannot take these outputs.
+    """
+    if sink is None:
+        return None
+    try:
+        checked = sink if isinstance(sink, PgVectorSink) else PgVectorSink.model_validate(sink)
+        sink_layout(spec.task)
+    except ValueError as exc:
+        raise InvalidInferenceSpec(f"{where}: sink: {exc}") from None
+    if spec.output.format != "parquet":
+        raise InvalidInferenceSpec(
+            f"{where}: sink: the {checked.describe()} sink reads Parquet outputs; set "
+            f"output_format='parquet' (not {spec.output.format!r})"
+        )
+    return checked
 
 
 def asset_description(text: str) -> str:
@@ -512,6 +556,7 @@ def _output_asset(
     description: str | None,
     max_error_rate: float,
     max_invalid_output_rate: float,
+    sink: PgVectorSink | None = None,
 ) -> dg.AssetsDefinition:
     """The inference output asset of a pipeline whose raw spec is `raw_spec`."""
     name, model, task = output_key.path[-1], raw_spec["model"], raw_spec["task"]
@@ -544,6 +589,8 @@ def _output_asset(
             "output_root": raw_spec["output"]["root"],
             # read by dagster_gpuinfer.estimate (CLI and backfill_estimate_sensor)
             "gpuinfer/spec": dg.MetadataValue.json(raw_spec),
+            # the sink's table and the name of its URL's variable, never the URL
+            **({"gpuinfer/sink": dg.MetadataValue.json(sink.model_dump())} if sink else {}),
         },
     )
     def _inference_asset(context: dg.AssetExecutionContext, config: InferenceRunConfig):
@@ -554,6 +601,7 @@ def _output_asset(
             resource_key=resource_key,
             max_error_rate=max_error_rate,
             max_invalid_output_rate=invalid_rate,
+            sink=sink,
         )
 
     return _inference_asset

@@ -127,22 +127,41 @@ def write_prompts(path: Path, rows: int) -> None:
     )
 
 
-def commit_by_hand(spec: Any, key: str, **fields: Any) -> Any:
-    """A partition committed as a worker leaves it, with no part files: the manifest names
-    the spec hash and the versions of the shard and model folder as they are now. `fields`
-    set the manifest's counts and figures (rows_in, wall_seconds, ...)."""
+def commit_by_hand(spec: Any, key: str, parts: Sequence[pa.Table] = (), **fields: Any) -> Any:
+    """A partition committed as a worker leaves it: the manifest names the spec hash and the
+    versions of the shard and model folder as they are now, and one part file per table of
+    `parts` (none by default; with parts, rows_in and rows_out default to their rows).
+    `fields` set the manifest's counts and figures (rows_in, wall_seconds, ...)."""
+    import uuid
+
     from dagster_gpuinfer.storage import (
         FileEntry,
         Manifest,
+        chunk_part_name,
         commit_partition,
         filesystem_for,
         model_version,
         partition_dir,
         source_version,
+        table_to_parquet_bytes,
+        write_file_entry,
     )
 
     fs, path = filesystem_for(partition_dir(spec.output, key), spec.storage)
     fs.create_dir(path, recursive=True)
+    attempt = uuid.uuid4().hex[:8]
+    entries = [
+        write_file_entry(
+            fs,
+            path,
+            chunk_part_name(spec.spec_hash(), index, attempt, ".parquet"),
+            table_to_parquet_bytes(table),
+            table.num_rows,
+        )
+        for index, table in enumerate(parts)
+    ]
+    rows = sum(table.num_rows for table in parts)
+    fields = {"rows_in": rows, "rows_out": rows, **fields} if parts else fields
     manifest = Manifest(
         partition_key=key,
         spec_hash=spec.spec_hash(),
@@ -150,7 +169,7 @@ def commit_by_hand(spec: Any, key: str, **fields: Any) -> Any:
         model=spec.model,
         task=spec.task,
         output_format=spec.output.format,
-        parts=[],
+        parts=entries,
         errors=FileEntry(name="errors.parquet", rows=0, bytes=0, sha256=""),
         **fields,
     )

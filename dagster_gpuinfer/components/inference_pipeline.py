@@ -150,6 +150,12 @@ class _PipelineAttributes(dg.Model):
         None, description="Register new input files as partitions (dynamic partitioning only)."
     )
     resource_key: str = Field("gpu", description="Key of the GpuInferenceResource to use.")
+    sink: dict[str, Any] | None = Field(
+        None,
+        description="Also replace each committed partition in a sink (PgVectorSink fields: "
+        "url_env, the name of the variable holding the database URL; table; index; "
+        "distance).",
+    )
     resource: dict[str, Any] | None = Field(
         None,
         description="GpuInferenceResource fields (launcher, engine_overrides, env, s3_...) for "
@@ -209,6 +215,7 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, settings_model(_Pi
             automation_condition=recompute_stale() if self.recompute_stale else None,
             group_name=self.group_name,
             resource_key=self.effective_resource_key(),
+            sink=self.sink,
             **{name: getattr(self, name) for name in pipeline_fields()},
         )
 

@@ -1,0 +1,119 @@
+"""The sink step of a materialization: after the worker reports its commits, the control
+plane sends each committed partition to the pipeline's sink, whole, and the partition's
+metadata says what the sink holds.
+
+Why here and not in the worker: the files and `_SUCCESS` manifests stay the system of
+record, so the sink is a function of a committed partition that any process can replay;
+the control plane already holds the run's manifests (reused partitions too, for which no
+worker starts), and the database credentials stay with the code location instead of being
+handed to every GPU pod (whose network policy need not reach the database).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import dagster as dg
+
+from dagster_gpuinfer.sinks.partition_rows import (
+    SinkInputError,
+    committed_batches,
+    vector_dimension,
+)
+from dagster_gpuinfer.sinks.pgvector import PgVectorSink, SinkLayout, sink_layout
+from dagster_gpuinfer.sinks.pgvector_write import (
+    SinkError,
+    SinkWrite,
+    connect,
+    ensure_table,
+    replace_partition,
+)
+from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.storage import Manifest
+
+
+def _first_dimension(
+    spec: InferenceSpec, manifests: Mapping[str, Manifest], layout: SinkLayout
+) -> int | None:
+    if not layout.vectors:
+        return None
+    for key in sorted(manifests):
+        dimension = vector_dimension(spec, manifests[key], layout.column)
+        if dimension is not None:
+            return dimension
+    return None
+
+
+def write_partitions(
+    sink: PgVectorSink,
+    spec: InferenceSpec,
+    manifests: Mapping[str, Manifest],
+    *,
+    connection: Callable[[PgVectorSink], Any] = connect,
+) -> dict[str, SinkWrite]:
+    """Replace each committed partition in the sink (one transaction each), in key order.
+
+    Raises:
+        SinkError: a partition could not be written (it and the ones after it keep what the
+            sink held; the ones before it are written).
+    """
+    layout = sink_layout(spec.task)
+    try:
+        dimension = _first_dimension(spec, manifests, layout)
+    except SinkInputError as exc:
+        raise SinkError(str(exc), retryable=False) from None
+    conn = connection(sink)
+    try:
+        ready = ensure_table(conn, sink, layout, dimension)
+        writes = {}
+        for key in sorted(manifests):
+            manifest = manifests[key]
+            if not ready:  # no table and no rows to create it from: nothing to replace
+                writes[key] = SinkWrite(partition_key=key, rows=0)
+                continue
+            batches = committed_batches(
+                spec, manifest, ["id", layout.column], batch_rows=sink.batch_rows
+            )
+            try:
+                writes[key] = replace_partition(conn, sink, layout, manifest, batches)
+            except SinkInputError as exc:
+                raise SinkError(str(exc), retryable=False) from None
+        return writes
+    finally:
+        conn.close()
+
+
+def sink_partitions(
+    sink: PgVectorSink | None, spec: InferenceSpec, manifests: Mapping[str, Manifest]
+) -> dict[str, dict[str, Any]]:
+    """Send the run's committed partitions to `sink`; each partition's sink metadata
+    (`sink`, `sink_rows`: the rows the sink holds for it). Nothing without a sink.
+
+    Raises:
+        dagster.Failure: the sink failed; retried by the asset's retry policy when the
+            server or the connection failed (the retry reuses the committed files and
+            replaces the partitions again), not when the rows or the configuration must change.
+    """
+    if sink is None or not manifests:
+        return {}
+    try:
+        writes = write_partitions(sink, spec, manifests)
+    except SinkError as exc:
+        raise dg.Failure(
+            description=f"{exc} The partitions' files are committed; "
+            + (
+                "a retry sends them again."
+                if exc.retryable
+                else "fix the cause, then re-materialize to send them."
+            ),
+            allow_retries=exc.retryable,
+        ) from None
+    return {
+        key: {
+            "sink": sink.describe(),
+            "sink_rows": write.rows,
+            **({"sink_superseded_by_newer_commit": True} if write.superseded else {}),
+        }
+        for key, write in writes.items()
+    }

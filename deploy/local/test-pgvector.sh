@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Start (or reuse) a throwaway PostgreSQL server with the pgvector extension on 127.0.0.1 for
+# the sink tests, and print its URL. Debian's postgresql packages carry no pgvector here, so
+# the server binaries come from the `pgserver` wheel (pinned in the test extra: PostgreSQL
+# 16 with pgvector built in), found through the project's interpreter ($PY). The cluster
+# lives in /tmp and trusts local connections only: it is for tests, nothing else.
+#   GPUINFER_TEST_PGVECTOR_URL=$(PY=.venv/bin/python bash deploy/local/test-pgvector.sh)
+set -euo pipefail
+PY=${PY:-python3}
+PORT=${GPUINFER_PGVECTOR_PORT:-54339}
+DATA=${GPUINFER_PGVECTOR_DATA:-/tmp/gpuinfer-pgvector-$PORT}
+
+if ! HOME_DIR=$("$PY" -c 'import os, pgserver; print(os.path.dirname(pgserver.__file__))' \
+  2>/dev/null); then
+  echo "pgserver is not installed in $PY's environment: install the test extra" \
+    "(pip install -c requirements/lock-cpu.txt -e '.[test]')" >&2
+  exit 1
+fi
+BIN="$HOME_DIR/pginstall/bin"
+if [ ! -f "$HOME_DIR/pginstall/share/postgresql/extension/vector.control" ]; then
+  echo "the pgserver wheel in $HOME_DIR carries no pgvector extension" >&2
+  exit 1
+fi
+
+as_owner() {
+  # PostgreSQL refuses to run as root: run it as the 'postgres' user then.
+  if [ "$(id -u)" = 0 ]; then
+    id postgres >/dev/null 2>&1 || useradd --system --no-create-home postgres
+    su postgres -s /bin/bash -c "$*"
+  else
+    bash -c "$*"
+  fi
+}
+
+if [ ! -f "$DATA/PG_VERSION" ]; then
+  mkdir -p "$DATA"
+  [ "$(id -u)" = 0 ] && chown postgres "$DATA"
+  as_owner "'$BIN/initdb' -D '$DATA' -U gpuinfer --auth=trust -E UTF8" >&2
+fi
+if ! as_owner "'$BIN/pg_ctl' -D '$DATA' status" >/dev/null 2>&1; then
+  as_owner "'$BIN/pg_ctl' -D '$DATA' -w -l '$DATA/server.log' -o \"-p $PORT -k /tmp -c listen_addresses=127.0.0.1\" start" >&2
+fi
+echo "postgresql://gpuinfer@127.0.0.1:$PORT/postgres"
