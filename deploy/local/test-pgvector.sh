@@ -16,11 +16,25 @@ if ! HOME_DIR=$("$PY" -c 'import os, pgserver; print(os.path.dirname(pgserver.__
     "(pip install -c requirements/lock-cpu.txt -e '.[test]')" >&2
   exit 1
 fi
-BIN="$HOME_DIR/pginstall/bin"
 if [ ! -f "$HOME_DIR/pginstall/share/postgresql/extension/vector.control" ]; then
   echo "the pgserver wheel in $HOME_DIR carries no pgvector extension" >&2
   exit 1
 fi
+# The server runs as 'postgres' when this runs as root, and a checkout under /root (mode
+# 700) hides the venv from that user: run a world-readable copy of the binaries from /tmp.
+# The binaries find their libraries at $ORIGIN/../../../pgserver.libs: keep that layout.
+VERSION=$("$PY" -c 'from importlib.metadata import version; print(version("pgserver"))')
+INSTALL=/tmp/gpuinfer-pgserver-$VERSION
+if [ ! -x "$INSTALL/pgserver/pginstall/bin/initdb" ]; then
+  rm -rf "$INSTALL.partial"
+  mkdir -p "$INSTALL.partial/pgserver"
+  cp -r "$HOME_DIR/pginstall" "$INSTALL.partial/pgserver/pginstall"
+  cp -r "$(dirname "$HOME_DIR")/pgserver.libs" "$INSTALL.partial/pgserver.libs"
+  chmod -R a+rX "$INSTALL.partial"
+  rm -rf "$INSTALL"
+  mv "$INSTALL.partial" "$INSTALL"
+fi
+BIN="$INSTALL/pgserver/pginstall/bin"
 
 as_owner() {
   # PostgreSQL refuses to run as root: run it as the 'postgres' user then.
