@@ -54,6 +54,7 @@ class TaskFacts:
     streams: bool = True
     groups_prefixes: bool = False
     images: bool = False  # rows carry images (worker/tasks/image.py)
+    embeds: bool = False  # outputs are vectors, the `embedding` column (sinks store them)
 
     @property
     def pooling(self) -> bool:
@@ -74,7 +75,7 @@ SCORE_URLS = ("/v1/score", "/score")
 RERANK_URLS = ("/v1/rerank", "/rerank", "/v2/rerank")
 
 TASKS: Mapping[str, TaskFacts] = _facts(
-    TaskFacts("embed", "pooling", {"/v1/embeddings": "input"}),
+    TaskFacts("embed", "pooling", {"/v1/embeddings": "input"}, embeds=True),
     TaskFacts("generate", "generate", {"/v1/completions": "prompt"}, groups_prefixes=True),
     TaskFacts("chat", "generate", {"/v1/chat/completions": "messages"}, groups_prefixes=True),
     TaskFacts(
@@ -85,7 +86,7 @@ TASKS: Mapping[str, TaskFacts] = _facts(
     ),
     TaskFacts("classify", "pooling", {}, streams=False),
     # Image tasks: a row's image is decoded in the read-ahead and sent as multi_modal_data.
-    TaskFacts("image_embed", "pooling", {}, images=True),
+    TaskFacts("image_embed", "pooling", {}, images=True, embeds=True),
     TaskFacts("vision_generate", "generate", {}, images=True),
     # Chat lines whose content parts carry image_url; /v1/chat/completions stays chat's in
     # ENDPOINTS (the first task listing a url owns it there).

@@ -120,7 +120,7 @@ def sink_layout(task: str) -> SinkLayout:
     Raises:
         ValueError: a task whose outputs this sink does not take (score, classify).
     """
-    if task in ("embed", "image_embed"):
+    if task_facts(task).embeds:
         return SinkLayout(column="embedding", vectors=True)
     if task_facts(task).samples:
         return SinkLayout(column="text", vectors=False)
