@@ -193,6 +193,13 @@ def _cmdline(process: Any) -> list[str]:
 
 def engine_died(message: str) -> None:
     """An engine is gone: say so (log, Pipes), kill what is left, exit for a retry."""
+    report_engine_death(message)
+    hard_exit(EXIT_ENGINE_DIED)
+
+
+def report_engine_death(message: str) -> int:
+    """Log and tell (Pipes) that an engine died, what happens now and what to look for;
+    returns the exit code the worker leaves with (`EXIT_ENGINE_DIED`)."""
     text = (
         f"{message}: the worker stops now (exit code {EXIT_ENGINE_DIED}, retryable); "
         "committed chunks are kept and a retry resumes from them. If this repeats, look for "
@@ -200,7 +207,7 @@ def engine_died(message: str) -> None:
     )
     log.error("%s", text)
     tell(text)
-    hard_exit(EXIT_ENGINE_DIED)
+    return EXIT_ENGINE_DIED
 
 
 # --------------------------------------------------------------------------- signals
