@@ -10,9 +10,10 @@ extras (`spec`), and progress goes back as Pipes messages (the models in
 - `{"type": "run", ...}` once, with the model loads and timings of the run, and its
   `telemetry` (GPU utilization, engine saturation: worker/telemetry.py);
 - `{"type": "fatal", "error_type", "message", "partition_key"}` when the spec cannot run
-  (model directory, arguments). The process then exits 0: it finished its protocol, and the
-  control plane raises a non-retryable Dagster `Failure`. Any other exit is a crash, which Dagster's
-  retry policy may retry.
+  (model directory, arguments). The process then exits `lifecycle.EXIT_SPEC_REFUSED` (78,
+  EX_CONFIG; a refused job never reads as succeeded), and the control plane raises a
+  non-retryable Dagster `Failure`. Any other non-zero exit is a crash, which Dagster's retry
+  policy may retry.
 
 Without Pipes, `python -m dagster_gpuinfer.worker --spec spec.json` runs the same job and
 prints the same messages as JSON lines (for debugging a spec by hand).
@@ -102,7 +103,8 @@ def parse_spec(raw: Any) -> InferenceSpec:
 def run(
     raw_spec: Any, reporter: MessageReporter, *, run_id: str = "", retry_number: int = 0
 ) -> int:
-    """Run the job; returns the exit code: 0, `lifecycle.EXIT_DRAINED` after SIGTERM, or
+    """Run the job; returns the exit code: 0, `lifecycle.EXIT_SPEC_REFUSED` after a `fatal`
+    message, `lifecycle.EXIT_DRAINED` after SIGTERM, or
     `lifecycle.EXIT_ENGINE_DIED` when an engine died under it (vLLM's `EngineDeadError`,
     e.g. its executor worker `VLLM::Worker` was killed)."""
     metrics = None
@@ -115,6 +117,7 @@ def run(
     except WorkerError as exc:
         logging.getLogger("dagster_gpuinfer.worker").error("%s", exc)
         reporter.fatal(exc)
+        return lifecycle.EXIT_SPEC_REFUSED
     except Drained as exc:
         logging.getLogger("dagster_gpuinfer.worker").warning("%s", exc)
         lifecycle.tell(str(exc))

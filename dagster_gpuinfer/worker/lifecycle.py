@@ -35,9 +35,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from dagster_gpuinfer.messages import EXIT_SPEC_REFUSED as _EXIT_SPEC_REFUSED
+
 log = logging.getLogger("dagster_gpuinfer.worker")
 
 EXIT_ENGINE_DIED = 75  # EX_TEMPFAIL: try again
+EXIT_SPEC_REFUSED = _EXIT_SPEC_REFUSED  # EX_CONFIG: the spec cannot run, after a `fatal`
 EXIT_DRAINED = 143  # 128 + SIGTERM, as a process killed by SIGTERM would exit
 DRAIN_GRACE_ENV = "GPUINFER_DRAIN_GRACE_SECONDS"
 DEFAULT_DRAIN_GRACE_SECONDS = 60.0
