@@ -28,8 +28,10 @@ class ImageOptions(BaseModel):
 
     allowed_url_hosts: tuple[str, ...] = Field(
         (),
-        description="Hosts (`name` or `name:port`, exact match) the worker may fetch "
-        "http(s) image URLs from. Empty: http(s) URLs are refused.",
+        description="Hosts the worker may fetch http(s) image URLs from: `name` (the "
+        "scheme's default port only, 80 or 443) or `name:port` (that port), exact match. A "
+        "listed name is fetched only from the public addresses it resolves to; list an IP "
+        "address itself to reach a private one. Empty: http(s) URLs are refused.",
     )
     local_roots: tuple[str, ...] = Field(
         (),
@@ -73,9 +75,25 @@ class ImageOptions(BaseModel):
     @classmethod
     def _lower_hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
         for host in hosts:
-            if not host or "/" in host or "@" in host:
+            if not host or "/" in host or "@" in host or not _port_ok(host):
                 raise ValueError(
                     f"allowed_url_hosts entry {host!r} is not a host name: give `name` or "
-                    "`name:port`, e.g. 'images.example.com'"
+                    "`name:port` with a port from 1 to 65535, e.g. 'images.example.com' or "
+                    "'images.example.com:8443'"
                 )
         return tuple(host.lower() for host in hosts)
+
+
+def _port_ok(entry: str) -> bool:
+    """Whether the port of `name:port` / `[v6]:port` is a number from 1 to 65535 (an entry
+    without a port, a bare IPv6 address included, has none to check)."""
+    if entry.startswith("["):
+        rest = entry.partition("]")[2]
+        port = rest[1:] if rest.startswith(":") else None
+        if rest and port is None:
+            return False
+    elif entry.count(":") == 1:
+        port = entry.split(":")[1]
+    else:
+        port = None
+    return port is None or (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535)

@@ -10,6 +10,10 @@ new `type` to `WorkerMessage`; a control plane that does not know a type skips i
 - `run`: once, the run's summary (model loads, timings);
 - `fatal`: the spec cannot run; the control plane fails the step, not retried;
 - `pod_start`: written by the Kubernetes launcher, not the worker: the pod's start split.
+
+After a `fatal` message the worker exits `EXIT_SPEC_REFUSED` (78, EX_CONFIG), so a pod or
+process that refused its job never reads as succeeded; the launchers fail the step without
+a retry on it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from dagster_gpuinfer.storage import Manifest
+
+# The worker's exit code after a `fatal` message (sysexits' EX_CONFIG): the job spec cannot
+# run; retrying will not help.
+EXIT_SPEC_REFUSED = 78
 
 
 class PartitionCommitted(BaseModel):

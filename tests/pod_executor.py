@@ -32,9 +32,11 @@ container for real, so the worker that starts is the one a cluster would start:
   same from the test.
 
 The image maps to the project: `images` maps image names to `Image`s; the default maps every
-image except those in `broken_images` to `project_image()` (the running interpreter's venv on
-PATH as `python3`, this source tree on PYTHONPATH). An image that is not mapped waits in
-`ErrImagePull`; a command the image lacks ends the container with `StartError` (exit 128).
+image except those in `broken_images` to `project_image()` (the running interpreter's venv at
+`/venv`, its `python3` on PATH, and this source tree at `/app`, on PYTHONPATH and the working
+directory: fixed paths, as a built image has them, wherever the checkout lies on the host).
+An image that is not mapped waits in `ErrImagePull`; a command the image lacks ends the
+container with `StartError` (exit 128).
 
 Status follows the process: Pending (behind Kueue's scheduling gate while a plan says
 `gated`, until `admit(name)`; Unschedulable when it asks for GPUs), Running (ready),
@@ -115,6 +117,10 @@ from kubernetes.client import (
 )
 
 SOURCE_TREE = Path(__file__).resolve().parent.parent
+# Where the project image has its code and its venv, as a built image would: fixed paths,
+# not the host's (a checkout under /tmp is hidden by the pod's /tmp emptyDir).
+POD_SOURCE_TREE = "/app"
+POD_VENV = "/venv"
 KUEUE_GATE = "kueue.x-k8s.io/admission"
 _API = ApiClient()
 _SUBNET_LOCK = "/run/gpuinfer-pod-executor.lock"
@@ -155,29 +161,41 @@ def to_model(data: Any, klass: str) -> Any:
 
 @dataclass(frozen=True)
 class Image:
-    """What an image name maps to: host paths the container sees (read-only, at the same
-    paths, besides the system dirs), its environment and working directory."""
+    """What an image name maps to: host paths the container sees read-only (`paths` at the
+    same paths, `mounts` as `(host path, path in the pod)`), besides the system dirs; its
+    environment and working directory."""
 
     paths: tuple[str, ...]
     env: Mapping[str, str]
     workdir: str = "/"
+    mounts: tuple[tuple[str, str], ...] = ()
+
+    def host_path(self, pod_path: str) -> str:
+        """Where `pod_path` of the image lies on the host (the system dirs and `paths` at
+        the same path)."""
+        for host, inside in self.mounts:
+            if pod_path == inside or pod_path.startswith(inside.rstrip("/") + "/"):
+                return host + pod_path[len(inside) :]
+        return pod_path
 
 
 def project_image() -> Image:
-    """The worker image of this project: the running interpreter's venv as `python3` on
-    PATH, this source tree importable (PYTHONPATH) and the working directory."""
+    """The worker image of this project, with its code at fixed paths as a built image has
+    it: this source tree at `POD_SOURCE_TREE` (importable, the working directory) and the
+    running interpreter's venv at `POD_VENV` (its `python3` on PATH), wherever they lie on
+    the host. A checkout under /tmp would otherwise be hidden by the pod's /tmp emptyDir."""
     prefix = os.path.realpath(sys.prefix)
-    paths = {prefix, str(SOURCE_TREE)}
-    if os.path.realpath(sys.base_prefix) not in ("/usr", "/usr/local"):
-        paths.add(os.path.realpath(sys.base_prefix))
+    base = os.path.realpath(sys.base_prefix)
+    paths = () if base in ("/usr", "/usr/local") else (base,)
     return Image(
-        paths=tuple(sorted(paths)),
+        paths=paths,
+        mounts=((str(SOURCE_TREE), POD_SOURCE_TREE), (prefix, POD_VENV)),
         env={
-            "PATH": f"{prefix}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "PYTHONPATH": str(SOURCE_TREE),
+            "PATH": f"{POD_VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "PYTHONPATH": POD_SOURCE_TREE,
             "LANG": "C.UTF-8",
         },
-        workdir=str(SOURCE_TREE),
+        workdir=POD_SOURCE_TREE,
     )
 
 
@@ -690,7 +708,7 @@ class PodExecutor:
             pod.events.append(("Warning", "Failed", f"Error: {exc}"))
             return
         argv = [*pod.container.get("command", []), *pod.container.get("args", [])]
-        if not argv or _which(argv[0], env["PATH"]) is None:
+        if not argv or _which(argv[0], env["PATH"], image) is None:
             pod.started_at = pod.finished_at = _now()
             pod.exit_code = 128
             pod.terminated_reason = "StartError"
@@ -843,9 +861,10 @@ class PodExecutor:
             elif host.is_dir():
                 lines += [f'mkdir "$R/{top}"', f'mount --rbind /{top} "$R/{top}"']
                 lines.append(f'mount -o remount,bind,ro "$R/{top}"')
-        for path in image.paths:
-            lines += [f'mkdir -p "$R"{q(path)}', f'mount --rbind {q(path)} "$R"{q(path)}']
-            lines.append(f'mount -o remount,bind,ro "$R"{q(path)}')
+        for host_path, pod_path in [*((p, p) for p in image.paths), *image.mounts]:
+            target = f'"$R"{q(pod_path)}'
+            lines += [f"mkdir -p {target}", f"mount --rbind {q(host_path)} {target}"]
+            lines.append(f"mount -o remount,bind,ro {target}")
         for top in ("proc", "sys", "dev"):
             lines += [f'mkdir "$R/{top}"', f'mount --rbind /{top} "$R/{top}"']
         lines += ['mkdir -p "$R/tmp" "$R/var/tmp" "$R/run" "$R/home"']
@@ -1158,10 +1177,13 @@ def _process_facts(pid: int) -> dict[str, Any]:
     return facts
 
 
-def _which(command: str, path: str) -> str | None:
+def _which(command: str, path: str, image: Image) -> str | None:
+    """Whether the image has `command` (on its PATH, or at its path), looked up on the host
+    through the image's mounts."""
     if "/" in command:
-        return command if os.access(command, os.X_OK) else None
-    return shutil.which(command, path=path)
+        return command if os.access(image.host_path(command), os.X_OK) else None
+    host_path = os.pathsep.join(image.host_path(entry) for entry in path.split(os.pathsep))
+    return shutil.which(command, path=host_path)
 
 
 _UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9}

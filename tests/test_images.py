@@ -7,6 +7,7 @@ import base64
 import http.server
 import io
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -237,6 +238,170 @@ def test_image_source_never_reads_refused_urls():
         with pytest.raises(ImageFault):
             source.read(url)
     assert opener.opened == ["https://images.example.com/a.png"]
+
+
+# ---------------------------------------------------------------------------- hostile hosts
+
+
+class _Trickle(http.server.BaseHTTPRequestHandler):
+    """Answers every GET slowly: `/body` sends its headers, then one byte every 0.1 s of a
+    body it says is 100 kB long; `/headers` trickles its header lines themselves. Each stops
+    after 8 s at most, so the fetch of today's code (a timeout per socket read) ends too."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        stop = time.monotonic() + 8
+        try:
+            if self.path == "/headers":
+                self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                while time.monotonic() < stop:
+                    self.wfile.write(b"X-Slow: 1\r\n")
+                    self.wfile.flush()
+                    time.sleep(0.1)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            while time.monotonic() < stop:
+                self.wfile.write(b"\0")
+                self.wfile.flush()
+                time.sleep(0.1)
+        except OSError:  # the client gave up: what the test wants
+            pass
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def trickle_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Trickle)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("path", ["/body", "/headers"])
+def test_a_slow_allowed_host_is_cut_off_at_the_fetch_timeout_for_the_whole_download(
+    trickle_server, path
+):
+    options = ImageOptions(allowed_url_hosts=(trickle_server,), fetch_timeout_seconds=1.0)
+    decoder = ImageDecoder(options)
+    started = time.monotonic()
+    [fault] = decoder.load_all([f"http://{trickle_server}{path}"])
+    elapsed = time.monotonic() - started
+    decoder.close()
+    assert isinstance(fault, ImageFault), fault
+    assert fault.error_type == "image_fetch_failed", fault.message
+    assert "images.fetch_timeout_seconds=1.0" in fault.message, fault.message
+    assert elapsed < 3.0, f"the fetch took {elapsed:.1f} s against a 1 s bound"
+
+
+def _recording_source(hosts: tuple[str, ...]) -> tuple[ImageSource, list[str]]:
+    opened: list[str] = []
+
+    class Recording:
+        def open(self, url, timeout):
+            opened.append(url)
+            return io.BytesIO(PNG)
+
+    return ImageSource(ImageOptions(allowed_url_hosts=hosts), opener=Recording()), opened
+
+
+def test_a_host_listed_without_a_port_allows_only_its_schemes_default_port():
+    source, opened = _recording_source(("images.example.com", "cdn.example.com:8443"))
+    allowed = [
+        "https://images.example.com/a.png",
+        "http://images.example.com/a.png",
+        "https://images.example.com:443/a.png",
+        "http://images.example.com:80/a.png",
+        "https://cdn.example.com:8443/a.png",
+    ]
+    for url in allowed:
+        assert source.read(url) == PNG, url
+    refused = [
+        "https://images.example.com:6379/a.png",
+        "http://images.example.com:8080/a.png",
+        "http://images.example.com:443/a.png",
+        "https://cdn.example.com/a.png",
+        "https://cdn.example.com:8444/a.png",
+    ]
+    for url in refused:
+        with pytest.raises(ImageFault) as info:
+            source.read(url)
+        assert info.value.error_type == "image_url_refused", url
+        assert "allowed_url_hosts" in info.value.message
+    assert opened == allowed
+
+
+def test_a_port_in_the_allow_list_must_be_a_port():
+    with pytest.raises(ValueError, match="not a host name"):
+        ImageOptions(allowed_url_hosts=("images.example.com:http",))
+
+
+def test_a_listed_name_that_resolves_to_loopback_is_refused_after_resolving(image_server):
+    port = image_server.rsplit(":", 1)[1]
+    decoder = ImageDecoder(ImageOptions(allowed_url_hosts=(f"localhost:{port}",)))
+    [fault] = decoder.load_all([f"http://localhost:{port}/circle.png"])
+    decoder.close()
+    assert isinstance(fault, ImageFault), "a name resolving to 127.0.0.1 was fetched"
+    assert fault.error_type == "image_url_refused", fault.message
+    assert "127.0.0.1" in fault.message and "localhost" in fault.message
+
+
+@pytest.mark.parametrize(
+    "address", ["127.0.0.1", "169.254.169.254", "10.0.0.7", "::1", "::ffff:127.0.0.1", "fd00::1"]
+)
+def test_a_listed_name_rebound_to_an_internal_address_is_never_connected(monkeypatch, address):
+    import socket
+
+    real = socket.getaddrinfo
+    connected: list[object] = []
+
+    def rebinding(host, port, *args, **kwargs):
+        if host == "images.example.com":
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            sockaddr = (address, port, 0, 0) if ":" in address else (address, port)
+            return [(family, socket.SOCK_STREAM, 6, "", sockaddr)]
+        return real(host, port, *args, **kwargs)
+
+    original_connect = socket.socket.connect
+
+    def recording_connect(self, sockaddr):
+        connected.append(sockaddr)
+        return original_connect(self, sockaddr)
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    monkeypatch.setattr(socket.socket, "connect", recording_connect)
+    source = ImageSource(
+        ImageOptions(allowed_url_hosts=("images.example.com",), fetch_timeout_seconds=2.0)
+    )
+    with pytest.raises(ImageFault) as info:
+        source.read("http://images.example.com/a.png")
+    assert info.value.error_type == "image_url_refused", info.value.message
+    assert address in info.value.message
+    assert connected == [], "the worker connected to an internal address"
+
+
+def test_a_symlink_in_the_shards_folder_is_not_followed_out_of_it(decoder, tmp_path):
+    shards = tmp_path / "shards"
+    (shards / "img").mkdir(parents=True)
+    (tmp_path / "secret.png").write_bytes(PNG)
+    (shards / "img" / "inside.png").write_bytes(PNG)
+    (shards / "img" / "out.png").symlink_to(tmp_path / "secret.png")
+    (shards / "outdir").symlink_to(tmp_path)
+    (shards / "img" / "alias.png").symlink_to(shards / "img" / "inside.png")
+    shard = str(shards / "part-0.parquet")
+    refs = ["img/out.png", "outdir/secret.png", "img/alias.png"]
+    out, out_dir, alias = decoder.load_all(refs, shard)
+    assert isinstance(out, ImageFault) and out.error_type == "image_url_refused", out
+    assert "shard's folder" in out.message
+    assert isinstance(out_dir, ImageFault) and out_dir.error_type == "image_url_refused"
+    assert isinstance(alias, DecodedImage)  # a link that stays inside is fine
 
 
 # ---------------------------------------------------------------------------- properties

@@ -87,6 +87,31 @@ def test_fatal_worker_message_fails_without_retry(tmp_path):
     assert "shard in/shard-0.parquet does not exist" in step_failure_message(result)
 
 
+def test_a_pod_whose_worker_refuses_its_spec_exits_78_and_fails_without_retry(tmp_path):
+    """The worker exits 78 after its `fatal` message (a refused spec): the pod is Failed,
+    and the step fails once, not retried, with the worker's own reason."""
+
+    def refusing_worker(env: dict[str, str]) -> list[str]:
+        return [
+            pipes_line("opened", {"extras": {}}),
+            "2026-12-04 23:00:00,000 ERROR model directory '/models/nope' does not exist",
+            pipes_line("closed", {}),
+        ]
+
+    cluster = FakeKubernetes(
+        PodScript(worker=refusing_worker, exit_code=78),
+        PodScript(worker=refusing_worker, exit_code=78),
+    )
+
+    result = materialize(tmp_path, cluster)
+
+    assert not result.success
+    assert len(cluster.created) == 1, "a refused spec is not retried"
+    message = step_failure_message(result)
+    assert "refused its job spec" in message and "Not retried" in message
+    assert "model directory '/models/nope' does not exist" in message
+
+
 # --------------------------------------------------------------------------- pending and queueing
 
 

@@ -7,8 +7,11 @@ end-to-end cases through the executor are in tests/test_k8s_pods_e2e.py.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import kubernetes
@@ -131,6 +134,45 @@ def test_pod_runs_its_command_with_env_mounts_user_and_network(pod_executor, tmp
     assert seen["tmp_writable"] and seen["shm_writable"]
     assert seen["model_file"] == "w" and seen["host_tmp_hidden"]
     assert seen["package"].startswith(str(pod_executor.image_for("x").env["PYTHONPATH"]))
+
+
+CHECKOUT_PROBE = """
+import json, os, sys
+print(json.dumps({
+    'cwd': os.getcwd(), 'prefix': sys.prefix,
+    'package': __import__('dagster_gpuinfer').__file__,
+}), flush=True)
+"""
+
+
+def test_the_checkout_is_at_one_fixed_path_wherever_it_lies_on_the_host(pod_executor):
+    """A checkout under /tmp (where a newcomer clones) is hidden by the pod's /tmp emptyDir
+    when the image maps host paths to the same paths: here volumes are mounted over the top
+    folders of this checkout and of the venv, whatever they are, and the worker still
+    starts, from the image's fixed paths."""
+    from pod_executor import POD_SOURCE_TREE, POD_VENV, SOURCE_TREE
+
+    tops = {"/" + Path(p).parts[1] for p in (str(SOURCE_TREE), os.path.realpath(sys.prefix))}
+    over = sorted(tops - {"/tmp"})
+    manifest = pod(
+        "checkout",
+        CHECKOUT_PROBE,
+        container={
+            "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}]
+            + [{"name": f"over{i}", "mountPath": top} for i, top in enumerate(over)]
+        },
+        spec={
+            "volumes": [{"name": "scratch", "emptyDir": {}}]
+            + [{"name": f"over{i}", "emptyDir": {}} for i in range(len(over))]
+        },
+    )
+    pod_executor.create_namespaced_pod(NS, manifest)
+    status = wait_phase(pod_executor, "checkout")
+    assert status.phase == "Succeeded", pod_executor.logs("checkout")
+    seen = json.loads(pod_executor.logs("checkout").strip().splitlines()[-1])
+    assert seen["cwd"] == POD_SOURCE_TREE
+    assert seen["package"] == f"{POD_SOURCE_TREE}/dagster_gpuinfer/__init__.py"
+    assert seen["prefix"] == POD_VENV
 
 
 SERVER = """

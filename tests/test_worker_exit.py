@@ -51,3 +51,33 @@ def gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def test_a_refused_spec_exits_78_after_its_fatal_message(tmp_path: Path) -> None:
+    """A spec the worker refuses (here: no model directory) is reported as a `fatal` Pipes
+    message, and the process exits EX_CONFIG (78), not 0: a pod that refused its job must
+    not read as Succeeded, and the launchers fail the step without a retry."""
+    import json
+
+    from dagster_gpuinfer.worker.lifecycle import EXIT_SPEC_REFUSED
+
+    missing = tmp_path / "models" / "nope"
+    spec = {
+        "model": str(missing),
+        "task": "embed",
+        "input": {"uri": str(tmp_path / "in" / "{partition_key}.parquet")},
+        "output": {"root": str(tmp_path / "out"), "asset_name": "emb"},
+        "partition_keys": ["p0"],
+    }
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    done = subprocess.run(
+        [sys.executable, "-m", "dagster_gpuinfer.worker", "--spec", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    messages = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [m["type"] for m in messages] == ["fatal"], done.stdout + done.stderr
+    assert f"model directory {str(missing)!r} does not exist" in messages[0]["message"]
+    assert done.returncode == EXIT_SPEC_REFUSED == 78, done.stderr

@@ -235,3 +235,116 @@ def test_an_engine_whose_start_fails_after_the_model_loaded_is_shut_down(
 
     (llm,) = _LLMWithoutTokenizer.built
     assert llm.llm_engine.engine_core.shutdowns == 1
+
+
+# --------------------------------------------------------------------------- EngineDeadError
+
+
+class _EngineWhoseExecutorDies:
+    """A stand-in for `InferenceEngine` whose engine process loses its executor worker
+    (`VLLM::Worker` SIGKILL'd): `step` raises vLLM's own `EngineDeadError`, as the real engine
+    client does when the engine core reports its worker gone."""
+
+    load_seconds = 0.0
+    max_model_len = 64
+    max_num_seqs = 2
+    window = 4
+    requests = None
+    shutdowns = 0
+
+    def __init__(self, spec) -> None:
+        self.tokenizer = _CharTokenizer()
+        self.pending: list[str] = []
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+    def submit(self, request_id, token_ids, params=None) -> None:
+        self.pending.append(request_id)
+
+    def step(self):
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        raise EngineDeadError()
+
+    def shutdown(self) -> None:
+        type(self).shutdowns += 1
+
+
+class _CharTokenizer:
+    def __len__(self) -> int:
+        return 128
+
+    def __call__(self, texts, add_special_tokens=True):
+        return {"input_ids": [[ord(c) % 128 for c in t] for t in texts]}
+
+
+def _embed_spec(tmp_path, replicas: int = 1) -> dict:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "in").mkdir()
+    table = pa.table({"id": [f"r{i}" for i in range(6)], "text": [f"row {i}" for i in range(6)]})
+    pq.write_table(table, tmp_path / "in" / "p0.parquet")
+    return {
+        "model": str(tmp_path / "model"),
+        "task": "embed",
+        "input": {"uri": str(tmp_path / "in" / "{partition_key}.parquet")},
+        "output": {"root": str(tmp_path / "out"), "asset_name": "emb"},
+        "chunk_size": 3,
+        "partition_keys": ["p0"],
+        "replicas": replicas,
+    }
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.messages: list[dict] = []
+
+    def __call__(self, message: dict) -> None:
+        self.messages.append(message)
+
+
+def test_an_engine_dead_error_from_the_engine_exits_75_naming_it(tmp_path, monkeypatch):
+    from dagster_gpuinfer.worker import __main__ as worker_main
+    from dagster_gpuinfer.worker import lifecycle
+    from dagster_gpuinfer.worker.lifecycle import EXIT_ENGINE_DIED
+    from dagster_gpuinfer.worker.run import job
+
+    monkeypatch.setattr(job, "InferenceEngine", _EngineWhoseExecutorDies)
+    monkeypatch.setattr(_EngineWhoseExecutorDies, "shutdowns", 0)
+    told: list[str] = []
+    monkeypatch.setattr(lifecycle, "_notify", [told.append])
+    emitted = _Recorder()
+
+    code = worker_main.run(_embed_spec(tmp_path), worker_main.MessageReporter(emitted))
+
+    assert code == EXIT_ENGINE_DIED == 75
+    assert [m["type"] for m in emitted.messages] == []  # no `fatal`: a retry can help
+    assert told and "EngineDeadError" in told[0] and "exit code 75" in told[0], told
+    assert "retry resumes from" in told[0]
+    assert _EngineWhoseExecutorDies.shutdowns == 1
+
+
+def test_a_replica_whose_engine_died_fails_the_worker_as_an_engine_death():
+    from dagster_gpuinfer.worker.errors import EngineDied
+    from dagster_gpuinfer.worker.lifecycle import EXIT_ENGINE_DIED
+    from dagster_gpuinfer.worker.run.job import _ReplicaRun, next_replica_message
+    from dagster_gpuinfer.worker.stage_messages import ReplicaCrashed
+
+    class _Results:
+        def get(self, timeout):
+            import queue
+
+            raise queue.Empty
+
+    replica = SimpleNamespace(name="gpuinfer-replica-1", exitcode=EXIT_ENGINE_DIED)
+    with pytest.raises(EngineDied, match="gpuinfer-replica-1"):
+        next_replica_message(_Results(), [replica], ["p0"])
+    run = _ReplicaRun(None, ["p0"], 2, None, None, None, None)
+    crashed = ReplicaCrashed(0, "Traceback ...\nEngineDeadError: ...", engine_died=True)
+    with pytest.raises(EngineDied, match="replica 0"):
+        run.handle(crashed)

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dagster_gpuinfer.messages import EXIT_SPEC_REFUSED
 from dagster_gpuinfer.out_of_memory import memory_problem
 
 FailureKind = Literal[
@@ -52,6 +53,7 @@ FailureKind = Literal[
     "deleted",
     "deadline_exceeded",
     "worker_crash",
+    "spec_refused",
     "api_error",
     "unknown",
 ]
@@ -460,6 +462,15 @@ FAILURE_TABLE: tuple[FailureRow, ...] = (
         lambda f: f.deleting,
         "worker pod {f.pod} was deleted from outside while it ran (it has a deletion "
         "timestamp). {resume}",
+    ),
+    FailureRow(
+        "spec_refused",
+        False,
+        lambda f: f.exit_code == EXIT_SPEC_REFUSED and f.container_reason != "OOMKilled",
+        "worker pod {f.pod} refused its job spec (exit code {f.exit_code}): the spec cannot "
+        "run as given. Not retried: fix what the worker names below, then re-run. Last lines "
+        "of the worker:\n{f.tail_shown}",
+        ("exit_code",),
     ),
     FailureRow(
         "out_of_memory",

@@ -10,17 +10,20 @@ extras (`spec`), and progress goes back as Pipes messages (the models in
 - `{"type": "run", ...}` once, with the model loads and timings of the run, and its
   `telemetry` (GPU utilization, engine saturation: worker/telemetry.py);
 - `{"type": "fatal", "error_type", "message", "partition_key"}` when the spec cannot run
-  (model directory, arguments). The process then exits 0: it finished its protocol, and the
-  control plane raises a non-retryable Dagster `Failure`. Any other exit is a crash, which Dagster's
-  retry policy may retry.
+  (model directory, arguments). The process then exits `lifecycle.EXIT_SPEC_REFUSED` (78,
+  EX_CONFIG; a refused job never reads as succeeded), and the control plane raises a
+  non-retryable Dagster `Failure`. Any other non-zero exit is a crash, which Dagster's retry
+  policy may retry.
 
 Without Pipes, `python -m dagster_gpuinfer.worker --spec spec.json` runs the same job and
 prints the same messages as JSON lines (for debugging a spec by hand).
 
 Exit codes besides 0: `lifecycle.EXIT_DRAINED` (143) after a SIGTERM drain (the chunks in
 flight were committed; the Pipes log says so), `lifecycle.EXIT_ENGINE_DIED` (75) when an
-engine process died (the Pipes log names it); both are retryable, and a retry resumes from
-the committed chunks. Engine processes never outlive the worker (`worker/lifecycle.py`).
+engine process died or vLLM reported its engine dead (`EngineDeadError`, e.g. after its
+executor worker `VLLM::Worker` was killed; the Pipes log names it); both are retryable,
+and a retry resumes from the committed chunks. Engine processes never outlive the worker
+(`worker/lifecycle.py`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,14 @@ from dagster_gpuinfer.secrets import validation_problems
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest
 from dagster_gpuinfer.worker import lifecycle
-from dagster_gpuinfer.worker.errors import Drained, SpecError, WorkerError, cap_message
+from dagster_gpuinfer.worker.errors import (
+    Drained,
+    EngineDied,
+    SpecError,
+    WorkerError,
+    cap_message,
+    engine_death_in,
+)
 from dagster_gpuinfer.worker.metrics import MeteredReporter, start_worker_metrics
 from dagster_gpuinfer.worker.run.env_references import apply_env_references
 from dagster_gpuinfer.worker.run.job import run_job
@@ -93,7 +103,10 @@ def parse_spec(raw: Any) -> InferenceSpec:
 def run(
     raw_spec: Any, reporter: MessageReporter, *, run_id: str = "", retry_number: int = 0
 ) -> int:
-    """Run the job; returns the exit code (0, or `lifecycle.EXIT_DRAINED` after SIGTERM)."""
+    """Run the job; returns the exit code: 0, `lifecycle.EXIT_SPEC_REFUSED` after a `fatal`
+    message, `lifecycle.EXIT_DRAINED` after SIGTERM, or
+    `lifecycle.EXIT_ENGINE_DIED` when an engine died under it (vLLM's `EngineDeadError`,
+    e.g. its executor worker `VLLM::Worker` was killed)."""
     metrics = None
     try:
         spec = parse_spec(raw_spec)
@@ -104,14 +117,30 @@ def run(
     except WorkerError as exc:
         logging.getLogger("dagster_gpuinfer.worker").error("%s", exc)
         reporter.fatal(exc)
+        return lifecycle.EXIT_SPEC_REFUSED
     except Drained as exc:
         logging.getLogger("dagster_gpuinfer.worker").warning("%s", exc)
         lifecycle.tell(str(exc))
         return lifecycle.EXIT_DRAINED
+    except Exception as exc:
+        death = engine_death_in(exc)
+        if death is None:
+            raise  # a crash: exit 1 with its traceback, retryable
+        return lifecycle.report_engine_death(_engine_death(death))
     finally:
         if metrics is not None:
             metrics.close()  # the last push: a finished worker cannot be scraped
     return 0
+
+
+def _engine_death(death: BaseException) -> str:
+    """What died, for the message: the engine death's type and first line."""
+    first = str(death).splitlines()[0] if str(death) else "no message"
+    if isinstance(death, EngineDied):
+        return cap_message(first, 600)
+    return (
+        f"the vLLM engine of this worker died ({type(death).__name__}: {cap_message(first, 300)})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,26 @@ class Drained(Exception):
     fix, and not a crash of the work: a rerun resumes from the committed chunks)."""
 
 
+class EngineDied(Exception):
+    """An engine process died under the worker (a killed executor worker, an engine core that
+    crashed): not the user's to fix; the worker exits `lifecycle.EXIT_ENGINE_DIED` (75) and a
+    retry resumes from the committed chunks."""
+
+
+def engine_death_in(exc: BaseException) -> BaseException | None:
+    """The engine's death in `exc` or the exceptions it was raised from or during: vLLM's
+    `EngineDeadError` (matched by name: the worker's lower rooms never import vLLM) or
+    `EngineDied`; None when there is none."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, EngineDied) or type(current).__name__ == "EngineDeadError":
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 # How every row error ends that is not about a row kept instead (`duplicate_id`).
 QUARANTINED = "the row was quarantined"
 

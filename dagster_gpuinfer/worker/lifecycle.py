@@ -35,9 +35,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from dagster_gpuinfer.messages import EXIT_SPEC_REFUSED as _EXIT_SPEC_REFUSED
+
 log = logging.getLogger("dagster_gpuinfer.worker")
 
 EXIT_ENGINE_DIED = 75  # EX_TEMPFAIL: try again
+EXIT_SPEC_REFUSED = _EXIT_SPEC_REFUSED  # EX_CONFIG: the spec cannot run, after a `fatal`
 EXIT_DRAINED = 143  # 128 + SIGTERM, as a process killed by SIGTERM would exit
 DRAIN_GRACE_ENV = "GPUINFER_DRAIN_GRACE_SECONDS"
 DEFAULT_DRAIN_GRACE_SECONDS = 60.0
@@ -193,6 +196,13 @@ def _cmdline(process: Any) -> list[str]:
 
 def engine_died(message: str) -> None:
     """An engine is gone: say so (log, Pipes), kill what is left, exit for a retry."""
+    report_engine_death(message)
+    hard_exit(EXIT_ENGINE_DIED)
+
+
+def report_engine_death(message: str) -> int:
+    """Log and tell (Pipes) that an engine died, what happens now and what to look for;
+    returns the exit code the worker leaves with (`EXIT_ENGINE_DIED`)."""
     text = (
         f"{message}: the worker stops now (exit code {EXIT_ENGINE_DIED}, retryable); "
         "committed chunks are kept and a retry resumes from them. If this repeats, look for "
@@ -200,7 +210,7 @@ def engine_died(message: str) -> None:
     )
     log.error("%s", text)
     tell(text)
-    hard_exit(EXIT_ENGINE_DIED)
+    return EXIT_ENGINE_DIED
 
 
 # --------------------------------------------------------------------------- signals

@@ -153,10 +153,12 @@ class ReplicaUserError:
 
 @dataclass(frozen=True)
 class ReplicaCrashed:
-    """A replica died of anything else; `traceback` is its formatted traceback."""
+    """A replica died of anything else; `traceback` is its formatted traceback;
+    `engine_died` when that was its engine's death (vLLM's `EngineDeadError`)."""
 
     replica: int
     traceback: str
+    engine_died: bool = False
 
 
 ReplicaMessage = ReplicaLoaded | ReplicaChunk | ReplicaFinished | ReplicaUserError | ReplicaCrashed

@@ -42,8 +42,16 @@ from typing import Any, Protocol
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest, committed_manifest
 from dagster_gpuinfer.storage import model_version as local_model_version
-from dagster_gpuinfer.worker.errors import Drained, ShardError, SpecError, WorkerError
+from dagster_gpuinfer.worker.errors import (
+    Drained,
+    EngineDied,
+    ShardError,
+    SpecError,
+    WorkerError,
+    engine_death_in,
+)
 from dagster_gpuinfer.worker.lifecycle import (
+    EXIT_ENGINE_DIED,
     children_die_with_this_process,
     draining,
     install_signal_handlers,
@@ -449,6 +457,9 @@ class _ReplicaRun:
         elif isinstance(message, ReplicaUserError):
             raise message.error()
         elif isinstance(message, ReplicaCrashed):
+            if message.engine_died:
+                last = message.traceback.strip().splitlines()[-1:] or ["no traceback"]
+                raise EngineDied(f"the vLLM engine of replica {message.replica} died ({last[0]})")
             raise RuntimeError(f"replica {message.replica} failed:\n{message.traceback}")
         else:
             raise TypeError(f"unknown replica message {message!r}")
@@ -501,6 +512,11 @@ def next_replica_message(results: Any, processes: list[Any], partition_keys: lis
         return results.get(timeout=POLL_SECONDS)
     except queue.Empty:
         dead = [p for p in processes if p.exitcode not in (None, 0)]
+        if dead and dead[0].exitcode == EXIT_ENGINE_DIED:  # its own EngineWatch saw it
+            raise EngineDied(
+                f"the vLLM engine of replica process {dead[0].name} died (it exited with "
+                f"code {EXIT_ENGINE_DIED}); partitions not committed: {partition_keys}"
+            ) from None
         if dead:
             raise RuntimeError(
                 f"replica process {dead[0].name} died with exit code {dead[0].exitcode} "
@@ -535,8 +551,9 @@ def replica_main(spec_json: str, index: int, env: dict[str, str], tasks: Any, re
         results.put(ReplicaFinished(index, time.perf_counter() - shutdown_started))
     except WorkerError as exc:
         results.put(ReplicaUserError(index, type(exc).__name__, str(exc), exc.partition_key))
-    except BaseException:
-        results.put(ReplicaCrashed(index, traceback.format_exc()))
+    except BaseException as exc:
+        died = engine_death_in(exc) is not None
+        results.put(ReplicaCrashed(index, traceback.format_exc(), engine_died=died))
     finally:
         if engine is not None:
             engine.shutdown()

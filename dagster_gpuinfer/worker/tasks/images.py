@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import io
 import os
 import posixpath
+import time
 import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +41,14 @@ from dagster_gpuinfer.image_options import ImageOptions
 from dagster_gpuinfer.spec import StorageOptions
 from dagster_gpuinfer.storage import filesystem_for
 from dagster_gpuinfer.worker.errors import cap_message
+from dagster_gpuinfer.worker.tasks.image_fetch import (
+    AddressRefused,
+    FetchTimedOut,
+    GuardedOpener,
+    allowed_endpoint,
+    fetch_timeout_message,
+    read_within,
+)
 
 # The error types of image rows (the `error_type` of their quarantine records).
 IMAGE_ERROR_TYPES = (
@@ -92,8 +101,9 @@ class ImageSource:
     Args:
         options: The pipeline's image options (roots, hosts, byte limit, timeout).
         storage: The pipeline's storage options, for `s3://` references.
-        opener: Fetches an allowed http(s) URL (tests inject one); default urllib without
-            redirects (a redirect could leave the allowed hosts).
+        opener: Fetches an allowed http(s) URL (`open(url, timeout)`; tests inject one);
+            default `image_fetch.GuardedOpener`: no redirects, public addresses only, one
+            deadline for the whole fetch.
     """
 
     def __init__(
@@ -105,7 +115,7 @@ class ImageSource:
     ) -> None:
         self.options = options
         self.storage = storage
-        self.opener = opener or urllib.request.build_opener(_NoRedirects)
+        self.opener = opener or GuardedOpener()
 
     def read(self, ref: Any, base_uri: str | None = None) -> bytes:
         """The encoded image `ref` names; `base_uri` (the shard) anchors relative paths.
@@ -132,7 +142,7 @@ class ImageSource:
         if scheme == "s3":
             return self._storage(ref, ref)
         if scheme == "file":
-            return self._local(ref.removeprefix("file://"), ref, absolute_only=True)
+            return self._local(ref.removeprefix("file://"), ref)
         if scheme or ":" in ref.split("/", 1)[0]:
             raise ImageFault(
                 "image_url_refused",
@@ -170,32 +180,46 @@ class ImageSource:
 
     def _http(self, ref: str) -> bytes:
         parts = urllib.parse.urlsplit(ref)
-        host = (parts.hostname or "").lower()
-        with_port = f"{host}:{parts.port}" if parts.port else host
         allowed = self.options.allowed_url_hosts
-        if host not in allowed and with_port not in allowed:
+        if not allowed_endpoint(parts, allowed):
             raise ImageFault(
                 "image_url_refused",
-                f"image {describe(ref)}: host {with_port!r} is not in images.allowed_url_hosts "
-                f"({', '.join(allowed) or 'none'}); http(s) images are fetched only from "
-                "hosts the pipeline allows",
+                f"image {describe(ref)}: host {parts.netloc.rpartition('@')[2]!r} is not in "
+                f"images.allowed_url_hosts ({', '.join(allowed) or 'none'}); http(s) images are "
+                "fetched only from hosts the pipeline allows (a `name` entry allows the "
+                "scheme's default port only; list `name:port` for another port)",
             )
-        limit = self.options.max_image_bytes
+        timeout = self.options.fetch_timeout_seconds
+        started = time.monotonic()
         try:
-            with self.opener.open(ref, timeout=self.options.fetch_timeout_seconds) as response:
-                data = response.read(limit + 1)
+            with self.opener.open(ref, timeout=timeout) as response:
+                data = read_within(response, self.options.max_image_bytes, started + timeout)
         except urllib.error.HTTPError as exc:
             kind = "image_missing" if exc.code in (404, 410) else "image_fetch_failed"
             raise ImageFault(kind, f"image {describe(ref)}: HTTP {exc.code}") from None
-        except (OSError, ValueError) as exc:
-            raise ImageFault(
-                "image_fetch_failed", f"image {describe(ref)}: fetch failed ({exc})"
-            ) from None
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            raise self._fetch_fault(ref, exc, time.monotonic() - started) from None
         return self._capped(data, describe(ref))
+
+    def _fetch_fault(self, ref: str, exc: Exception, elapsed: float) -> ImageFault:
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, AddressRefused):
+            return ImageFault(
+                "image_url_refused",
+                f"image {describe(ref)}: {reason.host!r} resolves to "
+                f"{', '.join(reason.addresses)}, not a public address (loopback, private, "
+                "link-local or metadata addresses are never fetched from a listed name); "
+                "serve the images from a public host, or list the address itself in "
+                "images.allowed_url_hosts if the pipeline must reach it",
+            )
+        if isinstance(reason, FetchTimedOut) or elapsed >= self.options.fetch_timeout_seconds:
+            message = fetch_timeout_message(self.options)
+            return ImageFault("image_fetch_failed", f"image {describe(ref)}: {message}")
+        return ImageFault("image_fetch_failed", f"image {describe(ref)}: fetch failed ({exc})")
 
     def _path(self, ref: str, base_uri: str | None) -> bytes:
         if ref.startswith("/"):
-            return self._local(ref, ref, absolute_only=True)
+            return self._local(ref, ref)
         if base_uri is None:
             raise ImageFault(
                 "image_url_refused", f"image {describe(ref)}: a relative path with no shard"
@@ -212,19 +236,27 @@ class ImageSource:
             )
         if "://" in joined:
             return self._storage(joined, ref)
-        return self._local(joined, ref, absolute_only=False)
+        return self._local(joined, ref, shard_folder=folder)
 
-    def _local(self, path: str, ref: str, *, absolute_only: bool) -> bytes:
+    def _local(self, path: str, ref: str, *, shard_folder: str | None = None) -> bytes:
+        """A local file: under `images.local_roots` (absolute paths), or, for a path
+        relative to the shard, under the shard's folder once every link is resolved."""
         real = os.path.realpath(path)
-        if absolute_only:
-            roots = [os.path.realpath(root) for root in self.options.local_roots]
-            if not any(real == root or real.startswith(root.rstrip("/") + "/") for root in roots):
+        if shard_folder is not None:
+            if not _lies_under(real, [os.path.realpath(shard_folder)]):
                 raise ImageFault(
                     "image_url_refused",
-                    f"image {describe(ref)}: absolute paths must lie under images.local_roots "
-                    f"({', '.join(self.options.local_roots) or 'none'}); use a path relative "
-                    "to the shard or add the folder",
+                    f"image {describe(ref)}: a link in the shard's folder leads out of it; "
+                    "relative paths must stay under the shard's folder: copy the image "
+                    "there, or use an absolute path under images.local_roots",
                 )
+        elif not _lies_under(real, [os.path.realpath(r) for r in self.options.local_roots]):
+            raise ImageFault(
+                "image_url_refused",
+                f"image {describe(ref)}: absolute paths must lie under images.local_roots "
+                f"({', '.join(self.options.local_roots) or 'none'}); use a path relative "
+                "to the shard or add the folder",
+            )
         try:
             size = os.path.getsize(real)
             if size > self.options.max_image_bytes:
@@ -259,11 +291,8 @@ class ImageSource:
         return self._capped(data, describe(ref))
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    """A redirect is an error: it could lead off the allowed hosts."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
-        raise urllib.error.HTTPError(newurl, code, "redirects are not followed", headers, fp)
+def _lies_under(path: str, roots: list[str]) -> bool:
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
 
 
 def decode_image(data: bytes, options: ImageOptions, what: str = "image") -> DecodedImage:
