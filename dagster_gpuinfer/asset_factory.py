@@ -387,7 +387,8 @@ def inference_assets(
         ... )
         >>> defs = dg.Definitions(assets=pipeline.assets, resources={"gpu": GpuInferenceResource()})
     """
-
+    # The pipeline settings named as parameters above, then any other by its name.
+    named = {key: value for key, value in locals().items() if key in pipeline_fields()}
     raw_spec = pipeline_spec(
         name=name,
         model=model,
@@ -397,20 +398,10 @@ def inference_assets(
         engine=engine,
         sampling=sampling,
         limits=limits,
-        settings={
-            "tensor_parallel_size": tensor_parallel_size,
-            "replicas": replicas,
-            "chunk_size": chunk_size,
-            "max_requests_in_flight": max_requests_in_flight,
-            "group_prefixes": group_prefixes,
-            "nodes": nodes,
-            "pipeline_parallel_size": pipeline_parallel_size,
-            **spec_fields,
-        },
+        settings={**named, **spec_fields},
     )
     spec = validate_spec(raw_spec, where=f"asset {name!r}")
     sink = validate_sink(sink, spec, where=f"asset {name!r}")
-
     prefix = [key_prefix] if isinstance(key_prefix, str) else list(key_prefix or [])
     input_spec = _input_asset(
         raw_spec,
@@ -420,9 +411,7 @@ def inference_assets(
         partitions_def=partitions_def,
         group_name=group_name,
         resource_key=resource_key,
-        automation_condition=(
-            dg.AutomationCondition.cron_tick_passed(observe_cron) if observe_cron else None
-        ),
+        observe_cron=observe_cron,
     )
     output_asset = _output_asset(
         raw_spec,
@@ -506,7 +495,7 @@ def _input_asset(
     partitions_def: dg.PartitionsDefinition,
     group_name: str | None,
     resource_key: str,
-    automation_condition: dg.AutomationCondition | None,
+    observe_cron: str | None,
 ) -> dg.SourceAsset:
     """The input shards of pipeline `name`, one file per partition, as an observable source
     asset: an observation records every shard's version (`observe_shard_versions`)."""
@@ -528,7 +517,9 @@ def _input_asset(
         metadata={"uri_template": input_uri},
         tags={f"dagster/kind/{kind}": ""},
         required_resource_keys={resource_key},
-        automation_condition=automation_condition,
+        automation_condition=(
+            dg.AutomationCondition.cron_tick_passed(observe_cron) if observe_cron else None
+        ),
     )
     def _shards(context) -> dg.DataVersionsByPartition:
         gpu: GpuInferenceResource = getattr(context.resources, resource_key)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+import os
+import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from dagster_gpuinfer import GpuInferenceResource, InputSpec, inference_assets
 
@@ -174,3 +178,27 @@ def commit_by_hand(spec: Any, key: str, parts: Sequence[pa.Table] = (), **fields
         **fields,
     )
     return commit_partition(fs, path, manifest, [])
+
+
+@contextlib.contextmanager
+def fresh_postgres_database(prefix: str) -> Iterator[str]:
+    """A new database on the suite's PostgreSQL server (GPUINFER_TEST_POSTGRES_URL, which
+    `make test` starts), dropped afterwards; yields its URL. Fails, saying how to start a
+    server, when none is given: a skip would hide that the store went untested."""
+    url = os.environ.get("GPUINFER_TEST_POSTGRES_URL")
+    if not url:
+        pytest.fail(
+            "GPUINFER_TEST_POSTGRES_URL is not set: run the suite with `make test`, or start a "
+            "server with `bash deploy/local/test-postgres.sh` and export the URL it prints"
+        )
+    import psycopg2
+
+    database = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    admin = psycopg2.connect(url)
+    admin.autocommit = True
+    admin.cursor().execute(f"CREATE DATABASE {database}")
+    try:
+        yield url.rsplit("/", 1)[0] + f"/{database}"
+    finally:
+        admin.cursor().execute(f"DROP DATABASE {database} WITH (FORCE)")
+        admin.close()

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +22,7 @@ import httpx
 import openai
 import pytest
 from batch_api_support import client, free_port, live_service, request_lines
+from support import fresh_postgres_database
 from test_batch_api import ROUTES, make_service, upload
 
 from dagster_gpuinfer.batch_api import service as service_module
@@ -151,23 +151,8 @@ def store_url(request, tmp_path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path}/store.sqlite"
         return
-    url = os.environ.get("GPUINFER_TEST_POSTGRES_URL")
-    if not url:
-        pytest.fail(
-            "GPUINFER_TEST_POSTGRES_URL is not set: run the suite with `make test`, or start a "
-            "server with `bash deploy/local/test-postgres.sh` and export the URL it prints"
-        )
-    import psycopg2
-
-    database = f"hostile_{uuid.uuid4().hex[:10]}"
-    admin = psycopg2.connect(url)
-    admin.autocommit = True
-    admin.cursor().execute(f"CREATE DATABASE {database}")
-    try:
-        yield url.rsplit("/", 1)[0] + f"/{database}"
-    finally:
-        admin.cursor().execute(f"DROP DATABASE {database} WITH (FORCE)")
-        admin.close()
+    with fresh_postgres_database("hostile") as url:
+        yield url
 
 
 def test_overlong_filenames_and_windows_are_400s_before_anything_is_written(

@@ -12,7 +12,6 @@ import multiprocessing
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 
@@ -28,6 +27,7 @@ from hypothesis.stateful import (
     multiple,
     rule,
 )
+from support import fresh_postgres_database
 
 from dagster_gpuinfer.pools import (
     JobConflictError,
@@ -72,33 +72,14 @@ def job(job_id: str, count: int, *, priority: int = 0, pool: str = POOL, **kwarg
 # --------------------------------------------------------------------------- stores
 
 
-@pytest.fixture(scope="module")
-def postgres_server() -> str | None:
-    return os.environ.get("GPUINFER_TEST_POSTGRES_URL") or None
-
-
 @pytest.fixture(params=["sqlite", "postgres"])
-def store_location(request, tmp_path, postgres_server) -> Iterator[str]:
+def store_location(request, tmp_path) -> Iterator[str]:
     """Where a fresh queue lives: a SQLite file, or a new PostgreSQL database."""
     if request.param == "sqlite":
         yield str(tmp_path / "leases.db")
         return
-    if not postgres_server:
-        pytest.skip(
-            "GPUINFER_TEST_POSTGRES_URL is not set: run the suite with `make test`, or start a "
-            "server with `bash deploy/local/test-postgres.sh` and export the URL it prints"
-        )
-    import psycopg2
-
-    database = f"leases_{uuid.uuid4().hex[:10]}"
-    admin = psycopg2.connect(postgres_server)
-    admin.autocommit = True
-    admin.cursor().execute(f"CREATE DATABASE {database}")
-    try:
-        yield postgres_server.rsplit("/", 1)[0] + f"/{database}"
-    finally:
-        admin.cursor().execute(f"DROP DATABASE {database} WITH (FORCE)")
-        admin.close()
+    with fresh_postgres_database("leases") as url:
+        yield url
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from, so a rewritten shard or new weights are never taken for the committed ones
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from typing import Any
@@ -47,8 +48,9 @@ def file_version(fs: pafs.FileSystem, path: str, storage: StorageOptions | None 
         FileNotFoundError: no file at `path`.
     """
     if isinstance(fs, pafs.S3FileSystem):
+        storage = storage or StorageOptions()
         try:
-            client = s3_client(storage)
+            client = _version_client(storage.endpoint_url, storage.region)
         except ImportError:
             client = None
         if client is not None:
@@ -60,6 +62,13 @@ def file_version(fs: pafs.FileSystem, path: str, storage: StorageOptions | None 
         stat = os.stat(path)
         return f"local:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
     return f"{fs.type_name}:{info.size}:{info.mtime_ns}"
+
+
+@functools.lru_cache(maxsize=8)
+def _version_client(endpoint_url: str | None, region: str | None) -> Any:
+    """One boto3 client per endpoint for the HEADs: observing 10,000 shards or checking a
+    run's partitions builds one client, not one a shard (boto3 clients are thread-safe)."""
+    return s3_client(StorageOptions(endpoint_url=endpoint_url, region=region))
 
 
 def _s3_object_version(client: Any, path: str) -> str:

@@ -36,22 +36,6 @@ if [ ! -x "$INSTALL/pgserver/pginstall/bin/initdb" ]; then
 fi
 BIN="$INSTALL/pgserver/pginstall/bin"
 
-as_owner() {
-  # PostgreSQL refuses to run as root: run it as the 'postgres' user then.
-  if [ "$(id -u)" = 0 ]; then
-    id postgres >/dev/null 2>&1 || useradd --system --no-create-home postgres
-    su postgres -s /bin/bash -c "$*"
-  else
-    bash -c "$*"
-  fi
-}
-
-if [ ! -f "$DATA/PG_VERSION" ]; then
-  mkdir -p "$DATA"
-  [ "$(id -u)" = 0 ] && chown postgres "$DATA"
-  as_owner "'$BIN/initdb' -D '$DATA' -U gpuinfer --auth=trust -E UTF8" >&2
-fi
-if ! as_owner "'$BIN/pg_ctl' -D '$DATA' status" >/dev/null 2>&1; then
-  as_owner "'$BIN/pg_ctl' -D '$DATA' -w -l '$DATA/server.log' -o \"-p $PORT -k /tmp -c listen_addresses=127.0.0.1\" start" >&2
-fi
-echo "postgresql://gpuinfer@127.0.0.1:$PORT/postgres"
+# shellcheck source=deploy/local/pg-cluster.sh
+source "$(dirname "$0")/pg-cluster.sh"
+start_cluster "$BIN/initdb" "$BIN/pg_ctl" "$DATA" "$PORT"

@@ -23,22 +23,6 @@ fi
 INITDB=$(find_bin initdb)
 PG_CTL=$(find_bin pg_ctl)
 
-as_owner() {
-  # PostgreSQL refuses to run as root: run it as the 'postgres' user then.
-  if [ "$(id -u)" = 0 ]; then
-    id postgres >/dev/null 2>&1 || useradd --system --no-create-home postgres
-    su postgres -s /bin/bash -c "$*"
-  else
-    bash -c "$*"
-  fi
-}
-
-if [ ! -f "$DATA/PG_VERSION" ]; then
-  mkdir -p "$DATA"
-  [ "$(id -u)" = 0 ] && chown postgres "$DATA"
-  as_owner "'$INITDB' -D '$DATA' -U gpuinfer --auth=trust -E UTF8" >&2
-fi
-if ! as_owner "'$PG_CTL' -D '$DATA' status" >/dev/null 2>&1; then
-  as_owner "'$PG_CTL' -D '$DATA' -w -l '$DATA/server.log' -o \"-p $PORT -k /tmp -c listen_addresses=127.0.0.1\" start" >&2
-fi
-echo "postgresql://gpuinfer@127.0.0.1:$PORT/postgres"
+# shellcheck source=deploy/local/pg-cluster.sh
+source "$(dirname "$0")/pg-cluster.sh"
+start_cluster "$INITDB" "$PG_CTL" "$DATA" "$PORT"
