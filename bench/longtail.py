@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,226 @@ def row_params(rows: int) -> list[str]:
     return [json.dumps({"seed": i}) for i in range(rows)]
 
 
+@dataclass
+class _Tally:
+    """What each contestant's turns gave over the rounds (tokens/s, tokens, the CPU share
+    stolen in the turn, end-to-end rates) and the platform's and run-batch's run records."""
+
+    names: list[str]
+    rates: dict[str, list[float]]  # generated tokens/s
+    generated: dict[str, list[int]]  # tokens a round
+    # The CPU share the hypervisor gave other guests in each whole turn (engine builds
+    # included; raw's turn holds both its calls, so raw's warm row shows the same share)
+    stolen: dict[str, list[float | None]]
+    end_to_end: dict[str, list[float]]
+    platform_runs: list[dict[str, Any]] = field(default_factory=list)
+    run_batch_runs: list[dict[str, Any]] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, names: list[str]) -> _Tally:
+        every = [*names, RAW_WARM]
+        return cls(
+            names=names,
+            rates={n: [] for n in every},
+            generated={n: [] for n in every},
+            stolen={n: [] for n in every},
+            end_to_end={n: [] for n in names if n != RAW},
+        )
+
+
+@dataclass
+class _Contest:
+    """What the turns of one long-tail run share."""
+
+    ctx: BenchContext
+    root: Path
+    model: str
+    texts: list[str]
+    kwargs: dict[str, Any]
+    env: dict[str, str]
+    batch_in: Path
+    pipelines: dict[int, PlatformPipeline]
+    raw: FreshEachRound
+    contestants: dict[str, ContestantProcess]
+    peers: dict[str, Any]
+
+
+def _platform_turn(contest: _Contest, name: str, round_index: int, tally: _Tally) -> tuple:
+    """One Dagster run of the shard at the name's chunk size: (rows, tokens, seconds)."""
+    chunk_size = int(name.split("c")[-1])
+    pipeline = contest.pipelines[chunk_size]
+    pipeline.clear_outputs()
+    timing = pipeline.run(pipeline.keys)
+    seconds = timing.partition_seconds["shard-0"]
+    tokens = timing.generated_tokens
+    tally.end_to_end[name].append(tokens / timing.run_seconds)
+    tally.platform_runs.append(
+        {
+            "round": round_index,
+            "chunk_size": chunk_size,
+            "run_seconds": timing.run_seconds,
+            "model_load_seconds": timing.model_load_seconds,
+            "partition_seconds": seconds,
+            "fixed_seconds": timing.run_seconds - timing.model_load_seconds - seconds,
+            "worker_seconds": timing.worker_seconds,
+            # Dagster's run and step start, the Pipes launch and the worker's exit: the
+            # run's time outside the worker's job.
+            "outside_worker_seconds": timing.run_seconds
+            - timing.worker_seconds
+            - timing.worker_split.get("start", 0.0),
+            "worker_split": timing.worker_split,
+        }
+    )
+    if not tally.lengths:
+        tally.lengths = generated_lengths(pipeline)
+    return timing.rows, tokens, seconds
+
+
+def _peer_turn(contest: _Contest, name: str, round_index: int, tally: _Tally) -> tuple:
+    """One turn of raw vLLM (its round's fresh engine), a Ray processor or vLLM's
+    run-batch: (rows, tokens, seconds)."""
+    if name == RAW:
+        fresh = contest.raw.run(round_index, contest.texts)
+        contest.peers.setdefault(RAW, fresh.info)
+        out, warm = fresh.first, fresh.warm
+        tally.rates[RAW_WARM].append(warm["generated_tokens"] / warm["seconds"])
+        tally.generated[RAW_WARM].append(warm["generated_tokens"])
+        return out["rows"], out["generated_tokens"], out["seconds"]
+    if name in contest.contestants:
+        out = contest.contestants[name].call("run", contest.texts)
+        if name in RAY_NAMES:  # its wall time includes the actor's engine build
+            tally.end_to_end[name].append(out["generated_tokens"] / out["wall_seconds"])
+        return out["rows"], out["generated_tokens"], out["seconds"]
+    out = run_vllm_batch(  # RUN_BATCH
+        contest.batch_in,
+        contest.root / "batch-out.jsonl",
+        contest.model,
+        contest.kwargs,
+        contest.env,
+        contest.ctx.log_dir / "longtail-run-batch.log",
+    )
+    tally.end_to_end[name].append(out["generated_tokens"] / out["wall_seconds"])
+    tally.run_batch_runs.append({"round": round_index, **out})
+    return out["rows"], out["generated_tokens"], out["wall_seconds"]
+
+
+def _play_rounds(contest: _Contest, rounds: int, tally: _Tally) -> None:
+    for round_index, order in enumerate(rotations(tally.names, rounds)):
+        for name in order:
+            meter = CpuSteal().start()
+            turn = _platform_turn if name.startswith("platform") else _peer_turn
+            rows, tokens, seconds = turn(contest, name, round_index, tally)
+            if rows != len(contest.texts):
+                raise RuntimeError(f"longtail {name}: {rows} rows out of {len(contest.texts)}")
+            tally.rates[name].append(tokens / seconds)
+            tally.generated[name].append(tokens)
+            tally.stolen[name].append(meter.share())
+            if name == RAW:
+                tally.stolen[RAW_WARM].append(tally.stolen[RAW][-1])
+            log.info(
+                "longtail round %d %-14s %8.1f generated tokens/s (%d tokens, %.1fs)",
+                round_index,
+                name,
+                tally.rates[name][-1],
+                tokens,
+                seconds,
+            )
+
+
+def _start_ray(
+    ctx: BenchContext, peer_kwargs: dict[str, Any], env: dict[str, str]
+) -> tuple[dict[str, ContestantProcess], dict[str, Any]]:
+    """Ray Data LLM's processors where Ray is, kept across rounds (in Ray's own process);
+    those started are closed if a later one fails."""
+    contestants: dict[str, ContestantProcess] = {}
+    peers: dict[str, Any] = {}
+    for name, (backend, extra) in ray_contestants(ctx, map_batch_size=RAY_BATCH_SIZE).items():
+        log.info("longtail: starting %s", name)
+        try:
+            contestants[name] = ContestantProcess(
+                f"longtail-{name}",
+                backend,
+                {**peer_kwargs, **extra},
+                env=env,
+                python=ctx.ray_python,
+                log_dir=ctx.log_dir,
+            )
+        except BaseException:
+            for contestant in contestants.values():
+                contestant.close()
+            raise
+        peers[name] = contestants[name].info
+    return contestants, peers
+
+
+def _ratios(
+    rates: dict[str, list[float]],
+    end_to_end: dict[str, list[float]],
+    chunks: list[int],
+    ray: list[str],
+) -> dict[str, Any]:
+    ratios = {
+        f"{platform_name(c)}/{RAW}": paired_ratios(rates[platform_name(c)], rates[RAW]).__dict__
+        for c in chunks
+    }
+    for c in chunks:  # against raw's second call: the platform's engine never had one
+        ratios[f"{platform_name(c)}/{RAW_WARM}"] = paired_ratios(
+            rates[platform_name(c)], rates[RAW_WARM]
+        ).__dict__
+    ratios[f"{RAW_WARM}/{RAW}"] = paired_ratios(rates[RAW_WARM], rates[RAW]).__dict__
+    for ray_name in ray:
+        for c in chunks:
+            ratios[f"{platform_name(c)}/{ray_name}"] = paired_ratios(
+                rates[platform_name(c)], rates[ray_name]
+            ).__dict__
+    for c in chunks:
+        ratios[f"{platform_name(c)} end-to-end/{RUN_BATCH}"] = paired_ratios(
+            end_to_end[platform_name(c)], end_to_end[RUN_BATCH]
+        ).__dict__
+    return ratios
+
+
+def _tally_results(tally: _Tally) -> dict[str, Any]:
+    """The contestants' figures, the output lengths and the platform runs' time split."""
+    ordered = sorted(tally.lengths)
+    runs = tally.platform_runs
+    return {
+        "lengths": {
+            "mean": statistics.mean(ordered) if ordered else None,
+            "median": ordered[len(ordered) // 2] if ordered else None,
+            "p90": ordered[int(0.9 * len(ordered))] if ordered else None,
+            "max": ordered[-1] if ordered else None,
+            "min": ordered[0] if ordered else None,
+        },
+        "contestants": {
+            name: {
+                "tokens_per_s": tally.rates[name],
+                "tokens": tally.generated[name],
+                "end_to_end_tokens_per_s": tally.end_to_end.get(name, []),
+                "cpu_steal": tally.stolen[name],
+                "tokens_per_s_summary": summarize(tally.rates[name]).__dict__,
+                "end_to_end_tokens_per_s_summary": summarize(
+                    tally.end_to_end.get(name, [])
+                ).__dict__,
+            }
+            for name in [*tally.names, RAW_WARM]
+        },
+        "platform_runs": runs,
+        "run_batch_runs": tally.run_batch_runs,
+        "fixed_seconds_summary": summarize([r["fixed_seconds"] for r in runs]).__dict__,
+        "outside_worker_seconds_summary": summarize(
+            [r["outside_worker_seconds"] for r in runs]
+        ).__dict__,
+        "worker_split_summary": {
+            part: summarize(
+                [r["worker_split"].get(part) for r in runs if part in r["worker_split"]]
+            ).__dict__
+            for part in ("start", "load", "inference", "shutdown")
+        },
+    }
+
+
 def run_longtail(ctx: BenchContext) -> dict[str, Any]:
     sizes = ctx.sizes
     root = ctx.fresh_dir("longtail")
@@ -127,133 +348,18 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
     raw = FreshEachRound(
         "longtail-raw", "bench.backends:VllmBackend", peer_kwargs, env=env, log_dir=ctx.log_dir
     )
-    contestants: dict[str, ContestantProcess] = {}  # kept across rounds (Ray's own process)
-    peers: dict[str, Any] = {}
-    for name, (backend, extra) in ray_contestants(ctx, map_batch_size=RAY_BATCH_SIZE).items():
-        log.info("longtail: starting %s", name)
-        try:
-            contestants[name] = ContestantProcess(
-                f"longtail-{name}",
-                backend,
-                {**peer_kwargs, **extra},
-                env=env,
-                python=ctx.ray_python,
-                log_dir=ctx.log_dir,
-            )
-        except BaseException:
-            for contestant in contestants.values():
-                contestant.close()
-            raise
-        peers[name] = contestants[name].info
-    names = [platform_name(c) for c in pipelines] + [RAW, RUN_BATCH]
-    names += [n for n in RAY_NAMES if n in contestants]
-    rates: dict[str, list[float]] = {n: [] for n in [*names, RAW_WARM]}  # generated tokens/s
-    generated: dict[str, list[int]] = {n: [] for n in [*names, RAW_WARM]}  # tokens a round
-    # The CPU share the hypervisor gave other guests in each whole turn (engine builds
-    # included; raw's turn holds both its calls, so raw's warm row shows the same share)
-    stolen: dict[str, list[float | None]] = {n: [] for n in [*names, RAW_WARM]}
-    end_to_end: dict[str, list[float]] = {n: [] for n in names if n != RAW}
-    platform_runs: list[dict[str, Any]] = []
-    run_batch_runs: list[dict[str, Any]] = []
-    lengths: list[int] = []
+    contestants, peers = _start_ray(ctx, peer_kwargs, env)
+    ray = [n for n in RAY_NAMES if n in contestants]
+    tally = _Tally.of([platform_name(c) for c in pipelines] + [RAW, RUN_BATCH] + ray)
+    contest = _Contest(
+        ctx, root, model, texts, kwargs, env, batch_in, pipelines, raw, contestants, peers
+    )
     try:
-        for round_index, order in enumerate(rotations(names, sizes.rounds)):
-            for name in order:
-                meter = CpuSteal().start()
-                if name == RAW:
-                    fresh = raw.run(round_index, texts)
-                    peers.setdefault(RAW, fresh.info)
-                    out, warm = fresh.first, fresh.warm
-                    rates[RAW_WARM].append(warm["generated_tokens"] / warm["seconds"])
-                    generated[RAW_WARM].append(warm["generated_tokens"])
-                    rows, tokens, seconds = out["rows"], out["generated_tokens"], out["seconds"]
-                elif name in contestants:
-                    out = contestants[name].call("run", texts)
-                    rows, tokens, seconds = out["rows"], out["generated_tokens"], out["seconds"]
-                    if name in RAY_NAMES:  # its wall time includes the actor's engine build
-                        end_to_end[name].append(tokens / out["wall_seconds"])
-                elif name == RUN_BATCH:
-                    out = run_vllm_batch(
-                        batch_in,
-                        root / "batch-out.jsonl",
-                        model,
-                        kwargs,
-                        env,
-                        ctx.log_dir / "longtail-run-batch.log",
-                    )
-                    rows, tokens, seconds = (
-                        out["rows"],
-                        out["generated_tokens"],
-                        out["wall_seconds"],
-                    )
-                    end_to_end[name].append(tokens / seconds)
-                    run_batch_runs.append({"round": round_index, **out})
-                else:
-                    chunk_size = int(name.split("c")[-1])
-                    pipeline = pipelines[chunk_size]
-                    pipeline.clear_outputs()
-                    timing = pipeline.run(pipeline.keys)
-                    seconds = timing.partition_seconds["shard-0"]
-                    rows, tokens = timing.rows, timing.generated_tokens
-                    end_to_end[name].append(tokens / timing.run_seconds)
-                    platform_runs.append(
-                        {
-                            "round": round_index,
-                            "chunk_size": chunk_size,
-                            "run_seconds": timing.run_seconds,
-                            "model_load_seconds": timing.model_load_seconds,
-                            "partition_seconds": seconds,
-                            "fixed_seconds": timing.run_seconds
-                            - timing.model_load_seconds
-                            - seconds,
-                            "worker_seconds": timing.worker_seconds,
-                            # Dagster's run and step start, the Pipes launch and the worker's
-                            # exit: the run's time outside the worker's job.
-                            "outside_worker_seconds": timing.run_seconds
-                            - timing.worker_seconds
-                            - timing.worker_split.get("start", 0.0),
-                            "worker_split": timing.worker_split,
-                        }
-                    )
-                    if not lengths:
-                        lengths = generated_lengths(pipeline)
-                if rows != len(texts):
-                    raise RuntimeError(f"longtail {name}: {rows} rows out of {len(texts)}")
-                rates[name].append(tokens / seconds)
-                generated[name].append(tokens)
-                stolen[name].append(meter.share())
-                if name == RAW:
-                    stolen[RAW_WARM].append(stolen[RAW][-1])
-                log.info(
-                    "longtail round %d %-14s %8.1f generated tokens/s (%d tokens, %.1fs)",
-                    round_index,
-                    name,
-                    rates[name][-1],
-                    tokens,
-                    seconds,
-                )
+        _play_rounds(contest, sizes.rounds, tally)
     finally:
         for contestant in contestants.values():
             contestant.close()
-    ratios = {
-        f"{platform_name(c)}/{RAW}": paired_ratios(rates[platform_name(c)], rates[RAW]).__dict__
-        for c in pipelines
-    }
-    for c in pipelines:  # against raw's second call: the platform's engine never had one
-        ratios[f"{platform_name(c)}/{RAW_WARM}"] = paired_ratios(
-            rates[platform_name(c)], rates[RAW_WARM]
-        ).__dict__
-    ratios[f"{RAW_WARM}/{RAW}"] = paired_ratios(rates[RAW_WARM], rates[RAW]).__dict__
-    for ray_name in (n for n in RAY_NAMES if n in contestants):
-        for c in pipelines:
-            ratios[f"{platform_name(c)}/{ray_name}"] = paired_ratios(
-                rates[platform_name(c)], rates[ray_name]
-            ).__dict__
-    for c in pipelines:
-        ratios[f"{platform_name(c)} end-to-end/{RUN_BATCH}"] = paired_ratios(
-            end_to_end[platform_name(c)], end_to_end[RUN_BATCH]
-        ).__dict__
-    ordered = sorted(lengths)
+    runs = tally.run_batch_runs
     return {
         "rows": len(texts),
         "max_tokens": sizes.longtail_max_tokens,
@@ -261,41 +367,10 @@ def run_longtail(ctx: BenchContext) -> dict[str, Any]:
         "row_seeds": True,  # row i sampled with seed i (`row_params`)
         "sampling": {k: v for k, v in sampling_kwargs.items() if k != "stop_token_ids"},
         "engine_kwargs": kwargs,
-        "peers": {**peers, RUN_BATCH: {"command": run_batch_runs[0]["command"]}}
-        if run_batch_runs
-        else peers,
-        "lengths": {
-            "mean": statistics.mean(ordered) if ordered else None,
-            "median": ordered[len(ordered) // 2] if ordered else None,
-            "p90": ordered[int(0.9 * len(ordered))] if ordered else None,
-            "max": ordered[-1] if ordered else None,
-            "min": ordered[0] if ordered else None,
-        },
-        "contestants": {
-            name: {
-                "tokens_per_s": rates[name],
-                "tokens": generated[name],
-                "end_to_end_tokens_per_s": end_to_end.get(name, []),
-                "cpu_steal": stolen[name],
-                "tokens_per_s_summary": summarize(rates[name]).__dict__,
-                "end_to_end_tokens_per_s_summary": summarize(end_to_end.get(name, [])).__dict__,
-            }
-            for name in [*names, RAW_WARM]
-        },
+        "peers": {**peers, RUN_BATCH: {"command": runs[0]["command"]}} if runs else peers,
         "raw_engine_seconds": raw.engine_seconds,
-        "ratios": ratios,
-        "platform_runs": platform_runs,
-        "run_batch_runs": run_batch_runs,
-        "fixed_seconds_summary": summarize([r["fixed_seconds"] for r in platform_runs]).__dict__,
-        "outside_worker_seconds_summary": summarize(
-            [r["outside_worker_seconds"] for r in platform_runs]
-        ).__dict__,
-        "worker_split_summary": {
-            part: summarize(
-                [r["worker_split"].get(part) for r in platform_runs if part in r["worker_split"]]
-            ).__dict__
-            for part in ("start", "load", "inference", "shutdown")
-        },
+        "ratios": _ratios(tally.rates, tally.end_to_end, list(pipelines), ray),
+        **_tally_results(tally),
     }
 
 

@@ -30,13 +30,11 @@ log = logging.getLogger("bench")
 ORDERS = ("grouped", "input order", "raw input order")
 
 
-def run_prefix_cache(ctx: BenchContext) -> dict[str, Any]:
+def _prefix_spec(ctx: BenchContext, root: Any, resource: Any) -> InferenceSpec:
+    """The generation spec the prefix section serves, with prefix caching on and a small
+    KV cache, as the environment's resource runs it."""
     sizes = ctx.sizes
-    root = ctx.fresh_dir("prefix")
-    from bench.platform_run import local_resource
-
-    resource = local_resource(env=ctx.engine_env())
-    spec = resource.prepare_spec(
+    return resource.prepare_spec(
         InferenceSpec(
             model=ctx.generate_model(),
             task="generate",
@@ -51,6 +49,15 @@ def run_prefix_cache(ctx: BenchContext) -> dict[str, Any]:
             chunk_size=sizes.prefix_rows,
         )
     )
+
+
+def run_prefix_cache(ctx: BenchContext) -> dict[str, Any]:
+    sizes = ctx.sizes
+    root = ctx.fresh_dir("prefix")
+    from bench.platform_run import local_resource
+
+    resource = local_resource(env=ctx.engine_env())
+    spec = _prefix_spec(ctx, root, resource)
     texts = prefix_texts(
         sizes.prefix_rows,
         headers=sizes.prefix_headers,

@@ -41,7 +41,7 @@ from bench.throughput import uniform_workload
 from dagster_gpuinfer.spec import InferenceSpec, InputSpec, OutputSpec, SamplingParams
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("task", choices=("generate", "embed", "longtail"))
     parser.add_argument("--rounds", type=int, default=4)
@@ -53,30 +53,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--control", action="store_true", help="raw against raw (A/A): the engine's own spread"
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _probe_spec(args: argparse.Namespace, work: str) -> tuple[InferenceSpec, list[str]]:
+    """The probe's spec (its model made or found under `work`) and its rows' texts."""
+    if args.task in ("generate", "longtail"):
+        from assets.models import make_tiny_llama
+
+        model = make_tiny_llama(f"{work}/tiny-llama")
+    else:
+        from assets.models import minilm_path
+
+        model = minilm_path()
+    if args.task == "longtail":
+        texts, engine, sampling = longtail_workload(FULL)
+    else:
+        texts, engine, sampling = uniform_workload(args.task, FULL)
+    spec = InferenceSpec(
+        model=model,
+        task="embed" if args.task == "embed" else "generate",
+        engine=engine,
+        sampling=sampling or SamplingParams(),
+        input=InputSpec(uri=f"{work}/in/{{partition_key}}.parquet"),
+        output=OutputSpec(root=f"{work}/out", asset_name="probe"),
+        chunk_size=args.chunk_size,
+    )
+    return spec, texts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     seeded = args.task == "longtail" and not args.unseeded
     with tempfile.TemporaryDirectory(prefix="stream-probe-") as work:
-        if args.task in ("generate", "longtail"):
-            from assets.models import make_tiny_llama
-
-            model = make_tiny_llama(f"{work}/tiny-llama")
-        else:
-            from assets.models import minilm_path
-
-            model = minilm_path()
-        if args.task == "longtail":
-            texts, engine, sampling = longtail_workload(FULL)
-        else:
-            texts, engine, sampling = uniform_workload(args.task, FULL)
-        spec = InferenceSpec(
-            model=model,
-            task="embed" if args.task == "embed" else "generate",
-            engine=engine,
-            sampling=sampling or SamplingParams(),
-            input=InputSpec(uri=f"{work}/in/{{partition_key}}.parquet"),
-            output=OutputSpec(root=f"{work}/out", asset_name="probe"),
-            chunk_size=args.chunk_size,
-        )
+        spec, texts = _probe_spec(args, work)
         backend = EngineBackend(spec_json=spec.model_dump_json())
 
         def raw() -> dict[str, Any]:

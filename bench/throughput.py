@@ -22,6 +22,7 @@ Rounds interleave the contestants in rotating order; the headline is the per-rou
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from bench.context import KV_CACHE_BYTES, RAY_NAMES, BenchContext, Sizes, ray_contestants
@@ -52,6 +53,164 @@ def uniform_workload(
     return generate_texts(sizes.generate_rows), engine, sampling
 
 
+@dataclass
+class _Tally:
+    """Each contestant's rates over the rounds, and what the platform's and Ray's turns add:
+    the platform's run figures, Ray's per-execution engine builds and end-to-end rates, the
+    outputs' fingerprints."""
+
+    names: list[str]
+    rows_per_s: dict[str, list[float]]
+    tokens_per_s: dict[str, list[float]]
+    fingerprints: dict[str, set[str]]
+    platform_runs: list[dict[str, Any]] = field(default_factory=list)
+    ray_loads: dict[str, list[float]] = field(default_factory=lambda: {n: [] for n in RAY_NAMES})
+    ray_end_to_end: dict[str, list[float]] = field(
+        default_factory=lambda: {n: [] for n in RAY_NAMES}
+    )
+
+    @classmethod
+    def of(cls, names: list[str]) -> _Tally:
+        return cls(
+            names=names,
+            rows_per_s={n: [] for n in [*names, RAW_WARM]},
+            tokens_per_s={n: [] for n in [*names, RAW_WARM]},
+            fingerprints={n: set() for n in names},
+        )
+
+    def add(self, label: str, name: str, rows: int, seconds: float, tokens: int) -> None:
+        self.rows_per_s[name].append(rows / seconds)
+        self.tokens_per_s[name].append(tokens / seconds)
+        log.info(
+            "%s %-12s %8.1f rows/s %9.1f tokens/s", label, name, rows / seconds, tokens / seconds
+        )
+
+    def pair(self, first: str, second: str) -> dict[str, Any]:
+        """Per-round ratios of `first` over `second`, in rows and tokens per second."""
+        return {
+            "rows_per_s": paired_ratios(self.rows_per_s[first], self.rows_per_s[second]).__dict__,
+            "tokens_per_s": paired_ratios(
+                self.tokens_per_s[first], self.tokens_per_s[second]
+            ).__dict__,
+        }
+
+
+def _platform_turn(
+    platform: PlatformPipeline, round_index: int, token_key: str, tally: _Tally
+) -> tuple[int, float, int]:
+    """One Dagster run of the shard: (rows, partition seconds, tokens)."""
+    platform.clear_outputs()
+    timing = platform.run(platform.keys)
+    seconds = timing.partition_seconds["shard-0"]
+    tally.platform_runs.append(
+        {
+            "round": round_index,
+            "run_seconds": timing.run_seconds,
+            "model_load_seconds": timing.model_load_seconds,
+            "partition_seconds": seconds,
+            "inference_seconds": timing.inference_seconds["shard-0"],
+            "worker_seconds": timing.worker_seconds,
+            "fixed_seconds": timing.run_seconds - seconds,
+            "end_to_end_rows_per_s": timing.rows
+            / max(timing.run_seconds - timing.model_load_seconds, 1e-9),
+        }
+    )
+    return timing.rows, seconds, getattr(timing, token_key)
+
+
+def _peer_turn(
+    name: str,
+    round_index: int,
+    texts: list[str],
+    call: dict[str, Any],
+    token_key: str,
+    tally: _Tally,
+) -> tuple[int, float, int]:
+    """One call of a peer (raw vLLM on its round's fresh engine, transformers, Ray):
+    (rows, seconds, tokens). `call` holds `raw` (FreshEachRound), `contestants`, `peers`."""
+    if name == RAW:
+        fresh = call["raw"].run(round_index, texts)
+        call["peers"].setdefault(RAW, fresh.info)
+        out, warm = fresh.first, fresh.warm
+        tally.rows_per_s[RAW_WARM].append(warm["rows"] / warm["seconds"])
+        tally.tokens_per_s[RAW_WARM].append(warm[token_key] / warm["seconds"])
+    else:
+        out = call["contestants"][name].call("run", texts)
+    if name in RAY_NAMES:  # it builds its engine inside each execution
+        tally.ray_loads[name].append(out["load_seconds"])
+        tally.ray_end_to_end[name].append(out["rows"] / out["wall_seconds"])
+    if "fingerprint" in out:
+        tally.fingerprints[name].add(out["fingerprint"])
+    return out["rows"], out["seconds"], out[token_key]
+
+
+def _start_peers(
+    ctx: BenchContext,
+    task: str,
+    model: str,
+    engine: dict[str, Any],
+    env: dict[str, str],
+    contestants: dict[str, ContestantProcess],
+) -> None:
+    """Start the long-lived peers into `contestants` (the caller closes what started, even
+    when a later one fails): transformers, and Ray Data LLM's processors where Ray is.
+    `engine` holds the raw engine's `engine_kwargs` and `sampling`."""
+    log.info("%s: starting transformers", task)
+    contestants[HF] = ContestantProcess(
+        f"{task}-{HF}",
+        "bench.backends:TransformersBackend",
+        dict(model=model, task=task, batch_size=64, max_tokens=ctx.sizes.max_tokens),
+        env=env,
+        log_dir=ctx.log_dir,
+    )
+    for name, (backend, extra) in ray_contestants(ctx, map_batch_size=ctx.sizes.chunk_size).items():
+        log.info("%s: starting %s", task, name)
+        contestants[name] = ContestantProcess(
+            f"{task}-{name}",
+            backend,
+            dict(model=model, task=task, **engine, **extra),
+            env=env,
+            python=ctx.ray_python,
+            log_dir=ctx.log_dir,
+        )
+
+
+def _contestant_results(tally: _Tally, loads: dict[str, float]) -> dict[str, Any]:
+    return {
+        name: {
+            "rows_per_s": tally.rows_per_s[name],
+            "tokens_per_s": tally.tokens_per_s[name],
+            "rows_per_s_summary": summarize(tally.rows_per_s[name]).__dict__,
+            "tokens_per_s_summary": summarize(tally.tokens_per_s[name]).__dict__,
+            "model_load_seconds": loads.get(name),
+            **(
+                {"end_to_end_rows_per_s": tally.ray_end_to_end[name]}
+                if tally.ray_end_to_end.get(name)
+                else {}
+            ),
+        }
+        for name in [*tally.names, RAW_WARM]
+    }
+
+
+def _ratios(tally: _Tally, raw_engine_seconds: list[float]) -> dict[str, Any]:
+    ratios = {
+        f"{PLATFORM}/{other}": tally.pair(PLATFORM, other) for other in [*tally.names[1:], RAW_WARM]
+    }
+    ratios[f"{RAW}/{HF}"] = tally.pair(RAW, HF)
+    ratios[f"{RAW_WARM}/{RAW}"] = tally.pair(RAW_WARM, RAW)
+    # Engine build, one span for both (vLLM's import + `LLM(...)`), paired within rounds.
+    builds = [r["model_load_seconds"] for r in tally.platform_runs]
+    ratios[f"{PLATFORM} engine build/{RAW}"] = {
+        "seconds": paired_ratios(builds, raw_engine_seconds).__dict__,
+    }
+    end_to_end = [r["end_to_end_rows_per_s"] for r in tally.platform_runs]
+    ratios[f"{PLATFORM} end-to-end/{RAW}"] = {
+        "rows_per_s": paired_ratios(end_to_end, tally.rows_per_s[RAW]).__dict__,
+    }
+    return ratios
+
+
 def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
     sizes = ctx.sizes
     root = ctx.fresh_dir(f"throughput-{task}")
@@ -74,9 +233,8 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
     spec = platform.worker_spec()
     kwargs = raw_engine_kwargs(spec)
     sampling_kwargs = spec.sampling.to_vllm_kwargs() if task != "embed" else None
+    raw_engine = dict(engine_kwargs=kwargs, sampling=sampling_kwargs)
     env = dict(resource.env)
-    contestants: dict[str, ContestantProcess] = {}
-    loads: dict[str, float] = {}
     result: dict[str, Any] = {
         "task": task,
         "model": model,
@@ -90,143 +248,41 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
     raw = FreshEachRound(
         f"{task}-{RAW}",
         "bench.backends:VllmBackend",
-        dict(model=model, task=task, engine_kwargs=kwargs, sampling=sampling_kwargs),
+        dict(model=model, task=task, **raw_engine),
         env=env,
         log_dir=ctx.log_dir,
     )
+    contestants: dict[str, ContestantProcess] = {}
     try:
-        log.info("%s: starting transformers", task)
-        contestants[HF] = ContestantProcess(
-            f"{task}-{HF}",
-            "bench.backends:TransformersBackend",
-            dict(model=model, task=task, batch_size=64, max_tokens=sizes.max_tokens),
-            env=env,
-            log_dir=ctx.log_dir,
-        )
-        loads[HF] = contestants[HF].info["engine_seconds"]
-        peers: dict[str, Any] = {}
-        ray_peers = ray_contestants(ctx, map_batch_size=sizes.chunk_size)
-        for name, (backend, extra) in ray_peers.items():
-            log.info("%s: starting %s", task, name)
-            contestants[name] = ContestantProcess(
-                f"{task}-{name}",
-                backend,
-                dict(
-                    model=model,
-                    task=task,
-                    engine_kwargs=kwargs,
-                    sampling=sampling_kwargs,
-                    **extra,
-                ),
-                env=env,
-                python=ctx.ray_python,
-                log_dir=ctx.log_dir,
-            )
-            peers[name] = contestants[name].info
+        _start_peers(ctx, task, model, raw_engine, env, contestants)
+        loads = {HF: contestants[HF].info["engine_seconds"]}
+        peers = {name: c.info for name, c in contestants.items() if name != HF}
         result["peers"] = peers
         names = [PLATFORM, RAW, HF] + [n for n in RAY_NAMES if n in contestants]
-        rows_per_s: dict[str, list[float]] = {n: [] for n in [*names, RAW_WARM]}
-        tokens_per_s: dict[str, list[float]] = {n: [] for n in [*names, RAW_WARM]}
-        platform_runs: list[dict[str, Any]] = []
-        ray_loads: dict[str, list[float]] = {n: [] for n in RAY_NAMES}
-        ray_end_to_end: dict[str, list[float]] = {n: [] for n in RAY_NAMES}
-        fingerprints: dict[str, set[str]] = {n: set() for n in names}
+        tally = _Tally.of(names)
         token_key = "prompt_tokens" if task == "embed" else "generated_tokens"
+        call = {"raw": raw, "contestants": contestants, "peers": peers}
         for round_index, order in enumerate(rotations(names, sizes.rounds)):
             for name in order:
                 if name == PLATFORM:
-                    platform.clear_outputs()
-                    timing = platform.run(platform.keys)
-                    seconds = timing.partition_seconds["shard-0"]
-                    tokens = getattr(timing, token_key)
-                    rows = timing.rows
-                    platform_runs.append(
-                        {
-                            "round": round_index,
-                            "run_seconds": timing.run_seconds,
-                            "model_load_seconds": timing.model_load_seconds,
-                            "partition_seconds": seconds,
-                            "inference_seconds": timing.inference_seconds["shard-0"],
-                            "worker_seconds": timing.worker_seconds,
-                            "fixed_seconds": timing.run_seconds - seconds,
-                            "end_to_end_rows_per_s": rows
-                            / max(timing.run_seconds - timing.model_load_seconds, 1e-9),
-                        }
-                    )
+                    rows, seconds, tokens = _platform_turn(platform, round_index, token_key, tally)
                 else:
-                    if name == RAW:
-                        fresh = raw.run(round_index, texts)
-                        peers.setdefault(RAW, fresh.info)
-                        out, warm = fresh.first, fresh.warm
-                        rows_per_s[RAW_WARM].append(warm["rows"] / warm["seconds"])
-                        tokens_per_s[RAW_WARM].append(warm[token_key] / warm["seconds"])
-                    else:
-                        out = contestants[name].call("run", texts)
-                    seconds, rows, tokens = out["seconds"], out["rows"], out[token_key]
-                    if name in RAY_NAMES:  # it builds its engine inside each execution
-                        ray_loads[name].append(out["load_seconds"])
-                        ray_end_to_end[name].append(rows / out["wall_seconds"])
-                    if "fingerprint" in out:
-                        fingerprints[name].add(out["fingerprint"])
+                    rows, seconds, tokens = _peer_turn(
+                        name, round_index, texts, call, token_key, tally
+                    )
                 if rows != len(texts):
                     raise RuntimeError(f"{task} {name}: {rows} rows out of {len(texts)}")
-                rows_per_s[name].append(rows / seconds)
-                tokens_per_s[name].append(tokens / seconds)
-                log.info(
-                    "%s round %d %-12s %8.1f rows/s %9.1f tokens/s",
-                    task,
-                    round_index,
-                    name,
-                    rows / seconds,
-                    tokens / seconds,
-                )
-        for name, values in ray_loads.items():
+                tally.add(f"{task} round {round_index}", name, rows, seconds, tokens)
+        for name, values in tally.ray_loads.items():
             if values:
                 loads[name] = summarize(values).median
-        loads[PLATFORM] = summarize([r["model_load_seconds"] for r in platform_runs]).median
+        loads[PLATFORM] = summarize([r["model_load_seconds"] for r in tally.platform_runs]).median
         loads[RAW] = summarize(raw.engine_seconds).median
-        result["contestants"] = {
-            name: {
-                "rows_per_s": rows_per_s[name],
-                "tokens_per_s": tokens_per_s[name],
-                "rows_per_s_summary": summarize(rows_per_s[name]).__dict__,
-                "tokens_per_s_summary": summarize(tokens_per_s[name]).__dict__,
-                "model_load_seconds": loads.get(name),
-                **(
-                    {"end_to_end_rows_per_s": ray_end_to_end[name]}
-                    if ray_end_to_end.get(name)
-                    else {}
-                ),
-            }
-            for name in [*names, RAW_WARM]
-        }
-        result["platform_runs"] = platform_runs
+        result["contestants"] = _contestant_results(tally, loads)
+        result["platform_runs"] = tally.platform_runs
         result["raw_engine_seconds"] = raw.engine_seconds
-        result["ratios"] = {}
-        for other in [*names[1:], RAW_WARM]:
-            result["ratios"][f"{PLATFORM}/{other}"] = {
-                "rows_per_s": paired_ratios(rows_per_s[PLATFORM], rows_per_s[other]).__dict__,
-                "tokens_per_s": paired_ratios(tokens_per_s[PLATFORM], tokens_per_s[other]).__dict__,
-            }
-        result["ratios"][f"{RAW}/{HF}"] = {
-            "rows_per_s": paired_ratios(rows_per_s[RAW], rows_per_s[HF]).__dict__,
-            "tokens_per_s": paired_ratios(tokens_per_s[RAW], tokens_per_s[HF]).__dict__,
-        }
-        result["ratios"][f"{RAW_WARM}/{RAW}"] = {
-            "rows_per_s": paired_ratios(rows_per_s[RAW_WARM], rows_per_s[RAW]).__dict__,
-            "tokens_per_s": paired_ratios(tokens_per_s[RAW_WARM], tokens_per_s[RAW]).__dict__,
-        }
-        # Engine build, one span for both (vLLM's import + `LLM(...)`), paired within rounds.
-        result["ratios"][f"{PLATFORM} engine build/{RAW}"] = {
-            "seconds": paired_ratios(
-                [r["model_load_seconds"] for r in platform_runs], raw.engine_seconds
-            ).__dict__,
-        }
-        end_to_end = [r["end_to_end_rows_per_s"] for r in platform_runs]
-        result["ratios"][f"{PLATFORM} end-to-end/{RAW}"] = {
-            "rows_per_s": paired_ratios(end_to_end, rows_per_s[RAW]).__dict__,
-        }
-        result["fingerprints"] = {k: sorted(v) for k, v in fingerprints.items() if v}
+        result["ratios"] = _ratios(tally, raw.engine_seconds)
+        result["fingerprints"] = {k: sorted(v) for k, v in tally.fingerprints.items() if v}
     finally:
         for contestant in contestants.values():
             contestant.close()
