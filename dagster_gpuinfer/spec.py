@@ -510,6 +510,12 @@ class InferenceSpec(_Strict):
         description="Bounds on one row (line bytes, prompt characters, JSON depth, `n`, "
         "`n` x `top_logprobs`); a row past one is quarantined.",
     )
+    served_model_name: str | None = Field(
+        None,
+        description="The model name OpenAI batch output lines report in their body's "
+        "`model` (vLLM's `served_model_name`): the batch API sets the name the requests "
+        "named. Default: `model`. Part of the spec hash when set.",
+    )
     vllm_version: str | None = Field(
         None,
         description="Pin the engine: a vLLM version ('0.32.0') or a PEP 440 specifier "
@@ -657,6 +663,8 @@ class InferenceSpec(_Strict):
             payload.pop("limits")
         if self.vllm_version is None:  # unpinned: likewise
             payload.pop("vllm_version")
+        if self.served_model_name is None:  # named by its model: likewise
+            payload.pop("served_model_name")
         for name in ("image_column", "images"):  # image fields at their defaults: likewise
             if getattr(self.input, name) == InputSpec.model_fields[name].get_default(
                 call_default_factory=True

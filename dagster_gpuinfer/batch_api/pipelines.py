@@ -78,6 +78,7 @@ def batch_pipelines(
         pipeline = inference_assets(
             name=route.pipeline,
             model=route.model_path,
+            served_model_name=route.model,  # output lines name the requested model
             task=route.task,  # type: ignore[arg-type]
             input=InputSpec(
                 uri=files.input_template,
