@@ -675,6 +675,11 @@ class InferenceSpec(_Strict):
         payload["model"] = os.path.normpath(self.model) if _looks_local(self.model) else self.model
         return payload
 
+    @property
+    def served_model(self) -> str:
+        """The model name OpenAI output lines report: `served_model_name`, else `model`."""
+        return self.served_model_name or self.model
+
     def model_is_local_path(self) -> bool:
         return _looks_local(self.model)
 

@@ -4,6 +4,7 @@ python -m dagster_gpuinfer.batch_api serve --routes assets.batch_pipelines:ROUTE
 python -m dagster_gpuinfer.batch_api keys create --tenant acme --queue acme-gpu
 python -m dagster_gpuinfer.batch_api keys list
 python -m dagster_gpuinfer.batch_api keys revoke KEY_ID
+python -m dagster_gpuinfer.batch_api webhooks secret
 """
 
 from __future__ import annotations
@@ -18,19 +19,33 @@ from dagster_gpuinfer.batch_api import settings
 from dagster_gpuinfer.batch_api.store import BatchStore
 
 
-def build_service(routes_source: str | None, store_url: str | None, files_root: str | None):
-    """The service from the environment (settings.py), overridden by the given arguments."""
+def build_service(
+    routes_source: str | None,
+    store_url: str | None,
+    files_root: str | None,
+    webhooks_source: str | None = None,
+):
+    """The service from the environment (settings.py), overridden by the given arguments.
+
+    Raises:
+        ValueError: the webhook settings are not valid, or an endpoint's secret variable
+            is unset or not a `whsec_` secret.
+    """
     import dagster as dg
 
     from dagster_gpuinfer.batch_api.files import FileBytes
     from dagster_gpuinfer.batch_api.routing import load_routing_table
     from dagster_gpuinfer.batch_api.service import BatchService
+    from dagster_gpuinfer.batch_api.webhooks import load_webhook_settings
 
+    webhooks = load_webhook_settings(webhooks_source)
+    webhooks.check_secrets()
     return BatchService(
         store=BatchStore(store_url or settings.store_url()),
         files=FileBytes(files_root or settings.files_root(), settings.storage_options()),
         routes=load_routing_table(routes_source),
         instance=dg.DagsterInstance.get(),
+        webhooks=webhooks,
     )
 
 
@@ -40,7 +55,7 @@ def serve(args: argparse.Namespace) -> int:
     from dagster_gpuinfer.batch_api.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    service = build_service(args.routes, args.store_url, args.files_root)
+    service = build_service(args.routes, args.store_url, args.files_root, args.webhooks)
     app = create_app(service, reconcile_interval=args.reconcile_interval)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
@@ -63,6 +78,18 @@ def keys(args: argparse.Namespace) -> int:
                 print(json.dumps(row))
     finally:
         store.close()
+    return 0
+
+
+def webhooks(args: argparse.Namespace) -> int:
+    from dagster_gpuinfer.batch_api.webhooks import new_secret
+
+    print(new_secret())
+    print(
+        "Put it in the environment variable the endpoint's secret_env names, and give it to "
+        "the receiver (openai SDK: client.webhooks.unwrap(body, headers, secret=...)).",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -92,6 +119,10 @@ def parser() -> argparse.ArgumentParser:
         help="seconds between passes that bring batches up to date with their runs "
         "(GETs show what the last pass wrote)",
     )
+    run.add_argument(
+        "--webhooks",
+        help="webhook endpoints per tenant: YAML path (default $GPUINFER_BATCH_WEBHOOKS)",
+    )
     run.set_defaults(handler=serve)
     key_parser = commands.add_parser("keys", help="create, list or revoke API keys")
     key_commands = key_parser.add_subparsers(dest="keys_command", required=True)
@@ -102,6 +133,10 @@ def parser() -> argparse.ArgumentParser:
     revoke.add_argument("key_id")
     key_commands.add_parser("list", help="key ids, tenants, created and revoked times")
     key_parser.set_defaults(handler=keys)
+    hook_parser = commands.add_parser("webhooks", help="webhook signing secrets")
+    hook_commands = hook_parser.add_subparsers(dest="webhooks_command", required=True)
+    hook_commands.add_parser("secret", help="print a new whsec_ signing secret")
+    hook_parser.set_defaults(handler=webhooks)
     return top
 
 

@@ -8,7 +8,9 @@ back in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`) so th
 its usual `AuthenticationError` (401), `NotFoundError` (404) and `BadRequestError` (400).
 
 GET requests only read the store. What a batch's run and partition say reaches its row
-through the reconcile loop started here (`reconcile_interval`), never through a GET.
+through the reconcile loop started here (`reconcile_interval`), never through a GET. With
+webhook endpoints configured, a second loop here sends the events that loop leaves in the
+outbox (webhooks.py).
 """
 
 import contextlib
@@ -47,18 +49,22 @@ def create_app(service: BatchService, *, reconcile_interval: float | None = 5.0)
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         stop = threading.Event()
-        thread = None
+        loops = []
         if reconcile_interval:
-            thread = threading.Thread(
-                target=_reconcile_loop,
-                args=(app.state.service, stop, reconcile_interval),
-                name="batch-reconcile",
-                daemon=True,
+            loops.append((_reconcile_loop, reconcile_interval, "batch-reconcile"))
+        if service.webhooks.enabled:
+            loops.append((_webhook_loop, service.webhooks.send_interval_seconds, "batch-webhooks"))
+        threads = [
+            threading.Thread(
+                target=loop, args=(app.state.service, stop, interval), name=name, daemon=True
             )
+            for loop, interval, name in loops
+        ]
+        for thread in threads:
             thread.start()
         yield
         stop.set()
-        if thread is not None:
+        for thread in threads:
             thread.join(timeout=10)
 
     app = FastAPI(title="dagster-gpuinfer batch API", lifespan=lifespan)
@@ -115,3 +121,12 @@ def _reconcile_loop(service: BatchService, stop: threading.Event, interval: floa
             service.reconcile_all()
         except Exception:  # a database or storage hiccup: the next pass tries again
             log.exception("batch reconcile pass failed; retrying in %.0f s", interval)
+
+
+def _webhook_loop(service: BatchService, stop: threading.Event, interval: float) -> None:
+    """Send due webhook deliveries every `interval` seconds until `stop`."""
+    while not stop.wait(interval):
+        try:
+            service.deliver_webhooks()
+        except Exception:  # the store hiccuped: the deliveries stay due
+            log.exception("webhook pass failed; retrying in %.0f s", interval)

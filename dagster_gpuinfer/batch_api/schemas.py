@@ -48,6 +48,9 @@ class FileObject(BaseModel):
     filename: str
     purpose: Literal["batch", "batch_output"]
     status: Literal["uploaded", "processed", "error"]
+    expires_at: int | None = Field(
+        None, description="Unix seconds when the file is deleted (`output_expires_after`)."
+    )
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> FileObject:
@@ -182,6 +185,15 @@ class BatchList(BaseModel):
     has_more: bool
 
 
+class OutputExpiresAfter(BaseModel):
+    """When a batch's output and error files are deleted (OpenAI's shape)."""
+
+    anchor: Literal["created_at"] = Field(
+        description="Counted from the file's creation (the only anchor OpenAI has)."
+    )
+    seconds: int = Field(description="Seconds after the anchor: 3600 (an hour) to 2592000.")
+
+
 class CreateBatch(BaseModel):
     """The body of `POST /v1/batches`."""
 
@@ -194,6 +206,9 @@ class CreateBatch(BaseModel):
         None,
         description=f"At most {METADATA_MAX_PAIRS} pairs; keys up to {METADATA_MAX_KEY_CHARS} "
         f"and values up to {METADATA_MAX_VALUE_CHARS} characters (OpenAI's bounds).",
+    )
+    output_expires_after: OutputExpiresAfter | None = Field(
+        None, description="Delete the output and error files this long after they are written."
     )
 
     @field_validator("metadata")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dagster_gpuinfer.batch_api.audit import audit, audit_refusal
@@ -28,6 +28,7 @@ from dagster_gpuinfer.batch_api.validation import (
     ValidatedInput,
     validate_batch_input,
 )
+from dagster_gpuinfer.batch_api.webhooks import WebhookSettings, deliver_due
 from dagster_gpuinfer.storage import RowCounts, partition_progress
 
 ACTIVE = ("in_progress", "cancelling", "finalizing")
@@ -42,6 +43,8 @@ CANCEL_GRACE_SECONDS = 120
 VALIDATION_TIMEOUT_SECONDS = 600
 # An upload still unfinished this long after it began was left by a request that died.
 UPLOAD_TIMEOUT_SECONDS = 3600
+# OpenAI's bounds on `output_expires_after.seconds`: 1 hour to 30 days.
+OUTPUT_EXPIRY_SECONDS = (3600, 30 * 24 * 3600)
 
 
 class ApiError(Exception):
@@ -135,6 +138,9 @@ class BatchService:
         routes: The routing table (also read by the code location's batch pipelines).
         instance: The Dagster instance whose runs do the work (`DagsterInstance.get()`).
         max_requests, max_bytes: Limits of one batch input file.
+        webhooks: Each tenant's webhook endpoints (webhooks.py); none: no events are kept.
+        output_expiry_seconds: Bounds on `output_expires_after.seconds` (OpenAI's: an hour
+            to 30 days).
     """
 
     store: BatchStore
@@ -143,6 +149,8 @@ class BatchService:
     instance: Any
     max_requests: int = DEFAULT_MAX_REQUESTS
     max_bytes: int = DEFAULT_MAX_BYTES
+    webhooks: WebhookSettings = field(default_factory=WebhookSettings)
+    output_expiry_seconds: tuple[int, int] = OUTPUT_EXPIRY_SECONDS
 
     # ---------------------------------------------------------------- files
 
@@ -277,8 +285,12 @@ class BatchService:
         endpoint: str,
         completion_window: str,
         metadata: dict[str, str] | None,
+        output_expires_after: int | None = None,
     ) -> dict:
         """Validate the input file, then queue it (status in_progress) or fail it.
+
+        `output_expires_after`: seconds its output and error files are kept after they are
+        written (OpenAI's `output_expires_after.seconds`, anchor `created_at`); None: kept.
 
         The file is read as a stream, line by line, and copied to the batch's shard inside
         the storage, never held whole (a 198 MB file took 609 MiB). Every status change is
@@ -287,7 +299,12 @@ class BatchService:
         """
         try:
             record, source = self._new_batch(
-                tenant, input_file_id, endpoint, completion_window, metadata
+                tenant,
+                input_file_id,
+                endpoint,
+                completion_window,
+                metadata,
+                self.output_lifetime(output_expires_after),
             )
         except ApiError as exc:
             audit_refusal(tenant, "batch.create", None, exc)
@@ -298,6 +315,7 @@ class BatchService:
             self.store.update_batch(
                 batch_id,
                 when_status=("validating",),
+                notify=self.notify(tenant.name, "failed"),
                 status="failed",
                 failed_at=now(),
                 total=checked.total,
@@ -338,6 +356,7 @@ class BatchService:
         endpoint: str,
         completion_window: str,
         metadata: dict[str, str] | None,
+        output_expires_after: int | None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Check the request, then write the batch's row (status validating); returns the
         row and its input file's row.
@@ -377,9 +396,27 @@ class BatchService:
             "status": "validating",
             "created_at": created,
             "expires_at": created + window,
+            "output_expires_after": output_expires_after,
         }
         self.store.add_batch(record)
         return record, source
+
+    def output_lifetime(self, seconds: int | None) -> int | None:
+        """`output_expires_after.seconds` checked against `output_expiry_seconds`.
+
+        Raises:
+            ApiError: 400 naming `output_expires_after.seconds` when out of bounds.
+        """
+        low, high = self.output_expiry_seconds
+        if seconds is not None and not low <= seconds <= high:
+            raise ApiError(
+                400,
+                f"output_expires_after.seconds is {seconds}; give between {low} and {high} "
+                "seconds, or leave output_expires_after out to keep the output files",
+                code="invalid_request",
+                param="output_expires_after.seconds",
+            )
+        return seconds
 
     def _validate(self, record: dict[str, Any], source: dict[str, Any]) -> ValidatedInput:
         """The input file checked line by line; whatever breaks the check itself fails the
@@ -429,6 +466,7 @@ class BatchService:
             if self.store.update_batch(
                 batch_id,
                 when_status=("validating",),
+                notify=self.notify(tenant.name, "cancelled"),
                 status="cancelled",
                 cancelling_at=stamp,
                 cancelled_at=stamp,
@@ -502,6 +540,7 @@ class BatchService:
         self.store.update_batch(
             record["id"],
             when_status=("validating",),
+            notify=self.notify(record["tenant"], "failed"),
             status="failed",
             failed_at=now(),
             errors={"object": "list", "data": [error]},
@@ -565,7 +604,12 @@ class BatchService:
         }
         if errors is not None:
             values["errors"] = errors
-        self.store.update_batch(batch_id, when_status=("finalizing",), **values)
+        self.store.update_batch(
+            batch_id,
+            when_status=("finalizing",),
+            notify=self.notify(record["tenant"], target),
+            **values,
+        )
         return self.store.get_batch(batch_id) or record
 
     def _publish(self, record: dict, kind: str, data: bytes) -> str | None:
@@ -574,6 +618,8 @@ class BatchService:
         file_id = f"file-{record['id'].removeprefix('batch_')}-{kind}"
         uri = self.files.file_uri(file_id)
         self.files.write(uri, data)
+        created = now()
+        lifetime = record.get("output_expires_after")
         self.store.put_file(
             {
                 "id": file_id,
@@ -581,12 +627,31 @@ class BatchService:
                 "purpose": "batch_output",
                 "filename": f"{record['id']}_{kind}.jsonl",
                 "bytes": len(data),
-                "created_at": now(),
+                "created_at": created,
                 "status": "processed",
                 "path": uri,
+                "expires_at": created + lifetime if lifetime else None,
             }
         )
         return file_id
+
+    def notify(self, tenant: str, status: str) -> list[tuple[str, str]]:
+        """The (name, url) of each of the tenant's endpoints that takes `batch.<status>`:
+        where the event of a batch reaching `status` is delivered (store.update_batch)."""
+        return [(e.key, e.url) for e in self.webhooks.endpoints_for(tenant, f"batch.{status}")]
+
+    def deliver_webhooks(self) -> int:
+        """One pass of the webhook sender (app.py runs it on a timer); returns how many
+        deliveries the endpoints took."""
+        return deliver_due(self.store, self.webhooks)
+
+    def sweep_expired_files(self) -> None:
+        """Delete the output and error files whose `output_expires_after` has passed: bytes
+        first, then the row, so a file id answers 404 only once its bytes are gone."""
+        for record in self.store.files_expired_by(now()):
+            self.files.delete(record["path"])
+            self.store.delete_file(record["id"], record["tenant"])
+            log.info("deleted expired file %s of tenant %s", record["id"], record["tenant"])
 
     def reconcile_all(self) -> None:
         """One pass over every unfinished batch (the service runs this on a timer), then over
@@ -594,6 +659,7 @@ class BatchService:
         for record in self.store.batches_in(("validating", *ACTIVE)):
             self.reconcile(record)
         self.sweep_abandoned_uploads()
+        self.sweep_expired_files()
         self.stop_runs_of_stopped_batches()
 
     def stop_runs_of_stopped_batches(self) -> None:

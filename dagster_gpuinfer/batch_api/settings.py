@@ -7,6 +7,8 @@ of environment variables read by both processes (the API service and the code lo
 - `GPUINFER_BATCH_FILES_ROOT`: file bytes and batch outputs, local or `s3://bucket/prefix`;
   default `.data/batch_api` under the working directory.
 - `GPUINFER_BATCH_ROUTES`: the routing table (routing.py).
+- `GPUINFER_BATCH_WEBHOOKS`: a YAML file of webhook endpoints per tenant (webhooks.py); each
+  names the environment variable holding its secret, never the secret.
 - `GPUINFER_S3_ENDPOINT`, `GPUINFER_S3_REGION`: an S3-compatible endpoint, as the resources.
 """
 

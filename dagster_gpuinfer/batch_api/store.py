@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from dagster_gpuinfer.batch_api.keys import NewKey, new_key, secret_matches, split_token
+from dagster_gpuinfer.batch_api.webhooks import batch_event, new_webhook_id
 
 METADATA = sa.MetaData()
 PREFIX = "gpuinfer_batch_"
@@ -68,6 +69,8 @@ FILES = sa.Table(
     sa.Column("created_at", sa.Integer, nullable=False),
     sa.Column("status", sa.String(16), nullable=False),
     sa.Column("path", sa.Text, nullable=False),
+    # Output and error files of a batch with `output_expires_after`: deleted after this.
+    sa.Column("expires_at", sa.Integer, nullable=True, index=True),
 )
 
 BATCHES = sa.Table(
@@ -94,8 +97,47 @@ BATCHES = sa.Table(
     sa.Column("errors", sa.Text, nullable=True),
     sa.Column("finalizing_to", sa.String(16), nullable=True),
     sa.Column("run_id", sa.String(64), nullable=True),
+    # `output_expires_after.seconds`: its output and error files expire this long after
+    # they are written (OpenAI's anchor `created_at` is the file's creation).
+    sa.Column("output_expires_after", sa.Integer, nullable=True),
     *(sa.Column(f"{name}_at", sa.Integer, nullable=True) for name in BATCH_TIMESTAMPS),
 )
+
+
+# The webhook outbox (webhooks.py): an event per batch state change that has endpoints to
+# go to, written in the transaction that makes the change; a delivery per event and
+# endpoint, done when the endpoint answers 2xx. Secrets are not here, only endpoint names.
+WEBHOOK_EVENTS = sa.Table(
+    f"{PREFIX}webhook_events",
+    METADATA,
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("id", sa.String(64), nullable=False, unique=True),
+    sa.Column("tenant", sa.String(128), nullable=False),
+    sa.Column("batch_id", sa.String(64), nullable=False, index=True),
+    sa.Column("type", sa.String(32), nullable=False),
+    sa.Column("created_at", sa.Integer, nullable=False),
+    sa.Column("body", sa.Text, nullable=False),
+)
+
+WEBHOOK_DELIVERIES = sa.Table(
+    f"{PREFIX}webhook_deliveries",
+    METADATA,
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("id", sa.String(64), nullable=False, unique=True),  # the `webhook-id` header
+    sa.Column("event_id", sa.String(64), nullable=False, index=True),
+    sa.Column("tenant", sa.String(128), nullable=False),
+    sa.Column("endpoint", sa.String(2048), nullable=False),
+    sa.Column("url", sa.Text, nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False, default=0),
+    sa.Column("next_attempt_at", sa.Float, nullable=False, index=True),
+    sa.Column("delivered_at", sa.Integer, nullable=True),
+    sa.Column("abandoned_at", sa.Integer, nullable=True),
+    sa.Column("last_error", sa.String(512), nullable=True),
+    sa.UniqueConstraint("event_id", "endpoint"),
+)
+
+# A batch status that ends it, and the event each one sends.
+FINAL_STATUSES = ("failed", "completed", "expired", "cancelled")
 
 
 @dataclass(frozen=True)
@@ -227,6 +269,17 @@ class BatchStore:
             )
         return result.rowcount == 1
 
+    def files_expired_by(self, at: int, limit: int = 500) -> list[dict[str, Any]]:
+        """Files whose `expires_at` has passed at `at` (batch outputs with an expiry)."""
+        query = (
+            sa.select(FILES)
+            .where(FILES.c.expires_at.is_not(None), FILES.c.expires_at <= at)
+            .order_by(FILES.c.expires_at)
+            .limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [dict(row._mapping) for row in conn.execute(query)]
+
     def files_uploading_since(self, before: int, limit: int = 500) -> list[dict[str, Any]]:
         """Files still `uploaded` (bytes coming in) that were created before `before`."""
         query = (
@@ -296,18 +349,132 @@ class BatchStore:
             return [_batch(row) for row in conn.execute(query)]
 
     def update_batch(
-        self, batch_id: str, *, when_status: Iterable[str] | None = None, **values: Any
+        self,
+        batch_id: str,
+        *,
+        when_status: Iterable[str] | None = None,
+        notify: Sequence[tuple[str, str]] = (),
+        **values: Any,
     ) -> bool:
         """Set `values` on a batch; with `when_status`, only if its status is one of them.
-        Returns whether a row changed (False: another writer moved it first)."""
+        Returns whether a row changed (False: another writer moved it first).
+
+        When `values` set a final status and the row changed, the batch's event and one
+        delivery per `notify` endpoint (name, url) are written in the same transaction:
+        the change and its webhooks happen together, once (webhooks.py)."""
         for name in ("metadata", "errors"):
             if values.get(name) is not None:
                 values[name] = json.dumps(values[name])
         statement = BATCHES.update().where(BATCHES.c.id == batch_id)
         if when_status is not None:
             statement = statement.where(BATCHES.c.status.in_(list(when_status)))
+        status = values.get("status")
         with self.engine.begin() as conn:
-            return conn.execute(statement.values(**values)).rowcount == 1
+            changed = conn.execute(statement.values(**values)).rowcount == 1
+            if changed and notify and status in FINAL_STATUSES:
+                stamp = values.get(f"{status}_at") or now()
+                _add_event(conn, batch_id, status, stamp, notify)
+            return changed
+
+    # ---------------------------------------------------------------- webhook outbox
+
+    def due_deliveries(self, at: float, limit: int = 100) -> list[dict[str, Any]]:
+        """Deliveries neither done nor given up whose next try is due at `at`, oldest first,
+        each with its event's `body` and `type`."""
+        query = (
+            sa.select(WEBHOOK_DELIVERIES, WEBHOOK_EVENTS.c.body, WEBHOOK_EVENTS.c.type)
+            .join(WEBHOOK_EVENTS, WEBHOOK_EVENTS.c.id == WEBHOOK_DELIVERIES.c.event_id)
+            .where(
+                WEBHOOK_DELIVERIES.c.delivered_at.is_(None),
+                WEBHOOK_DELIVERIES.c.abandoned_at.is_(None),
+                WEBHOOK_DELIVERIES.c.next_attempt_at <= at,
+            )
+            .order_by(WEBHOOK_DELIVERIES.c.next_attempt_at, WEBHOOK_DELIVERIES.c.seq)
+            .limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [dict(row._mapping) for row in conn.execute(query)]
+
+    def claim_delivery(self, delivery: dict[str, Any], until: float) -> bool:
+        """Take a due delivery for one try (compare-and-set on its next try time, moved to
+        `until`): another sender that read it too gets False and leaves it."""
+        statement = (
+            WEBHOOK_DELIVERIES.update()
+            .where(
+                WEBHOOK_DELIVERIES.c.id == delivery["id"],
+                WEBHOOK_DELIVERIES.c.next_attempt_at == delivery["next_attempt_at"],
+                WEBHOOK_DELIVERIES.c.delivered_at.is_(None),
+            )
+            .values(next_attempt_at=until)
+        )
+        with self.engine.begin() as conn:
+            return conn.execute(statement).rowcount == 1
+
+    def record_try(
+        self,
+        delivery_id: str,
+        *,
+        attempts: int,
+        delivered: bool,
+        next_attempt_at: float | None,
+        error: str | None,
+    ) -> None:
+        """What one try came to: delivered, due again at `next_attempt_at`, or given up
+        (neither)."""
+        values: dict[str, Any] = {"attempts": attempts, "last_error": error}
+        if delivered:
+            values["delivered_at"] = now()
+        elif next_attempt_at is None:
+            values["abandoned_at"] = now()
+        else:
+            values["next_attempt_at"] = next_attempt_at
+        statement = WEBHOOK_DELIVERIES.update().where(WEBHOOK_DELIVERIES.c.id == delivery_id)
+        with self.engine.begin() as conn:
+            conn.execute(statement.values(**values))
+
+    def deliveries(self, batch_id: str) -> list[dict[str, Any]]:
+        """Every delivery of a batch's events, with the event type (oldest first)."""
+        query = (
+            sa.select(WEBHOOK_DELIVERIES, WEBHOOK_EVENTS.c.type)
+            .join(WEBHOOK_EVENTS, WEBHOOK_EVENTS.c.id == WEBHOOK_DELIVERIES.c.event_id)
+            .where(WEBHOOK_EVENTS.c.batch_id == batch_id)
+            .order_by(WEBHOOK_DELIVERIES.c.seq)
+        )
+        with self.engine.connect() as conn:
+            return [dict(row._mapping) for row in conn.execute(query)]
+
+
+def _add_event(
+    conn: sa.Connection, batch_id: str, status: str, stamp: int, notify: Sequence[tuple[str, str]]
+) -> None:
+    """The event of a batch that reached `status`, and a delivery per endpoint, due now."""
+    tenant = conn.execute(sa.select(BATCHES.c.tenant).where(BATCHES.c.id == batch_id)).scalar()
+    event_id, body = batch_event(batch_id, status, stamp)
+    conn.execute(
+        WEBHOOK_EVENTS.insert().values(
+            id=event_id,
+            tenant=tenant,
+            batch_id=batch_id,
+            type=f"batch.{status}",
+            created_at=stamp,
+            body=body.decode(),
+        )
+    )
+    conn.execute(
+        WEBHOOK_DELIVERIES.insert(),
+        [
+            {
+                "id": new_webhook_id(),
+                "event_id": event_id,
+                "tenant": tenant,
+                "endpoint": name,
+                "url": url,
+                "attempts": 0,
+                "next_attempt_at": float(stamp),
+            }
+            for name, url in notify
+        ],
+    )
 
 
 def _page(

@@ -90,9 +90,7 @@ def write_chunk(
         table = output_table(spec, valid, result)
         invalid_outputs = rows_invalid_output(table)
         if spec.output.format == "openai_batch":
-            data = encode_openai_batch(
-                spec.task, spec.served_model_name or spec.model, where.spec_hash, table, valid
-            )
+            data = encode_openai_batch(spec.task, spec.served_model, where.spec_hash, table, valid)
             part = (data, ".jsonl", table.num_rows)
         else:
             part = (table_to_parquet_bytes(table), ".parquet", table.num_rows)

@@ -34,6 +34,9 @@ def create_batch(service: ServiceDep, tenant: TenantDep, body: CreateBatch) -> B
         endpoint=body.endpoint,
         completion_window=body.completion_window,
         metadata=body.metadata,
+        output_expires_after=body.output_expires_after.seconds
+        if body.output_expires_after
+        else None,
     )
     return Batch.from_record(record)
 
