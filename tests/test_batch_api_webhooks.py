@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import threading
 import time
+import uuid
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -146,8 +148,34 @@ def wait_for(condition, what: str, seconds: float = 30) -> None:
         time.sleep(0.1)
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path):
+    """The store on SQLite, and on a fresh database of the test PostgreSQL server (the
+    outbox's claim compares a float column: both dialects must round-trip it exactly)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/store.sqlite"
+        return
+    url = os.environ.get("GPUINFER_TEST_POSTGRES_URL")
+    if not url:
+        pytest.fail(
+            "GPUINFER_TEST_POSTGRES_URL is not set: run the suite with `make test`, or start a "
+            "server with `bash deploy/local/test-postgres.sh` and export the URL it prints"
+        )
+    import psycopg2
+
+    database = f"webhooks_{uuid.uuid4().hex[:10]}"
+    admin = psycopg2.connect(url)
+    admin.autocommit = True
+    admin.cursor().execute(f"CREATE DATABASE {database}")
+    try:
+        yield url.rsplit("/", 1)[0] + f"/{database}"
+    finally:
+        admin.cursor().execute(f"DROP DATABASE {database} WITH (FORCE)")
+        admin.close()
+
+
 def test_each_finished_batch_sends_one_signed_event_delivered_after_a_failed_try(
-    tmp_path, instance, monkeypatch
+    tmp_path, instance, monkeypatch, store_url
 ):
     acme_secret, beta_secret = new_secret(), new_secret()
     monkeypatch.setenv("ACME_WHSEC", acme_secret)
@@ -159,7 +187,7 @@ def test_each_finished_batch_sends_one_signed_event_delivered_after_a_failed_try
                 "beta": [{"url": receiver.url("/beta"), "secret_env": "BETA_WHSEC"}],
             }
         )
-        service = make_service(tmp_path, instance)
+        service = make_service(tmp_path, instance, store_url=store_url)
         service.webhooks = hooks
         with live_service(service) as api:
             sdk = client(api, service.store.create_key("acme").token)
@@ -235,13 +263,13 @@ def assert_one_verified_event_each(service, receiver, batches) -> None:
 
 
 def test_an_endpoint_that_never_answers_is_retried_with_backoff_then_given_up(
-    tmp_path, instance, monkeypatch
+    tmp_path, instance, monkeypatch, store_url
 ):
     monkeypatch.setenv("ACME_WHSEC", new_secret())
     hooks = fast_retries(
         {"acme": [{"url": "http://127.0.0.1:9/hooks", "secret_env": "ACME_WHSEC"}]}
     ).model_copy(update={"max_attempts": 4, "first_retry_seconds": 0.3})
-    service = make_service(tmp_path, instance)
+    service = make_service(tmp_path, instance, store_url=store_url)
     service.webhooks = hooks
     tenant = service.store.authenticate(service.store.create_key("acme").token)
     source = service.upload(tenant, filename="in.jsonl", purpose="batch", data=b"{bad\n")
