@@ -4,8 +4,10 @@ real vLLM CPU engine.
 
 One engine start in `make test`: an embeddings batch whose `request_counts.completed` is
 seen rising, across a restart of the service mid-run, to `completed`; the downloaded output
-answers every custom_id once and matches a transformers reference. Cancel mid-run (a second
-engine start) is `slow`.
+answers every custom_id once, names the requested model, carries usage and matches a
+transformers reference, and the service (configured as `serve` reads it, from the
+environment) posts one signed `batch.completed` to a receiver on loopback. Cancel mid-run (a
+second engine start) is `slow`.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import dagster as dg
 import numpy as np
 import openai
 import pytest
-from batch_api_support import client, free_port, jsonl_ids
+from batch_api_support import Receiver, client, free_port, jsonl_ids
 
 from assets.paths import cross_encoder_dir, generation_model_dir
 from dagster_gpuinfer.batch_api.store import BatchStore
+from dagster_gpuinfer.batch_api.webhooks import new_secret
 
 pytestmark = pytest.mark.engine
 
@@ -198,6 +201,16 @@ def stack(tmp_path_factory, minilm_dir):
     instance.get_runs(limit=1)
     instance.all_instigator_state()
     instance.dispose()
+    # The service's webhooks, set as a deployment sets them: a settings file naming the
+    # variable that holds the secret.
+    stack.receiver = Receiver({"/acme": new_secret()}).__enter__()
+    (tmp / "webhooks.yaml").write_text(
+        "tenants:\n  acme:\n"
+        f"    - url: {stack.receiver.url('/acme')}\n      secret_env: ACME_WEBHOOK_SECRET\n"
+        "first_retry_seconds: 0.5\nsend_interval_seconds: 0.2\n"
+    )
+    stack.env["GPUINFER_BATCH_WEBHOOKS"] = str(tmp / "webhooks.yaml")
+    stack.env["ACME_WEBHOOK_SECRET"] = stack.receiver.secrets["/acme"]
     store = BatchStore(stack.store_url)
     stack.key = store.create_key("acme", kueue_queue="acme-gpu").token
     store.close()
@@ -205,6 +218,7 @@ def stack(tmp_path_factory, minilm_dir):
     stack.start_api()
     yield stack
     stack.close()
+    stack.receiver.__exit__(None, None, None)
 
 
 def poll(stack: Stack, batch_id: str, until, *, timeout: float = 600, on_value=None):
@@ -273,7 +287,10 @@ def test_embeddings_batch_rises_to_completed_across_a_service_restart(stack, min
     for line in output.splitlines():
         record = json.loads(line)
         assert record["response"]["status_code"] == 200 and record["error"] is None
-        by_id[record["custom_id"]] = record["response"]["body"]["data"][0]["embedding"]
+        body = record["response"]["body"]
+        # The model the lines named (not the weights' folder), and each line's tokens.
+        assert body["model"] == MODEL and body["usage"]["prompt_tokens"] > 0
+        by_id[record["custom_id"]] = body["data"][0]["embedding"]
     ours = np.array([by_id[f"e-{i}"] for i in range(64)], dtype=np.float32)
     assert np.allclose(ours, reference_embeddings(minilm_dir, texts[:64]), atol=2e-3)
 
@@ -283,6 +300,23 @@ def test_embeddings_batch_rises_to_completed_across_a_service_restart(stack, min
     assert run.status == dg.DagsterRunStatus.SUCCESS
     assert (run.tags["gpuinfer/tenant"], run.tags["gpuinfer/kueue_queue"]) == ("acme", "acme-gpu")
     assert run.tags["dagster/partition"] == batch.id
+    assert_one_completed_event(stack.receiver, batch.id)
+
+
+def assert_one_completed_event(receiver: Receiver, batch_id: str) -> None:
+    """The receiver took one `batch.completed` for the batch, verified by the openai SDK
+    (its first try answered 500 and was retried)."""
+    deadline = time.monotonic() + 60
+    while not any(batch_id.encode() in body for _, _, body in receiver.taken()):
+        assert time.monotonic() < deadline, f"no webhook for {batch_id}: {receiver.requests}"
+        time.sleep(0.2)
+    time.sleep(1.5)  # a duplicate would come within the retry backoff
+    events = [
+        receiver.webhooks.unwrap(body, headers, secret=receiver.secrets[path])
+        for path, headers, body in receiver.taken()
+    ]
+    mine = [event for event in events if event.data.id == batch_id]
+    assert [event.type for event in mine] == ["batch.completed"]
 
 
 @pytest.mark.slow

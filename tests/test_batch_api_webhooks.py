@@ -9,15 +9,20 @@ from __future__ import annotations
 import base64
 import json
 import os
-import threading
 import time
 import uuid
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
-from batch_api_support import client, jsonl_ids, live_service, request_lines, write_chunk
+from batch_api_support import (
+    Receiver,
+    client,
+    jsonl_ids,
+    live_service,
+    request_lines,
+    write_chunk,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types.webhooks import (
@@ -45,67 +50,6 @@ EVENT_CLASSES = {
     "batch.expired": BatchExpiredWebhookEvent,
     "batch.failed": BatchFailedWebhookEvent,
 }
-
-
-class Receiver:
-    """A webhook endpoint on 127.0.0.1: keeps every request, verifies each with the openai
-    SDK (`webhooks.unwrap`, the secret of the path's tenant), answers 500 to the first try
-    of each `webhook-id` and 200 to later ones that verify, 400 to one that does not."""
-
-    def __init__(self, secrets: dict[str, str]) -> None:
-        self.secrets = secrets  # path ("/acme") -> the secret its tenant's events carry
-        self.requests: list[tuple[str, dict[str, str], bytes, int]] = []
-        self.lock = threading.Lock()
-        # Built here, in the test's thread: the SDK imports httpx lazily, and an import in
-        # the server's thread racing the sender's loop saw a half-initialized module.
-        self.webhooks = openai.OpenAI(api_key="not-used", base_url="http://127.0.0.1:9/v1").webhooks
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers["content-length"]))
-                headers = {name.lower(): value for name, value in self.headers.items()}
-                status = receiver.answer(self.path, headers, body)
-                self.send_response(status)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
-
-    def answer(self, path: str, headers: dict[str, str], body: bytes) -> int:
-        try:
-            self.webhooks.unwrap(body, headers, secret=self.secrets[path])
-        except openai.InvalidWebhookSignatureError:
-            status = 400
-        else:
-            with self.lock:
-                tried = any(
-                    h["webhook-id"] == headers["webhook-id"] for _, h, _, _ in self.requests
-                )
-            status = 200 if tried else 500
-        with self.lock:
-            self.requests.append((path, headers, body, status))
-        return status
-
-    def taken(self) -> list[tuple[str, dict[str, str], bytes]]:
-        """The requests answered 200, as (path, headers, body)."""
-        with self.lock:
-            return [(p, h, b) for p, h, b, status in self.requests if status == 200]
-
-    def __enter__(self) -> Receiver:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def fast_retries(tenants: dict) -> WebhookSettings:
