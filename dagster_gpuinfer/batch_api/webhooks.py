@@ -103,10 +103,10 @@ class WebhookSettings(BaseModel):
     """The batch API's webhook endpoints per tenant, and how deliveries are retried.
 
     Examples:
-        >>> WebhookSettings.model_validate({"tenants": {"acme": [
+        >>> hooks = WebhookSettings.model_validate({"tenants": {"acme": [
         ...     {"url": "https://hooks.acme.example/batches", "secret_env": "ACME_WHSEC"}]}})
-        ... # doctest: +ELLIPSIS
-        WebhookSettings(tenants={'acme': ...
+        >>> [e.url for e in hooks.endpoints_for("acme", "batch.completed")]
+        ['https://hooks.acme.example/batches']
     """
 
     model_config = ConfigDict(extra="forbid")
