@@ -44,6 +44,12 @@ Design decisions, and why:
   `kueue.x-k8s.io/queue-name` label, so quotas and fair sharing come from Kueue. Every
   create, cancel and delete, every refused create or upload and every 401 is an audit line
   (audit.py; logger `dagster_gpuinfer.batch_api.audit`).
+- **Events go out through an outbox** (webhooks.py): the compare-and-set that finishes a
+  batch writes its OpenAI-shaped `batch.*` event and a delivery per tenant endpoint in the
+  same transaction; a sender loop posts them signed as Standard Webhooks (what the openai
+  SDK's `webhooks.unwrap` verifies), retrying with backoff until a 2xx: at least once, one
+  event per state change, deduplicable by `webhook-id`. Endpoints come from a settings file
+  that names each secret's environment variable, never the secret.
 - **The key is checked before the body is read** (authentication.py: FastAPI reads a body
   before it resolves dependencies), uploads stream into storage under their bound
   (uploads.py), and a create streams its file line by line: no request makes the server
