@@ -368,7 +368,11 @@ def test_chat_and_rerank_batches_answer_every_custom_id_once(stack, tiny_llama_d
         )
         done = poll(stack, batch.id, lambda b: b.status not in ("in_progress", "finalizing"))
         assert done.status == "completed", f"{endpoint}: {done}\n{stack.logs()}"
-        answered = jsonl_ids(sdk.files.content(done.output_file_id).read())
+        output = sdk.files.content(done.output_file_id).read()
+        answered = jsonl_ids(output)
+        for line in output.splitlines():
+            body = json.loads(line)["response"]["body"]
+            assert body["model"] == bodies[0]["model"] and body["usage"]["prompt_tokens"] > 0
         if done.error_file_id:
             answered += jsonl_ids(sdk.files.content(done.error_file_id).read())
         assert sorted(answered) == sorted(f"r-{i}" for i in range(len(bodies))), endpoint
