@@ -142,7 +142,23 @@ def test_each_finished_batch_sends_one_signed_event_delivered_after_a_failed_try
             wait_for(lambda: len(receiver.taken()) == 5, "five events taken")
             time.sleep(1.5)  # any duplicate delivery would come within the retry backoff
         assert_one_verified_event_each(service, receiver, batches)
+        assert_no_secret_stored(service, [acme_secret, beta_secret])
     service.store.close()
+
+
+def assert_no_secret_stored(service, secrets: list[str]) -> None:
+    """The outbox names endpoints; neither the secrets nor their keys are in the store."""
+    import sqlalchemy as sa
+
+    from dagster_gpuinfer.batch_api.store import METADATA
+
+    with service.store.engine.connect() as conn:
+        stored = "".join(
+            repr(row) for table in METADATA.sorted_tables for row in conn.execute(sa.select(table))
+        )
+    assert "webhook_deliveries" in str(METADATA.tables) and "wh_" in stored
+    for secret in secrets:
+        assert secret not in stored and secret.removeprefix("whsec_") not in stored
 
 
 def drive_four_endings(service, sdk, beta) -> dict[str, tuple[str, str]]:
