@@ -255,6 +255,7 @@ def test_an_endpoint_that_never_answers_is_retried_with_backoff_then_given_up(
     assert "Connection refused" in delivery["last_error"]
     gaps = [later - earlier for earlier, later in zip(tried_at, tried_at[1:], strict=False)]
     # Waits of 0.3 and 0.6 s (doubling), then 1.0 s (the cap, not 1.2), not a tight loop.
+    assert [hooks.retry_delay(n) for n in (1, 2, 3, 4)] == [0.3, 0.6, 1.0, 1.0]
     assert len(gaps) == 3
     for gap, wait in zip(gaps, (0.3, 0.6, 1.0), strict=True):
         assert wait <= gap < wait + 2.0  # slack for a loaded machine; never below the wait
