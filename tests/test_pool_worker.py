@@ -226,6 +226,58 @@ def test_an_engine_death_fails_the_lease_and_exits_75(tmp_path, queue, monkeypat
     assert told and "exit code 75" in told[0]
 
 
+class Unreachable:
+    """The queue, but `heartbeat` and the first `lease` fail as a store that went away."""
+
+    def __init__(self, queue: LeaseQueue) -> None:
+        self.queue = queue
+        self.lease_failures = 1
+
+    def heartbeat(self, lease, **kwargs):
+        raise ConnectionError("cannot reach the lease queue")
+
+    def lease(self, *args, **kwargs):
+        if self.lease_failures:
+            self.lease_failures -= 1
+            raise ConnectionError("cannot reach the lease queue")
+        return self.queue.lease(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.queue, name)
+
+
+def test_a_heartbeat_that_cannot_reach_the_store_for_a_ttl_loses_the_lease(tmp_path, queue):
+    from dagster_gpuinfer.worker.pool.keeper import LeaseKeeper
+
+    queue.submit(submission("run-1", spec_dict(tmp_path, ["p0"])))
+    lease = queue.lease(POOL, worker_id="w", ttl_s=0.3)
+    lost = threading.Event()
+    reasons: list[str] = []
+    keeper = LeaseKeeper(
+        Unreachable(queue), lease, on_lost=lambda exc: (reasons.append(exc.reason), lost.set())
+    ).start()
+    started = time.monotonic()
+    assert lost.wait(5)
+    assert time.monotonic() - started >= 0.3  # not before a whole TTL without a heartbeat
+    keeper.stop()
+    assert reasons == ["expired"]
+
+
+def test_a_store_blip_while_polling_costs_no_warm_engine(tmp_path, queue):
+    write_shards(tmp_path, ["p0"], rows=4)
+    spec = spec_dict(tmp_path, ["p0"])
+    queue.submit(submission("run-1", spec))
+    flaky = Unreachable(queue)
+    flaky.heartbeat = queue.heartbeat
+    builds = Builds()
+    loop = PoolWorkerLoop(
+        flaky, POOL, worker_id="w1", engine_builder=builds, idle_ttl_s=0.3, poll_s=0.02
+    )
+    assert loop.run() == 0
+    assert flaky.lease_failures == 0 and len(builds.engines) == 1
+    assert_every_row_once(spec, "p0", 4, 1)
+
+
 # --------------------------------------------------------------------------- real processes
 
 
