@@ -112,6 +112,12 @@ def arrival_sensor(
     if max_new_files_per_tick < 1 or max_files_listed_per_tick < 1:
         raise ValueError("max_new_files_per_tick and max_files_listed_per_tick must be positive")
     input_spec = InputSpec.model_validate(pipeline.spec["input"])
+    if input_spec.is_table():
+        raise ValueError(
+            f"pipeline {pipeline.output_asset.key.to_user_string()!r} reads a Delta table, "
+            "which has no files to watch: list its partitions with "
+            "storage.delta.partition_values (and observe the input asset for new versions)"
+        )
     watched = WatchedFiles(uri_template=input_spec.uri, glob=glob)
     input_format = input_spec.resolved_format()
     output_key = pipeline.output_asset.key

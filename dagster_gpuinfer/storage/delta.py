@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import pyarrow as pa
 
@@ -90,6 +91,14 @@ class DeltaPartition:
         return f"delta:files={len(self.files)}:{digest.hexdigest()[:20]}"
 
 
+def data_file_uri(uri: str, path: str) -> str:
+    """Where a data file of the table at `uri` is: the log's `path` is URL-encoded and
+    relative to the root (absolute only in a shallow clone)."""
+    if "://" in path:
+        return path
+    return f"{uri.rstrip('/')}/{unquote(path)}"
+
+
 def unreadable_features(table: Any) -> list[str]:
     """The table's reader features that reading its Parquet files directly cannot honour."""
     features = table.protocol().reader_features or []
@@ -132,9 +141,22 @@ def table_partition(
         raise FileNotFoundError(
             f"Delta table {uri} (version {table.version()}) has no partition {column}={value!r}"
         )
-    root = uri.rstrip("/")
     return DeltaPartition(
         table_version=table.version(),
-        files=tuple(f"{root}/{path}" for path, _ in found),
+        files=tuple(data_file_uri(uri, path) for path, _ in found),
         sizes=tuple(int(size) for _, size in found),
     )
+
+
+def partition_values(uri: str, storage: StorageOptions | None, column: str) -> list[str]:
+    """The values of the table's partition column at its latest version, sorted: the keys
+    of a pipeline that scans it (`dg.StaticPartitionsDefinition(partition_values(...))`, or
+    added to dynamic partitions by a schedule).
+
+    Raises:
+        FileNotFoundError: no table at `uri`.
+    """
+    table = open_table(uri, storage)
+    actions = pa.table(table.get_add_actions(flatten=True))
+    values = actions.column(f"partition.{column}").to_pylist()
+    return sorted({str(value) for value in values if value is not None})
