@@ -217,3 +217,17 @@ def test_the_pipeline_refuses_byte_ranges_and_arrival_sensors_on_a_table(table, 
             output_root=str(tmp_path / "out"),
             partitions_def=dg.StaticPartitionsDefinition(["d1"]),
         )
+
+
+def test_the_backfill_estimate_counts_a_partitions_rows_from_the_log(table):
+    from dagster_gpuinfer.estimate import input_work, work_unit
+
+    spec = _spec(table)
+
+    assert work_unit(spec) == "rows"
+    assert input_work(spec, ["d1", "d1@rows=2-6", "d2", "d9"]) == {
+        "d1": 10.0,
+        "d1@rows=2-6": 4.0,
+        "d2": 3.0,
+        "d9": None,
+    }

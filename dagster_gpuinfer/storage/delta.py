@@ -81,6 +81,7 @@ class DeltaPartition:
     table_version: int
     files: tuple[str, ...]
     sizes: tuple[int, ...]
+    rows: int  # as the log's statistics count them (estimates; the reader counts footers)
 
     def version(self) -> str:
         """The partition's source version: a digest of its data files' paths and sizes
@@ -132,9 +133,10 @@ def table_partition(
     values = actions.column(f"partition.{column}").to_pylist()
     paths = actions.column("path").to_pylist()
     sizes = actions.column("size_bytes").to_pylist()
+    records = actions.column("num_records").to_pylist()
     found = sorted(
-        (path, size)
-        for path, size, held in zip(paths, sizes, values, strict=True)
+        (path, size, rows or 0)
+        for path, size, rows, held in zip(paths, sizes, records, values, strict=True)
         if held is not None and str(held) == value
     )
     if not found:
@@ -143,8 +145,9 @@ def table_partition(
         )
     return DeltaPartition(
         table_version=table.version(),
-        files=tuple(data_file_uri(uri, path) for path, _ in found),
-        sizes=tuple(int(size) for _, size in found),
+        files=tuple(data_file_uri(uri, path) for path, _, _ in found),
+        sizes=tuple(int(size) for _, size, _ in found),
+        rows=sum(int(rows) for _, _, rows in found),
     )
 
 
