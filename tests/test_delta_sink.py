@@ -369,3 +369,14 @@ sink: {{kind: delta, uri: "{root / "lake" / "emb"}"}}
     asset = pipeline.output_asset
     shown = asset.specs_by_key[asset.key].metadata["gpuinfer/sink"].value
     assert shown["kind"] == "delta" and shown["uri"] == str(root / "lake" / "emb")
+
+
+def test_neither_side_loads_deltalake_until_a_table_is_opened():
+    code = (
+        "import sys\nimport dagster_gpuinfer.asset_factory, dagster_gpuinfer.sinks\n"
+        "import dagster_gpuinfer.worker.rows.readers, dagster_gpuinfer.estimate\n"
+        "from dagster_gpuinfer import DeltaSink\n"
+        "print('deltalake' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "False"
