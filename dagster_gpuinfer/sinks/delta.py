@@ -43,8 +43,9 @@ class DeltaSink(BaseModel):
     partition half-written.
 
     Embedding tasks write `embedding` (a list of float32), generation tasks `text`. The
-    table lives on local disk or S3; S3's endpoint and region are the pipeline's `storage`
-    unless `storage` is set here, credentials the standard AWS environment variables.
+    table lives on local disk or S3; S3's endpoint and region are the run's (the resource's
+    `s3_endpoint_url`, `s3_region`) unless `storage` is set here, credentials the standard
+    AWS environment variables.
 
     Examples:
         >>> inference_assets(..., sink=DeltaSink(uri="s3://lake/doc_embeddings"))
@@ -55,7 +56,7 @@ class DeltaSink(BaseModel):
     kind: Literal["delta"] = Field("delta", description="The sink's kind.")
     uri: str = Field(description="The table's root: a local folder or `s3://bucket/prefix`.")
     storage: StorageOptions | None = Field(
-        None, description="S3 endpoint and region of the table; None: the pipeline's storage."
+        None, description="S3 endpoint and region of the table; None: the run's storage."
     )
     batch_rows: int = Field(
         65536, ge=1, le=10_000_000, description="Rows read from the part files at a time."
