@@ -225,6 +225,46 @@ def test_rows_that_disagree_with_the_manifest_commit_nothing(root):
     assert len(_rows_of(_read(uri), "p0")) == 4
 
 
+def test_two_concurrent_writers_of_one_partition_end_with_one_copy(root):
+    from dagster_gpuinfer.sinks.delta import overwrite_partition
+    from dagster_gpuinfer.sinks.materialize import _retryable_delta_error
+    from dagster_gpuinfer.sinks.pgvector import sink_layout
+
+    uri = str(root / "lake" / "emb")
+    sink = DeltaSink(uri=uri)
+    pipeline = _pipeline(root, sink)
+    _write_shard(root, "p0", 60)
+    manifest = _commit(pipeline, "p0", _embeddings("p0", 60))
+    start = threading.Barrier(2)
+    outcomes: list[object] = []
+
+    def slow():
+        for batch in _embeddings("p0", 60).to_batches(max_chunksize=10):
+            time.sleep(0.03)  # the two writes overlap
+            yield batch
+
+    def writer():
+        start.wait()
+        try:
+            outcomes.append(overwrite_partition(sink, None, sink_layout("embed"), manifest, slow()))
+        except Exception as exc:  # noqa: BLE001 - the test reports it below
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=writer) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    written = [o for o in outcomes if not isinstance(o, Exception)]
+    failed = [o for o in outcomes if isinstance(o, Exception)]
+    assert written == [(60, False)]
+    assert len(failed) == 1 and "concurrent" in str(failed[0])
+    assert _retryable_delta_error(failed[0])  # the step fails retryably and writes it again
+    frame = _read(uri)
+    assert frame.height == 60 and frame["id"].n_unique() == 60
+
+
 def test_generated_text_goes_to_a_text_column(root):
     uri = str(root / "lake" / "gen")
     sink = DeltaSink(uri=uri)

@@ -129,6 +129,34 @@ def held_commit(table: Any, partition_key: str) -> tuple[float | None, int]:
     return pc.max(held.column("committed_at")).as_py(), held.num_rows
 
 
+def ready_table(sink: DeltaSink, storage: StorageOptions | None, schema: pa.Schema) -> Any:
+    """The sink's table, created empty (its schema, partitioned by `partition_key`) if it is
+    not there. Every write then overwrites from a snapshot of an existing table, which is
+    what lets delta-rs see a concurrent write of the same partition and refuse one of the
+    two: two writers that both created the table would both append their rows."""
+    try:
+        return open_table(sink.uri, storage)
+    except FileNotFoundError:
+        pass
+    from deltalake import DeltaTable
+
+    try:
+        DeltaTable.create(
+            sink.uri,
+            schema=schema,
+            partition_by=[PARTITION_COLUMN],
+            mode="ignore",
+            storage_options=storage_options(sink.uri, storage),
+        )
+    except Exception:
+        try:  # another writer created it at the same moment
+            return open_table(sink.uri, storage)
+        except FileNotFoundError:
+            pass
+        raise
+    return open_table(sink.uri, storage)
+
+
 class _CountedRows:
     """The partition's rows as table batches, counted; past the last one, the count must be
     the manifest's `rows_out` or the stream fails, so the write never commits. delta-rs
@@ -170,29 +198,24 @@ def overwrite_partition(
         DeltaUnavailable: deltalake is not installed.
         Exception: delta-rs's own (storage, conflicting commit, schema), table unchanged.
     """
-    from deltalake import write_deltalake
-
     storage = sink.storage or storage
     key = manifest.partition_key
-    try:
-        table = open_table(sink.uri, storage)
-    except FileNotFoundError:
-        table = None
-    if table is not None:
-        committed_at, rows = held_commit(table, key)
-        if committed_at is not None and committed_at > manifest.committed_at:
-            return rows, True
     schema = sink_schema(layout)
+    table = ready_table(sink, storage, schema)  # DeltaUnavailable without deltalake
+    from deltalake import write_deltalake
+
+    committed_at, rows = held_commit(table, key)
+    if committed_at is not None and committed_at > manifest.committed_at:
+        return rows, True
     counted = _CountedRows(batches, schema, manifest)
     reader = pa.RecordBatchReader.from_batches(schema, iter(counted))
     try:
         write_deltalake(
-            table if table is not None else sink.uri,
+            table,
             reader,
             mode="overwrite",
             predicate=partition_predicate(key),
             partition_by=[PARTITION_COLUMN],
-            storage_options=None if table is not None else storage_options(sink.uri, storage),
         )
     except Exception:
         if counted.failed is not None:
