@@ -306,7 +306,7 @@ def test_the_table_on_the_loopback_s3_is_replaced_whole(root, s3_server, instanc
     assert _rows_of(frame, "p1") == _as_dict(fresh)
     assert len(_rows_of(frame, "p0")) == 5 and frame.height == 8
     log = [k for k in s3_server.keys(bucket, "tables/emb/_delta_log/") if k.endswith(".json")]
-    assert len(log) == 4  # one commit a partition a run: p0 and p1, twice
+    assert len(log) == 5  # the table's creation, then one commit a partition a run (2 x 2)
 
 
 # The writer the kill test runs in its own process: every partition of a committed pipeline
@@ -363,8 +363,9 @@ def test_a_writer_killed_mid_way_and_rerun_leaves_every_partition_whole_and_once
         writer = subprocess.Popen([*argv, uri], env=env)
         log = root / "lake" / "emb" / "_delta_log"
         deadline = time.monotonic() + 120
-        while not (log / f"{2:020d}.json").exists() and writer.poll() is None:
-            assert time.monotonic() < deadline, "the writer made no third commit in 120 s"
+        # Version 0 creates the table; 1, 2, 3 are the first three partitions.
+        while not (log / f"{3:020d}.json").exists() and writer.poll() is None:
+            assert time.monotonic() < deadline, "the writer wrote no third partition in 120 s"
             time.sleep(0.005)
         writer.send_signal(signal.SIGKILL)
         writer.wait()
