@@ -2,7 +2,7 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= worker-cpu,k8s,aws,postgres,ui,api,test
+EXTRAS ?= worker-cpu,k8s,aws,postgres,delta,ui,api,test
 LOCK := requirements/lock-cpu.txt
 STAMP := $(VENV)/.installed
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home

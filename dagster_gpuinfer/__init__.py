@@ -47,6 +47,7 @@ _EXPORTS = {
     "partition_error_files": "dagster_gpuinfer.storage",
     "RowLimits": "dagster_gpuinfer.spec",
     "PgVectorSink": "dagster_gpuinfer.sinks",
+    "DeltaSink": "dagster_gpuinfer.sinks",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -76,6 +77,7 @@ if TYPE_CHECKING:
     from dagster_gpuinfer.resource import GpuInferenceResource as GpuInferenceResource
     from dagster_gpuinfer.resource import InvalidInferenceSpec as InvalidInferenceSpec
     from dagster_gpuinfer.sensors import arrival_sensor as arrival_sensor
+    from dagster_gpuinfer.sinks import DeltaSink as DeltaSink
     from dagster_gpuinfer.sinks import PgVectorSink as PgVectorSink
     from dagster_gpuinfer.spec import EngineArgs as EngineArgs
     from dagster_gpuinfer.spec import InferenceSpec as InferenceSpec

@@ -21,6 +21,7 @@ from dagster_gpuinfer.resource import (
     InvalidInferenceSpec,
     validate_spec,
 )
+from dagster_gpuinfer.sinks.delta import DeltaSink
 from dagster_gpuinfer.sinks.materialize import sink_partitions
 from dagster_gpuinfer.sinks.pgvector import PgVectorSink, sink_layout
 from dagster_gpuinfer.spec import (
@@ -267,7 +268,7 @@ def materialize_run(
     resource_key: str,
     max_error_rate: float,
     max_invalid_output_rate: float | None,
-    sink: PgVectorSink | None = None,
+    sink: PgVectorSink | DeltaSink | None = None,
 ) -> dg.MaterializeResult:
     """The output asset's body: run the worker over the run's partitions, send the committed
     ones to the sink (if any), then give each partition its own figures first and the run's
@@ -326,7 +327,7 @@ def inference_assets(
     key_prefix: Sequence[str] | str | None = None,
     resource_key: str = "gpu",
     description: str | None = None,
-    sink: PgVectorSink | Mapping[str, Any] | None = None,
+    sink: PgVectorSink | DeltaSink | Mapping[str, Any] | None = None,
     **spec_fields: Any,
 ) -> InferencePipeline:
     """Declare a batch inference pipeline as two partitioned assets.
@@ -369,7 +370,8 @@ def inference_assets(
         description: Asset description; a note on what the partition figures mean is added
             below it (`metadata.PARTITION_FIGURES`), so each partition lists numbers only.
         sink: Where each committed partition also goes, replaced whole in one transaction
-            (`PgVectorSink(url_env=..., table=...)`); the files stay the record of commits.
+            (`PgVectorSink(url_env=..., table=...)`) or one Delta commit
+            (`DeltaSink(uri=...)`); the files stay the record of commits.
         **spec_fields: Any other pipeline setting of `InferenceSpec` by its name
             (`spec.pipeline_fields`), so a setting added to the spec is settable here too.
 
@@ -434,9 +436,18 @@ def inference_assets(
     return InferencePipeline(input_asset=input_spec, output_asset=output_asset, spec=raw_spec)
 
 
+def _sink_model(sink: PgVectorSink | DeltaSink | Mapping[str, Any]) -> PgVectorSink | DeltaSink:
+    """The sink's settings as their model: a mapping's `kind` picks it (pgvector if unset)."""
+    if isinstance(sink, PgVectorSink | DeltaSink):
+        return sink
+    if sink.get("kind", "pgvector") == "delta":
+        return DeltaSink.model_validate(sink)
+    return PgVectorSink.model_validate(sink)
+
+
 def validate_sink(
-    sink: PgVectorSink | Mapping[str, Any] | None, spec: InferenceSpec, *, where: str
-) -> PgVectorSink | None:
+    sink: PgVectorSink | DeltaSink | Mapping[str, Any] | None, spec: InferenceSpec, *, where: str
+) -> PgVectorSink | DeltaSink | None:
     """The pipeline's sink, checked against its task and output format.
 
     Raises:
@@ -445,7 +456,7 @@ def validate_sink(
     if sink is None:
         return None
     try:
-        checked = sink if isinstance(sink, PgVectorSink) else PgVectorSink.model_validate(sink)
+        checked = _sink_model(sink)
         sink_layout(spec.task)
     except ValueError as exc:
         raise InvalidInferenceSpec(f"{where}: sink: {exc}") from None
@@ -547,7 +558,7 @@ def _output_asset(
     description: str | None,
     max_error_rate: float,
     max_invalid_output_rate: float,
-    sink: PgVectorSink | None = None,
+    sink: PgVectorSink | DeltaSink | None = None,
 ) -> dg.AssetsDefinition:
     """The inference output asset of a pipeline whose raw spec is `raw_spec`."""
     name, model, task = output_key.path[-1], raw_spec["model"], raw_spec["task"]

@@ -124,7 +124,21 @@ def format_seconds(seconds: float) -> str:
 
 
 def work_unit(spec: InferenceSpec) -> str:
-    return "rows" if spec.input.resolved_format() == "parquet" else "bytes"
+    return "rows" if spec.input.resolved_format() in ("parquet", "delta") else "bytes"
+
+
+def _table_partition_size(spec: InferenceSpec, file_key: str) -> tuple[float, float] | None:
+    """(rows, bytes) of a Delta table's partition, from its log (no data file is read);
+    None when the table or the partition is not there."""
+    from dagster_gpuinfer.storage.delta import table_partition
+
+    try:
+        found = table_partition(
+            spec.input.uri, spec.storage, spec.input.partition_column or "", file_key
+        )
+    except FileNotFoundError:
+        return None
+    return float(found.rows), float(sum(found.sizes))
 
 
 def input_work(spec: InferenceSpec, partition_keys: Sequence[str]) -> dict[str, float | None]:
@@ -138,16 +152,23 @@ def input_work(spec: InferenceSpec, partition_keys: Sequence[str]) -> dict[str, 
         by_file[split_partition_key(key)[0]].append(key)
     work: dict[str, float | None] = {}
     for file_key, keys in by_file.items():
-        fs, path = filesystem_for(spec.input.shard_uri(file_key), spec.storage)
-        info = fs.get_file_info(path)
-        if info.type != pafs.FileType.File:
-            work.update({key: None for key in keys})
-            continue
-        size = float(info.size or 0)
         rows: float | None = None
-        if unit == "rows":
-            with fs.open_input_file(path) as handle:
-                rows = float(pq.ParquetFile(handle).metadata.num_rows)
+        if spec.input.is_table():
+            found = _table_partition_size(spec, file_key)
+            if found is None:
+                work.update({key: None for key in keys})
+                continue
+            rows, size = found
+        else:
+            fs, path = filesystem_for(spec.input.shard_uri(file_key), spec.storage)
+            info = fs.get_file_info(path)
+            if info.type != pafs.FileType.File:
+                work.update({key: None for key in keys})
+                continue
+            size = float(info.size or 0)
+            if unit == "rows":
+                with fs.open_input_file(path) as handle:
+                    rows = float(pq.ParquetFile(handle).metadata.num_rows)
         row_ranges = [r for k in keys if (r := split_partition_key(k)[1]) and r.unit == "rows"]
         rows_seen = max((r.end for r in row_ranges), default=0)
         for key in keys:

@@ -61,6 +61,22 @@ def parse_cursor(raw: str | None) -> dict[str, Any]:
     return {**default, **cursor}
 
 
+def _watched_input(pipeline: InferencePipeline) -> InputSpec:
+    """The pipeline's input, when it is files a sensor can watch.
+
+    Raises:
+        ValueError: the input is a table (a Delta table scan).
+    """
+    input_spec = InputSpec.model_validate(pipeline.spec["input"])
+    if input_spec.is_table():
+        raise ValueError(
+            f"pipeline {pipeline.output_asset.key.to_user_string()!r} reads a Delta table, "
+            "which has no files to watch: list its partitions with "
+            "storage.delta.partition_values (and observe the input asset for new versions)"
+        )
+    return input_spec
+
+
 def arrival_sensor(
     pipeline: InferencePipeline,
     *,
@@ -111,7 +127,7 @@ def arrival_sensor(
     partitions_def = _dynamic_partitions_of(pipeline)
     if max_new_files_per_tick < 1 or max_files_listed_per_tick < 1:
         raise ValueError("max_new_files_per_tick and max_files_listed_per_tick must be positive")
-    input_spec = InputSpec.model_validate(pipeline.spec["input"])
+    input_spec = _watched_input(pipeline)
     watched = WatchedFiles(uri_template=input_spec.uri, glob=glob)
     input_format = input_spec.resolved_format()
     output_key = pipeline.output_asset.key

@@ -26,7 +26,7 @@ from dagster_gpuinfer.image_options import ImageOptions
 from dagster_gpuinfer.secrets import find_secrets_in_options, secret_in_options_message
 from dagster_gpuinfer.task_table import Task, task_facts
 
-InputFormat = Literal["parquet", "jsonl", "openai_batch"]
+InputFormat = Literal["parquet", "jsonl", "openai_batch", "delta"]
 OutputFormat = Literal["parquet", "openai_batch"]
 
 PARTITION_KEY_PLACEHOLDER = "{partition_key}"
@@ -327,13 +327,24 @@ class InputSpec(_Strict):
 
     `uri` is a template with `{partition_key}`: one file per partition (shard), or one part
     of a large file when the key ends in a range (`big@rows=0-100000`, `big@bytes=0-67108864`).
+    With `format="delta"` it is a Delta Lake table's root instead, and a partition is the
+    table's rows whose `partition_column` holds the key (or a row range of them:
+    `2026-12-01@rows=0-50000`).
     """
 
     uri: str = Field(
-        description="Shard location template, e.g. `s3://bucket/docs/{partition_key}.parquet`."
+        description="Shard location template, e.g. `s3://bucket/docs/{partition_key}.parquet`; "
+        "for `format: delta`, the table's root (`s3://lake/docs`)."
     )
     format: InputFormat | None = Field(
-        None, description="parquet, jsonl or openai_batch; inferred from the suffix if unset."
+        None,
+        description="parquet, jsonl, openai_batch or delta (a table scan); inferred from the "
+        "suffix if unset (never delta).",
+    )
+    partition_column: str | None = Field(
+        None,
+        description="For `format: delta`: the table's partition column whose values are the "
+        "partition keys.",
     )
     id_column: str | None = Field(
         "id",
@@ -368,15 +379,32 @@ class InputSpec(_Strict):
         "images per request, decoding threads.",
     )
 
-    @field_validator("uri")
-    @classmethod
-    def _has_placeholder(cls, uri: str) -> str:
-        if PARTITION_KEY_PLACEHOLDER not in uri:
+    @model_validator(mode="after")
+    def _has_placeholder(self) -> InputSpec:
+        if self.format == "delta":
+            if PARTITION_KEY_PLACEHOLDER in self.uri:
+                raise ValueError(
+                    f"input.uri {self.uri!r} of a Delta table is its root, with no "
+                    f"{PARTITION_KEY_PLACEHOLDER}: the key is a value of input.partition_column"
+                )
+            if not self.partition_column:
+                raise ValueError(
+                    "input.format='delta' needs input.partition_column: the table's partition "
+                    "column whose values are the partition keys"
+                )
+            return self
+        if self.partition_column is not None:
+            raise ValueError("input.partition_column is for input.format='delta' only")
+        if PARTITION_KEY_PLACEHOLDER not in self.uri:
             raise ValueError(
-                f"input uri {uri!r} has no {PARTITION_KEY_PLACEHOLDER} placeholder; each "
+                f"input.uri {self.uri!r} has no {PARTITION_KEY_PLACEHOLDER} placeholder; each "
                 "partition reads its own shard, e.g. 'data/docs/{partition_key}.parquet'"
             )
-        return uri
+        return self
+
+    def is_table(self) -> bool:
+        """A table scan (Delta Lake): a partition is rows of the table, not a file."""
+        return self.format == "delta"
 
     def resolved_format(self) -> InputFormat:
         if self.format is not None:
@@ -392,7 +420,8 @@ class InputSpec(_Strict):
         )
 
     def shard_uri(self, partition_key: str) -> str:
-        """The file a partition reads; a range suffix in the key is not part of the name."""
+        """The file a partition reads (a Delta table: its root); a range suffix in the key is
+        not part of the name."""
         file_key, _ = split_partition_key(partition_key)
         return self.uri.replace(PARTITION_KEY_PLACEHOLDER, file_key)
 
@@ -583,9 +612,9 @@ class InferenceSpec(_Strict):
         for key in self.partition_keys:
             shard_range = self.input.shard_range(key)
             in_bytes = shard_range is not None and shard_range.unit == "bytes"
-            if in_bytes and input_format == "parquet":
+            if in_bytes and input_format in ("parquet", "delta"):
                 raise ValueError(
-                    f"partition {key!r} asks for a byte range of a Parquet file; Parquet shards "
+                    f"partition {key!r} asks for a byte range of a Parquet file or table; they "
                     "split by rows (`@rows=<start>-<end>`), byte ranges are for JSONL"
                 )
         self._check_nodes()
@@ -665,7 +694,8 @@ class InferenceSpec(_Strict):
             payload.pop("vllm_version")
         if self.served_model_name is None:  # named by its model: likewise
             payload.pop("served_model_name")
-        for name in ("image_column", "images"):  # image fields at their defaults: likewise
+        # image fields and the table's partition column at their defaults: likewise
+        for name in ("image_column", "images", "partition_column"):
             if getattr(self.input, name) == InputSpec.model_fields[name].get_default(
                 call_default_factory=True
             ):

@@ -152,9 +152,9 @@ class _PipelineAttributes(dg.Model):
     resource_key: str = Field("gpu", description="Key of the GpuInferenceResource to use.")
     sink: dict[str, Any] | None = Field(
         None,
-        description="Also replace each committed partition in a sink (PgVectorSink fields: "
-        "url_env, the name of the variable holding the database URL; table; index; "
-        "distance).",
+        description="Also replace each committed partition in a sink: PgVectorSink fields "
+        "(url_env, the name of the variable holding the database URL; table; index; "
+        "distance), or `kind: delta` with DeltaSink fields (uri, the table's root; storage).",
     )
     resource: dict[str, Any] | None = Field(
         None,

@@ -16,6 +16,7 @@ from typing import Any
 
 import dagster as dg
 
+from dagster_gpuinfer.sinks.delta import DeltaSink, DeltaUnavailable, overwrite_partition
 from dagster_gpuinfer.sinks.partition_rows import (
     SinkInputError,
     committed_batches,
@@ -84,8 +85,57 @@ def write_partitions(
         conn.close()
 
 
+def write_delta_partitions(
+    sink: DeltaSink, spec: InferenceSpec, manifests: Mapping[str, Manifest]
+) -> dict[str, SinkWrite]:
+    """Overwrite each committed partition in the Delta table (one commit each), in key order.
+
+    Raises:
+        SinkError: a partition could not be written (it and the ones after it keep what the
+            table held; the ones before it are written).
+    """
+    layout = sink_layout(spec.task)
+    writes = {}
+    for key in sorted(manifests):
+        batches = committed_batches(
+            spec, manifests[key], ["id", layout.column], batch_rows=sink.batch_rows
+        )
+        try:
+            rows, superseded = overwrite_partition(
+                sink, spec.storage, layout, manifests[key], batches
+            )
+        except (SinkInputError, DeltaUnavailable, ValueError) as exc:
+            raise SinkError(
+                f"partition {key!r}: {exc}; nothing of it was committed to {sink.describe()}",
+                retryable=False,
+            ) from None
+        except Exception as exc:  # delta-rs: storage, a conflicting commit, the schema
+            raise SinkError(
+                f"partition {key!r}: writing to {sink.describe()} failed "
+                f"({type(exc).__name__}: {_first_line(exc)}); the table holds the partition "
+                "as it was",
+                retryable=_retryable_delta_error(exc),
+            ) from None
+        writes[key] = SinkWrite(partition_key=key, rows=rows, superseded=superseded)
+    return writes
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:500] if text else type(exc).__name__
+
+
+def _retryable_delta_error(exc: Exception) -> bool:
+    """Storage and conflicting commits may pass on a retry; a schema the table refuses not."""
+    from deltalake.exceptions import SchemaMismatchError
+
+    return not isinstance(exc, SchemaMismatchError | TypeError)
+
+
 def sink_partitions(
-    sink: PgVectorSink | None, spec: InferenceSpec, manifests: Mapping[str, Manifest]
+    sink: PgVectorSink | DeltaSink | None,
+    spec: InferenceSpec,
+    manifests: Mapping[str, Manifest],
 ) -> dict[str, dict[str, Any]]:
     """Send the run's committed partitions to `sink`; each partition's sink metadata
     (`sink`, `sink_rows`: the rows the sink holds for it). Nothing without a sink.
@@ -98,7 +148,10 @@ def sink_partitions(
     if sink is None or not manifests:
         return {}
     try:
-        writes = write_partitions(sink, spec, manifests)
+        if isinstance(sink, DeltaSink):
+            writes = write_delta_partitions(sink, spec, manifests)
+        else:
+            writes = write_partitions(sink, spec, manifests)
     except SinkError as exc:
         raise dg.Failure(
             description=f"{exc} The partitions' files are committed; "

@@ -125,7 +125,7 @@ def sink_layout(task: str) -> SinkLayout:
     if task_facts(task).samples:
         return SinkLayout(column="text", vectors=False)
     raise ValueError(
-        f"the pgvector sink takes embeddings (embed, image_embed) or generated text "
+        f"a sink takes embeddings (embed, image_embed) or generated text "
         f"(generate, chat, vision_generate, vision_chat), not task {task!r}"
     )
 

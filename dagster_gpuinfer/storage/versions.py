@@ -12,7 +12,7 @@ from typing import Any
 import pyarrow.fs as pafs
 from pydantic import BaseModel, ConfigDict, Field
 
-from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
+from dagster_gpuinfer.spec import InferenceSpec, StorageOptions, split_partition_key
 from dagster_gpuinfer.storage.files import display_uri, filesystem_for, s3_client
 
 
@@ -89,10 +89,18 @@ def _s3_object_version(client: Any, path: str) -> str:
 def input_version(spec: InferenceSpec, partition_key: str) -> str:
     """The version of the file `partition_key` reads (`file_version`); a range partition
     (`big@rows=0-1000`) takes its whole file's, so any change to the file recomputes it.
+    A Delta table's partition: the digest of its data files (`DeltaPartition.version`), so
+    a table version that rewrites the partition changes it and one that does not, does not.
 
     Raises:
-        FileNotFoundError: the shard is not there.
+        FileNotFoundError: the shard (or the table's partition) is not there.
     """
+    if spec.input.is_table():
+        from dagster_gpuinfer.storage.delta import table_partition
+
+        value, _ = split_partition_key(partition_key)
+        column = spec.input.partition_column or ""
+        return table_partition(spec.input.uri, spec.storage, column, value).version()
     fs, path = filesystem_for(spec.input.shard_uri(partition_key), spec.storage)
     return file_version(fs, path, spec.storage)
 

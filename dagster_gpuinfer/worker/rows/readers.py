@@ -9,6 +9,10 @@ A partition whose key ends in a range (`big@rows=0-100000`, `big@bytes=0-6710886
 row groups that overlap the range, JSONL lines by number, or JSONL lines whose first byte lies
 in the byte range (so consecutive byte ranges cover every line exactly once).
 
+A Delta Lake table scan (`input.format="delta"`) reads the partition's data files, as the
+table's log lists them now, in path order, as one Parquet shard: the same chunks, ranges,
+ids and row guards as a Parquet file (`storage.delta`).
+
 Rows that cannot even be parsed (a JSONL line that is not JSON, not UTF-8, longer than
 `limits.max_line_bytes`, nested deeper than `limits.max_json_depth`, or an OpenAI batch line
 for an endpoint the task does not serve) are returned as errors of their chunk, never
@@ -31,8 +35,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pydantic import ValidationError
 
-from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.spec import InferenceSpec, split_partition_key
 from dagster_gpuinfer.storage import display_uri, filesystem_for
+from dagster_gpuinfer.storage.delta import DeltaUnavailable, table_partition
 from dagster_gpuinfer.worker.errors import RowError, ShardError, cap_message
 from dagster_gpuinfer.worker.tasks.openai_batch import ENDPOINTS as OPENAI_ENDPOINTS
 from dagster_gpuinfer.worker.tasks.openai_batch import BatchRequestLine
@@ -98,6 +103,15 @@ class ShardReader:
         self.range = spec.input.shard_range(partition_key)
         self.fs, self.path = filesystem_for(self.uri, spec.storage)
         self.source = display_uri(self.fs, self.path) + (self.range.suffix() if self.range else "")
+        # A Delta table's partition: its data files, found when first needed.
+        self.table_files: list[str] | None = None
+        if spec.input.is_table():
+            where = f"[{spec.input.partition_column}={self._table_value()}]"
+            self.source = (
+                display_uri(self.fs, self.path)
+                + where
+                + (self.range.suffix() if self.range else "")
+            )
         self.task = worker_task(spec.task)
         # The columns carrying the payload; several (score: text and pair) zip into tuples.
         self.payload_columns = self.task.payload_columns(spec.input)
@@ -110,6 +124,9 @@ class ShardReader:
 
     def preflight(self) -> None:
         """Fail fast, before any engine starts, when the shard cannot serve this spec."""
+        if self.spec.input.is_table():
+            self._preflight_table()
+            return
         try:
             info = self.fs.get_file_info(self.path)
         except OSError as exc:
@@ -155,12 +172,50 @@ class ShardReader:
             partition_key=self.partition_key,
         )
 
-    def _preflight_parquet(self) -> None:
+    def _table_value(self) -> str:
+        """The value of the table's partition column this partition reads."""
+        return split_partition_key(self.partition_key)[0]
+
+    def _parquet_files(self) -> list[tuple[pafs.FileSystem, str]]:
+        """The Parquet files of the shard, in order: its one file, or a table partition's."""
+        if not self.spec.input.is_table():
+            return [(self.fs, self.path)]
+        if self.table_files is None:
+            self.table_files = list(self._table_partition().files)
+        return [filesystem_for(uri, self.spec.storage) for uri in self.table_files]
+
+    def _table_partition(self) -> Any:
+        column = self.spec.input.partition_column or ""
         try:
-            with self.fs.open_input_file(self.path) as handle:
-                parquet = pq.ParquetFile(handle)
-                schema = parquet.schema_arrow
-                num_rows = parquet.metadata.num_rows
+            return table_partition(self.uri, self.spec.storage, column, self._table_value())
+        except FileNotFoundError as exc:
+            raise ShardError(
+                f"shard {self.source} of partition {self.partition_key!r} is not there ({exc}). "
+                "Register only partitions whose values the table holds",
+                partition_key=self.partition_key,
+            ) from None
+        except (ValueError, DeltaUnavailable) as exc:
+            raise ShardError(str(exc), partition_key=self.partition_key) from None
+        except Exception as exc:  # delta-rs: the log or the storage cannot be read
+            raise ShardError(
+                f"shard {self.source} of partition {self.partition_key!r} cannot be read: "
+                f"{type(exc).__name__}: {cap_message(str(exc), 300)}",
+                partition_key=self.partition_key,
+            ) from None
+
+    def _preflight_table(self) -> None:
+        self.table_files = list(self._table_partition().files)
+        self._preflight_parquet()
+
+    def _preflight_parquet(self) -> None:
+        num_rows = 0
+        try:
+            for index, (fs, path) in enumerate(self._parquet_files()):
+                with fs.open_input_file(path) as handle:
+                    parquet = pq.ParquetFile(handle)
+                    if index == 0:
+                        schema = parquet.schema_arrow
+                    num_rows += parquet.metadata.num_rows
         except (pa.ArrowInvalid, OSError) as exc:
             raise ShardError(
                 f"shard {self.source} is not a readable Parquet file: {exc}",
@@ -197,68 +252,82 @@ class ShardReader:
     # ------------------------------------------------------------------ streaming
 
     def chunks(self, chunk_size: int) -> Iterator[RawChunk]:
-        if self.format == "parquet":
+        if self.format in ("parquet", "delta"):
             yield from self._parquet_chunks(chunk_size)
         else:
             yield from self._jsonl_chunks(chunk_size)
 
     def _parquet_chunks(self, chunk_size: int) -> Iterator[RawChunk]:
         id_column = self.spec.input.id_column
-        columns = self._required_columns()
-        with self.fs.open_input_file(self.path) as handle:
-            parquet = pq.ParquetFile(handle)
-            names = parquet.schema_arrow.names
-            columns = [c for c in columns if c in names or c not in self.optional_columns]
-            pending: list[pa.RecordBatch] = []
-            pending_rows = 0
-            index = 0
-            row_groups, row, skip, take = self._row_groups_in_range(parquet)
-            for batch in parquet.iter_batches(
-                batch_size=chunk_size, columns=columns, row_groups=row_groups
-            ):
-                if skip:
-                    dropped = min(skip, batch.num_rows)
-                    batch, skip = batch.slice(dropped), skip - dropped
-                if take is not None:
+        pending: list[pa.RecordBatch] = []
+        pending_rows = 0
+        index = 0
+        row = self.range.start if self.range is not None else 0
+        for batch in self._parquet_batches(chunk_size):
+            pending.append(batch)
+            pending_rows += batch.num_rows
+            while pending_rows >= chunk_size:
+                table = pa.Table.from_batches(pending)
+                head, tail = table.slice(0, chunk_size), table.slice(chunk_size)
+                yield self._parquet_chunk(index, row, head, id_column)
+                index += 1
+                row += head.num_rows
+                pending = tail.to_batches()
+                pending_rows = tail.num_rows
+        if pending_rows:
+            yield self._parquet_chunk(index, row, pa.Table.from_batches(pending), id_column)
+
+    def _parquet_batches(self, chunk_size: int) -> Iterator[pa.RecordBatch]:
+        """The shard's rows in range, in order, across its files (one, or a table
+        partition's), never empty batches; the columns a chunk needs only."""
+        required = self._required_columns()
+        offset = 0  # rows of the shard's files before this one
+        for fs, path in self._parquet_files():
+            with fs.open_input_file(path) as handle:
+                parquet = pq.ParquetFile(handle)
+                file_rows = parquet.metadata.num_rows
+                if self.range is None:
+                    start, end = 0, file_rows
+                else:
+                    start = max(self.range.start - offset, 0)
+                    end = min(self.range.end - offset, file_rows)
+                offset += file_rows
+                if end <= start:
+                    continue
+                names = parquet.schema_arrow.names
+                columns = [c for c in required if c in names or c not in self.optional_columns]
+                row_groups, skip, take = self._row_groups_in_range(parquet, start, end)
+                for batch in parquet.iter_batches(
+                    batch_size=chunk_size, columns=columns, row_groups=row_groups
+                ):
+                    if skip:
+                        dropped = min(skip, batch.num_rows)
+                        batch, skip = batch.slice(dropped), skip - dropped
                     batch, take = batch.slice(0, take), take - min(take, batch.num_rows)
-                if batch.num_rows == 0:
+                    if batch.num_rows:
+                        yield batch
                     if take == 0:
                         break
-                    continue
-                pending.append(batch)
-                pending_rows += batch.num_rows
-                while pending_rows >= chunk_size:
-                    table = pa.Table.from_batches(pending)
-                    head, tail = table.slice(0, chunk_size), table.slice(chunk_size)
-                    yield self._parquet_chunk(index, row, head, id_column)
-                    index += 1
-                    row += head.num_rows
-                    pending = tail.to_batches()
-                    pending_rows = tail.num_rows
-            if pending_rows:
-                yield self._parquet_chunk(index, row, pa.Table.from_batches(pending), id_column)
 
+    @staticmethod
     def _row_groups_in_range(
-        self, parquet: pq.ParquetFile
-    ) -> tuple[list[int], int, int, int | None]:
-        """The row groups holding this partition's rows, the number of its first row, how
-        many leading rows of those groups to drop, and how many rows to keep (None: all)."""
+        parquet: pq.ParquetFile, start: int, end: int
+    ) -> tuple[list[int], int, int]:
+        """The row groups of the file holding its rows `[start, end)`, how many leading rows
+        of those groups to drop, and how many rows to keep."""
         metadata = parquet.metadata
-        if self.range is None:
-            return list(range(metadata.num_row_groups)), 0, 0, None
         groups: list[int] = []
         first_row = None
         group_start = 0
         for group in range(metadata.num_row_groups):
             group_end = group_start + metadata.row_group(group).num_rows
-            if group_end > self.range.start and group_start < self.range.end:
+            if group_end > start and group_start < end:
                 groups.append(group)
                 if first_row is None:
                     first_row = group_start
             group_start = group_end
-        first_row = self.range.start if first_row is None else first_row
-        start, end = self.range.start, self.range.end
-        return groups, start, start - first_row, end - start
+        first_row = start if first_row is None else first_row
+        return groups, start - first_row, end - start
 
     def _parquet_chunk(
         self, index: int, first_row: int, table: pa.Table, id_column: str | None
