@@ -20,6 +20,7 @@ import dagster as dg
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support import fresh_postgres_database
 
 from dagster_gpuinfer import InputSpec, inference_assets
 from dagster_gpuinfer.asset_factory import InferenceRunConfig
@@ -128,6 +129,16 @@ def test_launch_is_per_pipeline_and_per_run_and_not_in_the_spec(tmp_path):
 # --------------------------------------------------------------------------- reconcile
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def location(request, tmp_path):
+    """A fresh queue: a SQLite file, or a new database on the suite's PostgreSQL server."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "q.db")
+        return
+    with fresh_postgres_database("poollaunch") as url:
+        yield url
+
+
 class RecordingBackend:
     """A backend that records its starts (the process side is test_pool_engine's)."""
 
@@ -148,10 +159,10 @@ def spec_for(tmp_path: Path, keys: list[str]) -> InferenceSpec:
     )
 
 
-def test_reconcile_starts_to_the_backlog_then_again_when_a_worker_is_gone(tmp_path):
+def test_reconcile_starts_to_the_backlog_then_again_when_a_worker_is_gone(tmp_path, location):
     settings = PoolSettings(max_workers=2)
     backend = RecordingBackend()
-    with open_lease_queue(str(tmp_path / "q.db")) as queue:
+    with open_lease_queue(location) as queue:
         job = pool_job(spec_for(tmp_path, ["a", "b", "c"]), run_id="r1", retry_number=0)
         assert reconcile(queue, job.pool_key, backend, settings).started == []  # no backlog
         queue.submit(job)
@@ -189,8 +200,15 @@ class Log:
         return lambda message: self.lines.append((level, message))
 
 
-def play_worker(queue, pool_key: str, worker_id: str, results: dict[str, list[Any]], warm: bool):
+def play_worker(
+    location: str, pool_key: str, worker_id: str, results: dict[str, list[Any]], warm: bool
+):
     """Serve every item of `pool_key` as a pool worker does: log, progress, result."""
+    with open_lease_queue(location) as queue:
+        serve(queue, pool_key, worker_id, results, warm)
+
+
+def serve(queue, pool_key: str, worker_id: str, results: dict[str, list[Any]], warm: bool):
     while (lease := queue.lease(pool_key, worker_id=worker_id, ttl_s=30)) is not None:
         queue.post_event(lease, "log", {"level": "info", "message": f"took {lease.item_key}"})
         queue.post_event(lease, "progress", {"rows_done": 1, "chunks_committed": 1})
@@ -210,27 +228,33 @@ def play_worker(queue, pool_key: str, worker_id: str, results: dict[str, list[An
         warm = True  # the engine stays built for the next lease
 
 
-def test_the_wait_streams_events_and_returns_each_partitions_messages(tmp_path):
+def test_the_wait_streams_events_and_returns_each_partitions_messages(tmp_path, location):
     spec = spec_for(tmp_path, ["a", "b"])
     failed = {
         key: [to_payload(PartitionFailed(error_type="bad_shard", message="x", partition_key=key))]
         for key in ("a", "b")
     }
     log = Log()
-    with open_lease_queue(str(tmp_path / "q.db")) as queue:
+    with open_lease_queue(location) as queue:
         job = pool_job(spec, run_id="r1", retry_number=0)
         queue.submit(job)
+        players: list[threading.Thread] = []
 
         def reconcile_pool() -> list[str]:
-            threading.Thread(
-                target=play_worker,
-                args=(open_lease_queue(str(tmp_path / "q.db")), job.pool_key, "w1", failed, False),
-            ).start()
+            players.append(
+                threading.Thread(
+                    target=play_worker,
+                    args=(location, job.pool_key, "w1", failed, False),
+                )
+            )
+            players[-1].start()
             return ["w1"]
 
         watch = JobWatch(queue, job, log, reconcile_pool=reconcile_pool)
         assert watch.wait(poll_s=0.05).state == "done"
         messages = watch.messages()
+        for player in players:
+            player.join(timeout=10)
     leases = {m["partition_key"]: m for m in messages if m.get("type") == "pool_lease"}
     assert (leases["a"]["warm"], leases["b"]["warm"]) == (False, True)
     assert leases["a"]["engine_load_seconds"] == 12.5 and leases["b"]["leases"] == 1
