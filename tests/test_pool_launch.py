@@ -390,3 +390,23 @@ def test_the_reconciler_starts_the_worker_module():
     from dagster_gpuinfer.worker import WORKER_MODULE
 
     assert started == WORKER_MODULE
+
+
+def test_batch_routes_run_per_batch_unless_the_route_or_deployment_says_pool(tmp_path):
+    from dagster_gpuinfer.batch_api.pipelines import batch_pipelines
+
+    route = {"endpoint": "/v1/embeddings", "model_path": "/m/minilm"}
+    routes = [
+        {**route, "model": "a", "pipeline": "p_a"},
+        {**route, "model": "b", "pipeline": "p_b", "launch": "pool"},
+    ]
+
+    def launches(**kwargs: Any) -> dict[str, str]:
+        built = batch_pipelines(routes, files_root=str(tmp_path / "files"), **kwargs)
+        return {
+            name: p.output_asset.metadata_by_key[p.output_asset.key]["gpuinfer/launch"]
+            for name, p in built.pipelines.items()
+        }
+
+    assert launches() == {"p_a": "run", "p_b": "pool"}
+    assert launches(launch="pool") == {"p_a": "pool", "p_b": "pool"}
