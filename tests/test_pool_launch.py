@@ -410,3 +410,39 @@ def test_batch_routes_run_per_batch_unless_the_route_or_deployment_says_pool(tmp
 
     assert launches() == {"p_a": "run", "p_b": "pool"}
     assert launches(launch="pool") == {"p_a": "pool", "p_b": "pool"}
+
+
+def test_the_sensor_starts_a_detached_local_worker_for_queued_work(tmp_path, instance):
+    """The daemon's backstop: a job nobody waits on gets a real worker process, in its own
+    session, logging beside the queue, counted as `starting` before it starts."""
+    from dagster_gpuinfer.launchers.pool import pool_reconciler_sensor
+
+    queue_path = str(tmp_path / "q.db")
+    gpu = GpuInferenceResource(pool={"queue": queue_path, "max_workers": 1, "idle_ttl_s": 5})
+    sensor = pool_reconciler_sensor()
+    with open_lease_queue(queue_path) as queue:
+        job = pool_job(spec_for(tmp_path, ["a"]), run_id="r1", retry_number=0)
+        queue.submit(job)
+        context = dg.build_sensor_context(instance=instance, resources={"gpu": gpu})
+        assert "started" in str(sensor(context).skip_message)
+        (worker,) = queue.pool_workers(job.pool_key)
+        assert "every pool has its workers" in str(sensor(context).skip_message)
+    logs = list((tmp_path / "pool-workers").glob(f"{job.pool_key}-w-*.log"))
+    assert [log.name for log in logs] == [f"{job.pool_key}-{worker.worker_id}.log"]
+    pid = wait_for_pid(queue_path, job.pool_key, worker.worker_id)
+    try:
+        assert os.getpgid(pid) == pid  # its own session: it outlives the step
+    finally:
+        os.killpg(pid, signal.SIGKILL)
+
+
+def wait_for_pid(queue_path: str, pool: str, worker_id: str) -> int:
+    """The worker's pid once it has reported itself (replacing the `starting` record)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with open_lease_queue(queue_path) as queue:
+            for live in queue.pool_workers(pool):
+                if live.worker_id == worker_id and live.info.get("pid"):
+                    return int(live.info["pid"])
+        time.sleep(0.2)
+    raise AssertionError(f"pool worker {worker_id} never reported itself")
