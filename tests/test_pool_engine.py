@@ -2,8 +2,9 @@
 
 Two assets on the same model share one pool: the first run's partition starts a pool worker
 (a detached `python -m dagster_gpuinfer.worker --pool ...`) that builds the engine; the
-second asset's run finds it warm. Both partitions are committed and materialized, the model
-loads once, and the metadata says which partition found the engine warm.
+second asset (per-run launch, its run asking for the pool in its config) finds it warm.
+Both partitions are committed and materialized, the model loads once, and the metadata
+says which partition found the engine warm.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dagster_gpuinfer.pools import open_lease_queue
 pytestmark = pytest.mark.engine
 
 
-def pipeline(tmp_path, model: str, name: str):
+def pipeline(tmp_path, model: str, name: str, launch: str = "pool"):
     return inference_assets(
         name=name,
         model=model,
@@ -36,7 +37,7 @@ def pipeline(tmp_path, model: str, name: str):
         input=InputSpec(uri=str(tmp_path / "in" / name / "{partition_key}.parquet")),
         output_root=str(tmp_path / "out"),
         partitions_def=dg.StaticPartitionsDefinition(["s0"]),
-        launch="pool",
+        launch=launch,
         chunk_size=8,
     )
 
@@ -68,7 +69,8 @@ def test_two_assets_share_one_pool_and_one_engine_build(tmp_path, instance, mini
     resource = cpu_resource(
         load_log, pool={"queue": queue_path, "max_workers": 1, "idle_ttl_s": 120}
     )
-    first, second = (pipeline(tmp_path, minilm_dir, name) for name in ("emb_a", "emb_b"))
+    first = pipeline(tmp_path, minilm_dir, "emb_a")
+    second = pipeline(tmp_path, minilm_dir, "emb_b", launch="run")  # the run asks for the pool
     for name in ("emb_a", "emb_b"):
         write_parquet(
             tmp_path / "in" / name / "s0.parquet",
@@ -77,7 +79,13 @@ def test_two_assets_share_one_pool_and_one_engine_build(tmp_path, instance, mini
     started = time.monotonic()
     try:
         one = materialize_partitions(first, ["s0"], resource=resource, instance=instance)
-        two = materialize_partitions(second, ["s0"], resource=resource, instance=instance)
+        two = materialize_partitions(
+            second,
+            ["s0"],
+            resource=resource,
+            instance=instance,
+            run_config={"ops": {"emb_b": {"config": {"launch": "pool"}}}},
+        )
         live = live_workers(queue_path)
     finally:
         stop_pool_workers(queue_path)
