@@ -120,8 +120,63 @@ def build_pool_pod(
     Raises:
         PodSpecError: the pool key, worker id, TTLs or configuration cannot make a valid pod.
     """
-    extra_env = dict(extra_env or {})
     _check_pool_inputs(pool_key, worker_id, idle_ttl_s, lease_ttl_s, gpus)
+    spec = _pool_pod_spec(pool_key, worker_id, config, idle_ttl_s, lease_ttl_s, gpus, extra_env)
+    labels = pool_pod_labels(pool_key, config, gpus)
+    labels[f"{LABEL_PREFIX}/worker-id"] = pool_pod_name(worker_id).removeprefix(_POD_NAME_PREFIX)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pool_pod_name(worker_id),
+            "namespace": config.namespace,
+            "labels": labels,
+            "annotations": {
+                f"{LABEL_PREFIX}/pool-key": pool_key,
+                f"{LABEL_PREFIX}/worker-id": worker_id,
+                **config.annotations,
+            },
+        },
+        "spec": spec,
+    }
+
+
+def pool_pod_template(
+    pool_key: str,
+    config: K8sLauncherConfig,
+    *,
+    idle_ttl_s: float = 300.0,
+    lease_ttl_s: float = 30.0,
+    gpus: int = 1,
+    extra_env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The pool pod as a pod template (`metadata` + `spec`) for a controller that names its
+    pods itself (a KEDA ScaledJob's Jobs): the worker id is the pod's own name, which the
+    kubelet puts in `--worker-id` from `GPUINFER_POD_NAME` (`$(VAR)` expansion).
+
+    Same arguments as `build_pool_pod`, less the worker id.
+    """
+    worker_id = f"$({POD_NAME_ENV})"
+    _check_pool_inputs(pool_key, worker_id, idle_ttl_s, lease_ttl_s, gpus)
+    spec = _pool_pod_spec(pool_key, worker_id, config, idle_ttl_s, lease_ttl_s, gpus, extra_env)
+    annotations = {f"{LABEL_PREFIX}/pool-key": pool_key, **config.annotations}
+    return {
+        "metadata": {"labels": pool_pod_labels(pool_key, config, gpus), "annotations": annotations},
+        "spec": spec,
+    }
+
+
+def _pool_pod_spec(
+    pool_key: str,
+    worker_id: str,
+    config: K8sLauncherConfig,
+    idle_ttl_s: float,
+    lease_ttl_s: float,
+    gpus: int,
+    extra_env: Mapping[str, str] | None,
+) -> dict[str, Any]:
+    """The worker pod's spec with the pool's arguments, the queue's Secret and volume."""
+    extra_env = dict(extra_env or {})
     validate_launcher_config(config, extra_env)
     volumes, mounts = _volumes(config)
     if config.pools.queue_pvc:
@@ -133,33 +188,16 @@ def build_pool_pod(
     container["args"] = pool_worker_args(
         pool_key, worker_id, idle_ttl_s=idle_ttl_s, lease_ttl_s=lease_ttl_s
     )
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": pool_pod_name(worker_id),
-            "namespace": config.namespace,
-            "labels": pool_pod_labels(pool_key, worker_id, config, gpus),
-            "annotations": {
-                f"{LABEL_PREFIX}/pool-key": pool_key,
-                f"{LABEL_PREFIX}/worker-id": worker_id,
-                **config.annotations,
-            },
-        },
-        "spec": _pod_spec(config, container, volumes),
-    }
+    return _pod_spec(config, container, volumes)
 
 
-def pool_pod_labels(
-    pool_key: str, worker_id: str, config: K8sLauncherConfig, gpus: int
-) -> dict[str, str]:
-    """Labels that find a pool's pods (`gpuinfer/pool`), the worker and the Kueue queue."""
+def pool_pod_labels(pool_key: str, config: K8sLauncherConfig, gpus: int) -> dict[str, str]:
+    """Labels that find a pool's pods (`gpuinfer/pool`) and hand them to the Kueue queue."""
     labels = {
         "app.kubernetes.io/name": "dagster-gpuinfer",
         "app.kubernetes.io/component": POOL_COMPONENT,
         "app.kubernetes.io/managed-by": "dagster-gpuinfer",
         POOL_LABEL: pool_key,
-        f"{LABEL_PREFIX}/worker-id": pool_pod_name(worker_id).removeprefix(_POD_NAME_PREFIX),
         f"{LABEL_PREFIX}/gpus": str(gpus if config.placement.gpu_resource_name else 0),
     }
     if config.placement.kueue_queue:
