@@ -339,3 +339,23 @@ def test_pool_estimate_pays_no_model_load_on_a_warm_worker():
     assert cold.cost(seconds, cold_start=100.0) == (2, 120.0, 240.0)
     assert warm.cost(seconds, cold_start=100.0) == (0, 20.0, 40.0)
     assert PoolShape(max_workers=4, idle_ttl_s=5.0).cost([1.0], cold_start=2.0) == (1, 3.0, 8.0)
+
+
+def test_the_asset_estimate_counts_a_live_idle_pool_worker_as_warm(tmp_path):
+    from dagster_gpuinfer.estimate import estimate_asset
+    from dagster_gpuinfer.launchers.pool import job_pool_key
+
+    queue_path = str(tmp_path / "q.db")
+    gpu = GpuInferenceResource(pool={"queue": queue_path, "max_workers": 2})
+    asset = pipeline(tmp_path, launch="pool").output_asset
+    cold = estimate_asset(asset, resource=gpu)
+    assert (cold.launch, cold.engine_builds, cold.warm_workers) == ("pool", 2, 0)
+    raw = asset.metadata_by_key[asset.key]["gpuinfer/spec"].data
+    spec = gpu.prepare_spec(InferenceSpec.model_validate({**raw, "partition_keys": ["a", "b"]}))
+    with open_lease_queue(queue_path) as queue:
+        queue.report_worker(job_pool_key(spec), "w1", state="idle", ttl_s=60)
+    warm = estimate_asset(asset, resource=gpu)
+    assert (warm.engine_builds, warm.warm_workers) == (1, 1)
+    assert warm.wall_seconds < cold.wall_seconds
+    per_run = estimate_asset(pipeline(tmp_path).output_asset, resource=gpu)
+    assert (per_run.launch, per_run.engine_builds) == ("run", per_run.runs)
