@@ -226,6 +226,58 @@ def test_an_engine_death_fails_the_lease_and_exits_75(tmp_path, queue, monkeypat
     assert told and "exit code 75" in told[0]
 
 
+class Unreachable:
+    """The queue, but `heartbeat` and the first `lease` fail as a store that went away."""
+
+    def __init__(self, queue: LeaseQueue) -> None:
+        self.queue = queue
+        self.lease_failures = 1
+
+    def heartbeat(self, lease, **kwargs):
+        raise ConnectionError("cannot reach the lease queue")
+
+    def lease(self, *args, **kwargs):
+        if self.lease_failures:
+            self.lease_failures -= 1
+            raise ConnectionError("cannot reach the lease queue")
+        return self.queue.lease(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.queue, name)
+
+
+def test_a_heartbeat_that_cannot_reach_the_store_for_a_ttl_loses_the_lease(tmp_path, queue):
+    from dagster_gpuinfer.worker.pool.keeper import LeaseKeeper
+
+    queue.submit(submission("run-1", spec_dict(tmp_path, ["p0"])))
+    lease = queue.lease(POOL, worker_id="w", ttl_s=0.3)
+    lost = threading.Event()
+    reasons: list[str] = []
+    keeper = LeaseKeeper(
+        Unreachable(queue), lease, on_lost=lambda exc: (reasons.append(exc.reason), lost.set())
+    ).start()
+    started = time.monotonic()
+    assert lost.wait(5)
+    assert time.monotonic() - started >= 0.3  # not before a whole TTL without a heartbeat
+    keeper.stop()
+    assert reasons == ["expired"]
+
+
+def test_a_store_blip_while_polling_costs_no_warm_engine(tmp_path, queue):
+    write_shards(tmp_path, ["p0"], rows=4)
+    spec = spec_dict(tmp_path, ["p0"])
+    queue.submit(submission("run-1", spec))
+    flaky = Unreachable(queue)
+    flaky.heartbeat = queue.heartbeat
+    builds = Builds()
+    loop = PoolWorkerLoop(
+        flaky, POOL, worker_id="w1", engine_builder=builds, idle_ttl_s=0.3, poll_s=0.02
+    )
+    assert loop.run() == 0
+    assert flaky.lease_failures == 0 and len(builds.engines) == 1
+    assert_every_row_once(spec, "p0", 4, 1)
+
+
 # --------------------------------------------------------------------------- real processes
 
 
@@ -298,3 +350,104 @@ def test_a_stopped_worker_hands_its_partition_on_and_every_row_comes_once(tmp_pa
     (message,) = result["messages"]
     assert message["manifest"]["rows_resumed"] >= 3 * 4  # the first worker's chunks were kept
     assert result["pool"]["lease_attempt"] == 2
+
+
+# --------------------------------------------------------------------------- the real engine
+
+
+def _generate_spec(root: Path, model: str, asset: str, keys: list[str], tokens: int, **kw) -> dict:
+    return InferenceSpec.model_validate(
+        {
+            "model": model,
+            "task": "generate",
+            "input": {"uri": str(root / "in" / "{partition_key}.jsonl"), "text_column": "prompt"},
+            "output": {"root": str(root / "out"), "asset_name": asset},
+            "engine": {"max_model_len": 256, "enforce_eager": True},
+            "sampling": {"max_tokens": tokens, "min_tokens": tokens, **kw},
+            "partition_keys": keys,
+            "chunk_size": 4,
+        }
+    ).model_dump(mode="json")
+
+
+def _watch_family(process: subprocess.Popen) -> list:
+    """Every process under `process` seen while it runs (polled until it exits)."""
+    import psutil
+
+    seen: dict[int, psutil.Process] = {}
+    while process.poll() is None:
+        try:
+            for child in psutil.Process(process.pid).children(recursive=True):
+                seen.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+        time.sleep(0.5)
+    return list(seen.values())
+
+
+@pytest.mark.engine
+def test_the_worker_command_serves_two_jobs_on_one_real_engine(tmp_path, tiny_llama_dir):
+    """`python -m dagster_gpuinfer.worker --pool`: two jobs of one pool with other sampling
+    (3 and 6 tokens a row) on one engine build; the second job's rows follow its own
+    sampling (the spec was bound to the warm engine); exit 0 after the idle TTL with no
+    engine process left."""
+    import psutil
+    from support import write_prompts
+
+    from dagster_gpuinfer.pools import pool_key
+
+    for key, rows in (("p0", 6), ("p1", 5)):
+        write_prompts(tmp_path / "in" / f"{key}.jsonl", rows)
+    short = _generate_spec(tmp_path, tiny_llama_dir, "short", ["p0", "p1"], 3)
+    long = _generate_spec(tmp_path, tiny_llama_dir, "long", ["p1"], 6, temperature=0.8)
+    specs = {
+        name: InferenceSpec.model_validate(s) for name, s in (("short", short), ("long", long))
+    }
+    key = pool_key(specs["short"], model_revision=model_version(specs["short"]))
+    assert key == pool_key(specs["long"], model_revision=model_version(specs["long"]))
+    location = tmp_path / "pools.db"
+    with SqliteLeaseQueue(location) as queue:
+        for name, spec in (("short", short), ("long", long)):
+            job = submission(f"run-{name}", spec)
+            queue.submit(type(job)(job.job_id, key, job.items, payload=job.payload))
+    load_log = tmp_path / "loads.log"
+    env = {**os.environ, "GPUINFER_MODEL_LOAD_LOG": str(load_log), "VLLM_LOGGING_LEVEL": "WARNING"}
+    env.pop("GPUINFER_LEASE_QUEUE", None)
+    command = [sys.executable, "-m", "dagster_gpuinfer.worker", "--pool", key]
+    command += ["--queue", str(location), "--worker-id", "real", "--idle-ttl", "3"]
+    worker_process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    output_lines: list[str] = []
+    reader = threading.Thread(target=lambda: output_lines.extend(worker_process.stdout))
+    reader.start()
+    try:
+        family = _watch_family(worker_process)
+        worker_process.wait(timeout=600)
+    finally:
+        worker_process.kill()
+        reader.join(timeout=30)
+    output = "".join(output_lines)
+    assert worker_process.returncode == 0, output[-5000:]
+    assert "no lease for" in output
+    assert family, "the worker started no engine process"
+    _, alive = psutil.wait_procs(family, timeout=10)
+    assert not [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    assert len(load_log.read_text().splitlines()) == 1  # one engine for three leases
+    with SqliteLeaseQueue(location) as queue:
+        events = [e for job in ("run-short", "run-long") for e in queue.job_events(job)]
+        assert queue.pool_workers(key) == []
+    served = sorted((e for e in events if e.kind == "result"), key=lambda e: e.seq)
+    assert [e.payload["pool"]["warm"] for e in served] == [False, True, True]
+    assert served[0].payload["pool"]["engine_load_seconds"] > 0
+    for event in served:
+        (message,) = event.payload["messages"]
+        assert message["type"] == "partition" and message["computed"], message
+    for name, keys, tokens in (("short", ["p0", "p1"], 3), ("long", ["p1"], 6)):
+        for partition in keys:
+            spec = specs[name]
+            assert committed_manifest(spec, partition, model=model_version(spec)) is not None
+            table = read_partition(spec.output, partition)
+            assert table.num_rows == (6 if partition == "p0" else 5)
+            assert set(table.column("generated_tokens").to_pylist()) == {tokens}

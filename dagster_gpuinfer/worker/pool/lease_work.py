@@ -12,6 +12,7 @@ from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest
 from dagster_gpuinfer.storage import model_version as local_model_version
 from dagster_gpuinfer.worker.errors import ShardError, WorkerError
+from dagster_gpuinfer.worker.metrics import MeteredReporter, current_metrics
 from dagster_gpuinfer.worker.run.job import PartitionServer, partitions_to_compute
 from dagster_gpuinfer.worker.run.reporting import MessageReporter, parse_spec
 from dagster_gpuinfer.worker.stage_messages import ChunkCommitted
@@ -52,7 +53,8 @@ class LeaseWork:
         self.lease = lease
         self.clock = clock
         self.messages: list[dict[str, Any]] = []
-        self.reporter = MessageReporter(self.messages.append)
+        # Failures counted in the worker's metrics, as a run's are.
+        self.reporter = MeteredReporter(MessageReporter(self.messages.append), current_metrics())
         self.settled = False  # the partition was committed or failed, or the spec refused
         self.inference_seconds = 0.0
         self.rows_done = 0

@@ -118,9 +118,7 @@ class PoolWorkerLoop:
             if lifecycle.draining():
                 self.report("draining")
                 return lifecycle.EXIT_DRAINED
-            lease = self.queue.lease(
-                self.pool_key, worker_id=self.worker_id, ttl_s=self.lease_ttl_s
-            )
+            lease = self._next_lease()
             if lease is None:
                 idle = self.clock() - idle_since
                 if idle >= self.idle_ttl_s:
@@ -133,6 +131,15 @@ class PoolWorkerLoop:
             if code is not None:
                 return code
             idle_since = self.clock()
+
+    def _next_lease(self) -> Lease | None:
+        """The pool's next lease, or None when none waits or the store cannot be reached
+        (a blip must not cost a warm engine: the worker polls again, within its idle TTL)."""
+        try:
+            return self.queue.lease(self.pool_key, worker_id=self.worker_id, ttl_s=self.lease_ttl_s)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not lease from the queue (polling again): %s", exc)
+            return None
 
     def shutdown_engine(self) -> None:
         """Shut the engine down (when one was built)."""

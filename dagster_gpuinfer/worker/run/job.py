@@ -11,6 +11,11 @@ processes, each pinned to its own devices (`CUDA_VISIBLE_DEVICES` slice of
 `tensor_parallel_size` GPUs, or its own CPU cores), and each pulls chunks (not shards) from
 one queue: one large shard keeps every engine busy.
 
+Serving on a built engine is `PartitionServer` (the coordinator, one `EngineLoop`, the chunk
+markers and the commit): `run_single_engine` builds an engine, serves through it and shuts
+the engine down; a pool worker (`worker/pool/`) keeps its engine and serves each lease's
+partition through the same server, so the two paths commit alike.
+
 SIGTERM (`worker/lifecycle.py`) drains: no chunk is handed to an engine after it, the
 chunks in flight finish and commit, and the run ends with `Drained`, naming what was left.
 
