@@ -210,3 +210,10 @@ def test_backend_starts_counts_reaps_and_stops_pool_pods_by_label(pod_executor: 
     wait_for(lambda: long.live_workers(KEY) == [])
     assert long.live_workers("other-pool-0123456789ab") == ["other-1"]
     assert long.stop("nobody", KEY) is False
+    # a start reaps the pool's pods that ended before it
+    short.start(KEY, "short-2", settings_, {})
+    wait_for(lambda: short.live_workers(KEY) == [])
+    assert pool_pod_name("short-2") in executor.pods
+    long.start(KEY, "long-2", settings_, {})
+    wait_for(lambda: pool_pod_name("short-2") not in executor.pods)
+    assert long.live_workers(KEY) == ["long-2"]

@@ -7,7 +7,8 @@ fake API or the pod executor in tests), and reads a pool's pods back by their la
 `gpuinfer/pool=<key>`:
 
 - `start` creates one pool worker pod (Kueue admits it against the GPU quota; it may wait
-  there, Pending, which still counts as a worker of the pool: it will lease once admitted);
+  there, Pending, which still counts as a worker of the pool: it will lease once admitted),
+  after reaping the pool's pods that ended;
 - `live_workers` lists the worker ids of the pool's pods that have not ended and are not
   being deleted;
 - `reap` deletes the pool's pods that ended (`restartPolicy: Never` leaves them behind:
@@ -115,6 +116,9 @@ class K8sPoolBackend:
         """
         pod = self.build_pod(pool_key, worker_id, settings, env)
         name = pod["metadata"]["name"]
+        for ended in self.reap(pool_key):  # the pool's pods that ended stay until deleted
+            level = logging.INFO if ended.phase == "Succeeded" else logging.WARNING
+            log.log(level, "pool worker pod %s ended: %s", ended.pod_name, ended)
         self.core_api.create_namespaced_pod(self.config.namespace, pod)
         log.info("started pool worker %s of pool %s (pod %s)", worker_id, pool_key, name)
         return name
