@@ -102,3 +102,66 @@ def _pool_keys(queue_path: str) -> list[str]:
 
     with sqlite3.connect(queue_path) as db:
         return [row[0] for row in db.execute(f"SELECT DISTINCT pool_key FROM {WORKERS}")]
+
+
+def first_progress(queue_path: str, timeout: float = 300.0) -> tuple[str, dict]:
+    """The first worker that says it committed a chunk, and its report's info."""
+    import json
+    import sqlite3
+
+    from dagster_gpuinfer.pools.sql_queue import EVENTS, WORKERS
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(queue_path):
+            with sqlite3.connect(queue_path) as db:
+                for worker_id, payload in db.execute(
+                    f"SELECT worker_id, payload FROM {EVENTS} WHERE kind = 'progress'"
+                ):
+                    if json.loads(payload).get("chunks_committed", 0) >= 1:
+                        (info,) = db.execute(
+                            f"SELECT info FROM {WORKERS} WHERE worker_id = ?", (worker_id,)
+                        ).fetchone()
+                        return worker_id, json.loads(info)
+        time.sleep(0.1)
+    raise AssertionError("no pool worker committed a chunk")
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_partition_is_replaced_and_the_partition_finishes(
+    tmp_path, instance, minilm_dir
+):
+    """SIGKILL the pool worker after its first committed chunk: its lease and report lapse
+    (lease TTL 6 s), the waiting step's reconcile starts another worker, which redoes only
+    the uncommitted chunks; the partition is committed once, on its second lease."""
+    import threading
+
+    queue_path = str(tmp_path / "pools.db")
+    resource = cpu_resource(
+        pool={"queue": queue_path, "max_workers": 1, "idle_ttl_s": 60, "lease_ttl_s": 6}
+    )
+    emb = pipeline(tmp_path, minilm_dir, "emb_k")
+    rows = 3000
+    write_parquet(
+        tmp_path / "in" / "emb_k" / "s0.parquet",
+        {"id": [f"r{i}" for i in range(rows)], "text": [f"doc {i} " * 8 for i in range(rows)]},
+    )
+    killed: list[str] = []
+
+    def killer() -> None:
+        worker_id, info = first_progress(queue_path)
+        kill(info.get("pid"))
+        killed.append(worker_id)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        result = materialize_partitions(emb, ["s0"], resource=resource, instance=instance)
+    finally:
+        thread.join(timeout=5)
+        stop_pool_workers(queue_path)
+    assert result.success and killed
+    meta = partition_metadata(instance, emb.output_asset.key, "s0")
+    assert meta["rows_out"] == rows and meta["rows_resumed"] > 0
+    assert meta["pool_leases"] == 2 and meta["pool_worker"] != killed[0]
+    assert meta["pool_warm_engine"] is False  # the new worker built its own

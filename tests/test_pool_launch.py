@@ -359,3 +359,10 @@ def test_the_asset_estimate_counts_a_live_idle_pool_worker_as_warm(tmp_path):
     assert warm.wall_seconds < cold.wall_seconds
     per_run = estimate_asset(pipeline(tmp_path).output_asset, resource=gpu)
     assert (per_run.launch, per_run.engine_builds) == ("run", per_run.runs)
+
+
+def test_the_reconciler_starts_the_worker_module():
+    from dagster_gpuinfer.pools.reconciler import WORKER_MODULE as started
+    from dagster_gpuinfer.worker import WORKER_MODULE
+
+    assert started == WORKER_MODULE
