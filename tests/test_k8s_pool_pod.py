@@ -217,3 +217,27 @@ def test_backend_starts_counts_reaps_and_stops_pool_pods_by_label(pod_executor: 
     long.start(KEY, "long-2", settings_, {})
     wait_for(lambda: pool_pod_name("short-2") not in executor.pods)
     assert long.live_workers(KEY) == ["long-2"]
+
+
+def test_without_a_spec_the_backend_sizes_pods_like_the_pools_other_pods(pod_executor):
+    executor = pod_executor
+    executor.secrets["gpuinfer-lease-queue"] = {"url": "/q.db"}
+    executor.secrets["gpuinfer-s3"] = {"AWS_ACCESS_KEY_ID": "test"}
+    config = sleeping_config(300)
+    # GPUs requested, so the executor leaves the pods Pending (Unschedulable): no process
+    config = config.model_copy(
+        update={"placement": config.placement.model_copy(update={"gpu_resource_name": "x/gpu"})}
+    )
+    settings_ = SimpleNamespace(idle_ttl_s=60, lease_ttl_s=10)
+    K8sPoolBackend(config, executor.client, gpus=4).start(KEY, "from-step", settings_, {})
+    sensor = K8sPoolBackend(config, executor.client, gpus=None)
+    sensor.start(KEY, "from-sensor", settings_, {})
+    sensor.start("fresh-0123456789ab", "first", settings_, {})
+
+    def limits(worker_id: str) -> dict:
+        pod = executor.pods[pool_pod_name(worker_id)]
+        return pod.manifest["spec"]["containers"][0]["resources"]["limits"]
+
+    assert limits("from-step")["x/gpu"] == "4"
+    assert limits("from-sensor")["x/gpu"] == "4"
+    assert limits("first")["x/gpu"] == "1"

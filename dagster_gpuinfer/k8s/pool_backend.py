@@ -33,6 +33,7 @@ from dagster_gpuinfer.k8s.pool_pod import LEASE_QUEUE_ENV, build_pool_pod, pool_
 log = logging.getLogger("dagster_gpuinfer.k8s")
 
 ENDED_PHASES = ("Succeeded", "Failed")
+GPUS_LABEL = f"{LABEL_PREFIX}/gpus"
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,10 @@ class K8sPoolBackend:
         config: The launcher configuration of the worker pods (`GpuInferenceResource.k8s`).
         kubernetes_client: Returns the `DagsterKubernetesClient` to use
             (`GpuInferenceResource.kubernetes_client`); called once, on first use.
-        gpus: GPUs of one pool worker's engine, per pool key (`tensor_parallel_size x
-            pipeline_parallel_size` of the pool's specs), or one number for every pool.
+        gpus: GPUs of one pool worker's engine (`tensor_parallel_size x
+            pipeline_parallel_size` of the pool's specs): one number for every pool, a
+            function of the pool key, or None: as many as the pool's other pods have (a
+            reconciler that has no spec at hand, the sensor), 1 when it has none.
 
     Examples:
         >>> backend = K8sPoolBackend(resource.k8s, resource.kubernetes_client)  # doctest: +SKIP
@@ -75,7 +78,7 @@ class K8sPoolBackend:
         config: K8sLauncherConfig,
         kubernetes_client: Callable[[], DagsterKubernetesClient],
         *,
-        gpus: int | Callable[[str], int] = 1,
+        gpus: int | Callable[[str], int] | None = 1,
     ) -> None:
         self.config = config
         self._client_factory = kubernetes_client
@@ -95,7 +98,10 @@ class K8sPoolBackend:
         """The pod `start` creates (pure): TTLs from `settings` (`PoolSettings`: `idle_ttl_s`,
         `lease_ttl_s`); `env` without the queue's location, which pods read from the Secret
         `k8s.pools.queue_secret` (a PostgreSQL URL holds a password)."""
-        gpus = self._gpus(pool_key) if callable(self._gpus) else self._gpus
+        if self._gpus is None:
+            gpus = self.pool_gpus(pool_key)
+        else:
+            gpus = self._gpus(pool_key) if callable(self._gpus) else self._gpus
         return build_pool_pod(
             pool_key,
             worker_id,
@@ -122,6 +128,18 @@ class K8sPoolBackend:
         self.core_api.create_namespaced_pod(self.config.namespace, pod)
         log.info("started pool worker %s of pool %s (pod %s)", worker_id, pool_key, name)
         return name
+
+    def pool_gpus(self, pool_key: str) -> int:
+        """GPUs of the pool's pods (the most any has: a step with the pool's spec started
+        them), or 1 when the pool has no pod."""
+        found = [
+            int(labels[GPUS_LABEL])
+            for pod in self._pods(pool_key)
+            if (labels := pod.metadata.labels or {}).get(GPUS_LABEL, "").isdigit()
+        ]
+        if not found:
+            log.warning("pool %s has no pod to take its GPU count from; starting with 1", pool_key)
+        return max(found, default=0) or 1
 
     def _pods(self, pool_key: str) -> list[Any]:
         listing = self.core_api.list_namespaced_pod(
