@@ -20,6 +20,7 @@ import dagster as dg
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support import fresh_postgres_database
 
 from dagster_gpuinfer import InputSpec, inference_assets
 from dagster_gpuinfer.asset_factory import InferenceRunConfig
@@ -128,6 +129,16 @@ def test_launch_is_per_pipeline_and_per_run_and_not_in_the_spec(tmp_path):
 # --------------------------------------------------------------------------- reconcile
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def location(request, tmp_path):
+    """A fresh queue: a SQLite file, or a new database on the suite's PostgreSQL server."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "q.db")
+        return
+    with fresh_postgres_database("poollaunch") as url:
+        yield url
+
+
 class RecordingBackend:
     """A backend that records its starts (the process side is test_pool_engine's)."""
 
@@ -148,10 +159,10 @@ def spec_for(tmp_path: Path, keys: list[str]) -> InferenceSpec:
     )
 
 
-def test_reconcile_starts_to_the_backlog_then_again_when_a_worker_is_gone(tmp_path):
+def test_reconcile_starts_to_the_backlog_then_again_when_a_worker_is_gone(tmp_path, location):
     settings = PoolSettings(max_workers=2)
     backend = RecordingBackend()
-    with open_lease_queue(str(tmp_path / "q.db")) as queue:
+    with open_lease_queue(location) as queue:
         job = pool_job(spec_for(tmp_path, ["a", "b", "c"]), run_id="r1", retry_number=0)
         assert reconcile(queue, job.pool_key, backend, settings).started == []  # no backlog
         queue.submit(job)
@@ -189,8 +200,15 @@ class Log:
         return lambda message: self.lines.append((level, message))
 
 
-def play_worker(queue, pool_key: str, worker_id: str, results: dict[str, list[Any]], warm: bool):
+def play_worker(
+    location: str, pool_key: str, worker_id: str, results: dict[str, list[Any]], warm: bool
+):
     """Serve every item of `pool_key` as a pool worker does: log, progress, result."""
+    with open_lease_queue(location) as queue:
+        serve(queue, pool_key, worker_id, results, warm)
+
+
+def serve(queue, pool_key: str, worker_id: str, results: dict[str, list[Any]], warm: bool):
     while (lease := queue.lease(pool_key, worker_id=worker_id, ttl_s=30)) is not None:
         queue.post_event(lease, "log", {"level": "info", "message": f"took {lease.item_key}"})
         queue.post_event(lease, "progress", {"rows_done": 1, "chunks_committed": 1})
@@ -210,27 +228,33 @@ def play_worker(queue, pool_key: str, worker_id: str, results: dict[str, list[An
         warm = True  # the engine stays built for the next lease
 
 
-def test_the_wait_streams_events_and_returns_each_partitions_messages(tmp_path):
+def test_the_wait_streams_events_and_returns_each_partitions_messages(tmp_path, location):
     spec = spec_for(tmp_path, ["a", "b"])
     failed = {
         key: [to_payload(PartitionFailed(error_type="bad_shard", message="x", partition_key=key))]
         for key in ("a", "b")
     }
     log = Log()
-    with open_lease_queue(str(tmp_path / "q.db")) as queue:
+    with open_lease_queue(location) as queue:
         job = pool_job(spec, run_id="r1", retry_number=0)
         queue.submit(job)
+        players: list[threading.Thread] = []
 
         def reconcile_pool() -> list[str]:
-            threading.Thread(
-                target=play_worker,
-                args=(open_lease_queue(str(tmp_path / "q.db")), job.pool_key, "w1", failed, False),
-            ).start()
+            players.append(
+                threading.Thread(
+                    target=play_worker,
+                    args=(location, job.pool_key, "w1", failed, False),
+                )
+            )
+            players[-1].start()
             return ["w1"]
 
         watch = JobWatch(queue, job, log, reconcile_pool=reconcile_pool)
         assert watch.wait(poll_s=0.05).state == "done"
         messages = watch.messages()
+        for player in players:
+            player.join(timeout=10)
     leases = {m["partition_key"]: m for m in messages if m.get("type") == "pool_lease"}
     assert (leases["a"]["warm"], leases["b"]["warm"]) == (False, True)
     assert leases["a"]["engine_load_seconds"] == 12.5 and leases["b"]["leases"] == 1
@@ -366,3 +390,59 @@ def test_the_reconciler_starts_the_worker_module():
     from dagster_gpuinfer.worker import WORKER_MODULE
 
     assert started == WORKER_MODULE
+
+
+def test_batch_routes_run_per_batch_unless_the_route_or_deployment_says_pool(tmp_path):
+    from dagster_gpuinfer.batch_api.pipelines import batch_pipelines
+
+    route = {"endpoint": "/v1/embeddings", "model_path": "/m/minilm"}
+    routes = [
+        {**route, "model": "a", "pipeline": "p_a"},
+        {**route, "model": "b", "pipeline": "p_b", "launch": "pool"},
+    ]
+
+    def launches(**kwargs: Any) -> dict[str, str]:
+        built = batch_pipelines(routes, files_root=str(tmp_path / "files"), **kwargs)
+        return {
+            name: p.output_asset.metadata_by_key[p.output_asset.key]["gpuinfer/launch"]
+            for name, p in built.pipelines.items()
+        }
+
+    assert launches() == {"p_a": "run", "p_b": "pool"}
+    assert launches(launch="pool") == {"p_a": "pool", "p_b": "pool"}
+
+
+def test_the_sensor_starts_a_detached_local_worker_for_queued_work(tmp_path, instance):
+    """The daemon's backstop: a job nobody waits on gets a real worker process, in its own
+    session, logging beside the queue, counted as `starting` before it starts."""
+    from dagster_gpuinfer.launchers.pool import pool_reconciler_sensor
+
+    queue_path = str(tmp_path / "q.db")
+    gpu = GpuInferenceResource(pool={"queue": queue_path, "max_workers": 1, "idle_ttl_s": 5})
+    sensor = pool_reconciler_sensor()
+    with open_lease_queue(queue_path) as queue:
+        job = pool_job(spec_for(tmp_path, ["a"]), run_id="r1", retry_number=0)
+        queue.submit(job)
+        context = dg.build_sensor_context(instance=instance, resources={"gpu": gpu})
+        assert "started" in str(sensor(context).skip_message)
+        (worker,) = queue.pool_workers(job.pool_key)
+        assert "every pool has its workers" in str(sensor(context).skip_message)
+    logs = list((tmp_path / "pool-workers").glob(f"{job.pool_key}-w-*.log"))
+    assert [log.name for log in logs] == [f"{job.pool_key}-{worker.worker_id}.log"]
+    pid = wait_for_pid(queue_path, job.pool_key, worker.worker_id)
+    try:
+        assert os.getpgid(pid) == pid  # its own session: it outlives the step
+    finally:
+        os.killpg(pid, signal.SIGKILL)
+
+
+def wait_for_pid(queue_path: str, pool: str, worker_id: str) -> int:
+    """The worker's pid once it has reported itself (replacing the `starting` record)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with open_lease_queue(queue_path) as queue:
+            for live in queue.pool_workers(pool):
+                if live.worker_id == worker_id and live.info.get("pid"):
+                    return int(live.info["pid"])
+        time.sleep(0.2)
+    raise AssertionError(f"pool worker {worker_id} never reported itself")
