@@ -371,7 +371,8 @@ class GpuInferenceResource(dg.ConfigurableResource):
     def pool_backend(self, spec: InferenceSpec | None = None) -> Any:
         """What starts pool workers: `LocalPoolBackend` (detached subprocesses, their logs
         beside the queue) for launcher='local', `K8sPoolBackend` (pool pods) for 'k8s',
-        whose pods get `spec`'s GPUs (tensor x pipeline parallel; 1 without a spec).
+        whose pods get `spec`'s GPUs (tensor x pipeline parallel; without a spec, as
+        many as the pool's other pods have).
         Pool pods serve many runs: no run's Kueue queue tag applies to them.
 
         Raises:
@@ -399,7 +400,8 @@ class GpuInferenceResource(dg.ConfigurableResource):
                 "set k8s=K8sLauncherConfig(...) on GpuInferenceResource",
                 allow_retries=False,
             )
-        gpus = spec.tensor_parallel_size * spec.pipeline_parallel_size if spec else 1
+        # Without a spec (the sensor): as many GPUs as the pool's other pods have.
+        gpus = spec.tensor_parallel_size * spec.pipeline_parallel_size if spec else None
         return K8sPoolBackend(self.k8s, self.kubernetes_client, gpus=gpus)
 
     # ------------------------------------------------------------------ k8s launcher

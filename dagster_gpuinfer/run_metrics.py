@@ -25,6 +25,12 @@ LAUNCHER_METRICS = (
     "gpuinfer_launcher_oom_step_downs",
     "gpuinfer_launcher_partitions",
 )
+# What the launcher adds for a run whose partitions ran on an engine pool (launch="pool").
+POOL_LAUNCHER_METRICS = (
+    "gpuinfer_launcher_pool_partitions",
+    "gpuinfer_launcher_pool_queue_wait_seconds",
+    "gpuinfer_launcher_pool_leases",
+)
 START_FIELDS = (
     (
         "queued_seconds",
@@ -156,7 +162,41 @@ def launcher_registry(*, asset: str, run_id: str, result: Any) -> Any:
     )
     partitions.labels(asset, run_id, "committed").set(len(result.manifests))
     partitions.labels(asset, run_id, "failed").set(len(result.failed))
+    pool_facts = getattr(result, "pool", None)
+    if pool_facts:
+        _pool_gauges(registry, labels, (asset, run_id), list(pool_facts.values()))
     return registry
+
+
+def _pool_gauges(
+    registry: Any, labels: tuple[str, ...], values: tuple[str, ...], facts: list
+) -> None:
+    """Warm hits vs cold starts, the longest queue wait and the leases of a pool run."""
+    from prometheus_client import Gauge
+
+    engine = Gauge(
+        "gpuinfer_launcher_pool_partitions",
+        "Partitions of the run served by a pool worker, by engine: warm (already built) or "
+        "cold (built for this lease).",
+        (*labels, "engine"),
+        registry=registry,
+    )
+    warm = sum(1 for fact in facts if fact.get("warm"))
+    engine.labels(*values, "warm").set(warm)
+    engine.labels(*values, "cold").set(len(facts) - warm)
+    waits = [fact["queue_wait_s"] for fact in facts if fact.get("queue_wait_s") is not None]
+    Gauge(
+        "gpuinfer_launcher_pool_queue_wait_seconds",
+        "Longest wait of one of the run's partitions for its first lease.",
+        labels,
+        registry=registry,
+    ).labels(*values).set(max(waits, default=0.0))
+    Gauge(
+        "gpuinfer_launcher_pool_leases",
+        "Leases the run's partitions took (above the partitions: expired or failed leases).",
+        labels,
+        registry=registry,
+    ).labels(*values).set(sum(int(fact.get("leases") or 0) for fact in facts))
 
 
 def push_run_metrics(pushgateway_url: str | None, *, asset: str, run_id: str, result: Any) -> None:

@@ -52,6 +52,8 @@ NOT_MANIFESTS = {
     DEPLOY / "observability" / "rules-test.yaml",
 }
 _API = ApiClient()
+# Custom resources: no schema here; their contents are checked by the tests below.
+CRD_GROUPS = ("kueue.x-k8s.io/", "monitoring.coreos.com/", "keda.sh/")
 
 
 def manifest_files() -> list[Path]:
@@ -132,7 +134,7 @@ def test_native_objects_validate_strictly_and_round_trip_through_the_client_mode
     for doc in docs:
         assert {"apiVersion", "kind", "metadata"} <= set(doc), f"{path}: not a Kubernetes object"
         if doc["apiVersion"] not in NATIVE_GROUPS:
-            assert doc["apiVersion"].startswith(("kueue.x-k8s.io/", "monitoring.coreos.com/")), (
+            assert doc["apiVersion"].startswith(CRD_GROUPS), (
                 f"{path}: unexpected {doc['apiVersion']}"
             )
             continue
@@ -601,3 +603,60 @@ def test_kit_images_are_pinned():
             assert re.search(r":[^:@/]+@sha256:[0-9a-f]{64}$", image), (
                 f"{image} is not pinned by tag and digest"
             )
+
+
+# --------------------------------------------------------------------------- engine pools
+
+
+def gate_module():
+    import sys
+
+    sys.path.insert(0, str(DEPLOY / "checkov"))
+    import gate
+
+    return gate
+
+
+def test_keda_scaled_job_is_what_the_builder_makes_and_its_job_validates():
+    scaled_job, pool_pod = gate_module().pool_objects()
+    [committed] = [doc for doc in objects("ScaledJob")]
+    assert committed == scaled_job, (
+        "regenerate deploy/pools/keda-scaledjob.yaml from gate.pool_objects() (its header says how)"
+    )
+    job = gate_module().keda_job(committed)
+    kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+    assert round_trip(job) == job
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    # The Job's pod is the reconciler's pool pod, but for the worker id (the pod's own name).
+    template = committed["spec"]["jobTargetRef"]["template"]
+    assert template["spec"] == {
+        **pool_pod["spec"],
+        "containers": template["spec"]["containers"],
+    }
+    [container], [pod_container] = template["spec"]["containers"], pool_pod["spec"]["containers"]
+    worker_id = pod_container["args"][pod_container["args"].index("--worker-id") + 1]
+    assert container["args"] == [
+        "$(GPUINFER_POD_NAME)" if arg == worker_id else arg for arg in pod_container["args"]
+    ]
+    assert {k: v for k, v in container.items() if k != "args"} == {
+        k: v for k, v in pod_container.items() if k != "args"
+    }
+    labels = {k: v for k, v in pool_pod["metadata"]["labels"].items() if "worker-id" not in k}
+    assert template["metadata"]["labels"] == labels
+
+
+def test_keda_scaler_reads_the_queue_the_pool_pods_read_in_a_kueue_queue_of_the_kit():
+    [scaled_job] = objects("ScaledJob")
+    [trigger] = scaled_job["spec"]["triggers"]
+    assert trigger["type"] == "postgresql"
+    env = {
+        e["name"]: e
+        for e in scaled_job["spec"]["jobTargetRef"]["template"]["spec"]["containers"][0]["env"]
+    }
+    source = env[trigger["metadata"]["connectionFromEnv"]]["valueFrom"]["secretKeyRef"]
+    assert (source["name"], source["key"]) == ("gpuinfer-lease-queue", "url")
+    namespace = scaled_job["metadata"]["namespace"]
+    queues = {(q["metadata"]["namespace"], q["metadata"]["name"]) for q in objects("LocalQueue")}
+    assert (namespace, scaled_job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]) in queues
+    assert int(trigger["metadata"]["targetQueryValue"]) >= 1
+    assert scaled_job["spec"]["maxReplicaCount"] >= 1

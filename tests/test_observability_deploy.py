@@ -20,7 +20,14 @@ from dagster_gpuinfer.k8s.config import K8sLauncherConfig
 from dagster_gpuinfer.k8s.metrics_port import METRICS_PORT_NAME, with_metrics_port
 from dagster_gpuinfer.k8s.names import RunIdentity
 from dagster_gpuinfer.k8s.pod import build_worker_pod
-from dagster_gpuinfer.run_metrics import LAUNCHER_METRICS, launcher_registry, metrics_env
+from dagster_gpuinfer.pools import JobSubmission, SqliteLeaseQueue, WorkItem
+from dagster_gpuinfer.pools.metrics import POOL_METRICS, pool_registry
+from dagster_gpuinfer.run_metrics import (
+    LAUNCHER_METRICS,
+    POOL_LAUNCHER_METRICS,
+    launcher_registry,
+    metrics_env,
+)
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.worker.errors import RowError
 from dagster_gpuinfer.worker.metrics import PLATFORM_METRICS, WorkerMetrics
@@ -69,7 +76,14 @@ def vllm_metric_names() -> set[str]:
 
 
 def exported_names() -> set[str]:
-    return set(PLATFORM_METRICS) | set(LAUNCHER_METRICS) | vllm_metric_names() | DCGM_METRICS
+    return (
+        set(PLATFORM_METRICS)
+        | set(LAUNCHER_METRICS)
+        | set(POOL_LAUNCHER_METRICS)
+        | set(POOL_METRICS)
+        | vllm_metric_names()
+        | DCGM_METRICS
+    )
 
 
 def base_name(name: str, known: set[str]) -> str:
@@ -146,6 +160,59 @@ def test_launcher_metric_list_is_what_the_launcher_pushes():
     assert 'gpuinfer_launcher_oom_step_downs{asset="a",run="r"} 1.0' in text
 
 
+def test_launcher_pushes_warm_and_cold_partitions_of_a_pool_run():
+    result = SimpleNamespace(
+        pod_start=None,
+        memory_step_down=None,
+        manifests={"p0": 1, "p1": 1, "p2": 1},
+        failed={},
+        pool={
+            "p0": {"warm": False, "queue_wait_s": 0.5, "leases": 1},
+            "p1": {"warm": True, "queue_wait_s": 3.25, "leases": 2},
+            "p2": {"warm": True, "queue_wait_s": None, "leases": 1},
+        },
+    )
+    registry = launcher_registry(asset="a", run_id="r", result=result)
+    names = {family.name for family in registry.collect()}
+    assert set(POOL_LAUNCHER_METRICS) <= names
+    text = generate_latest(registry).decode()
+    assert 'gpuinfer_launcher_pool_partitions{asset="a",engine="warm",run="r"} 2.0' in text
+    assert 'gpuinfer_launcher_pool_partitions{asset="a",engine="cold",run="r"} 1.0' in text
+    assert 'gpuinfer_launcher_pool_queue_wait_seconds{asset="a",run="r"} 3.25' in text
+    assert 'gpuinfer_launcher_pool_leases{asset="a",run="r"} 4.0' in text
+
+
+def test_pool_metric_list_is_what_the_pool_collector_exports(tmp_path):
+    now = [1000.0]
+    with SqliteLeaseQueue(tmp_path / "q.db", clock=lambda: now[0]) as queue:
+        queue.submit(JobSubmission("big", "pool-a", [WorkItem(f"p{i}") for i in range(5)]))
+        queue.submit(JobSubmission("urgent", "pool-a", [WorkItem("x")], priority=7))
+        first = queue.lease("pool-a", worker_id="w1", ttl_s=30)
+        queue.lease("pool-a", worker_id="w2", ttl_s=5)
+        queue.report_worker("pool-a", "w1", state="busy", ttl_s=60, info={"warm_hits": 3})
+        queue.report_worker("pool-a", "w2", state="busy", ttl_s=60, info={"cold_starts": 1})
+        queue.report_worker("pool-a", "w3", state="starting", ttl_s=60)
+        now[0] += 10  # w2's lease lapsed; w1's is 10 s old
+        registry, collector = pool_registry(queue, ["pool-idle"])
+        text = generate_latest(registry).decode()
+        exported = {family.name for family in registry.collect()}
+        assert first is not None
+    assert exported == set(POOL_METRICS)
+    assert collector.seen == {"pool-a"}  # pool-idle: no backlog, no workers
+    for line in (
+        'gpuinfer_pool_workers{pool="pool-a",state="busy"} 2.0',
+        'gpuinfer_pool_workers{pool="pool-a",state="starting"} 1.0',
+        'gpuinfer_pool_workers{pool="pool-idle",state="idle"} 0.0',
+        'gpuinfer_pool_queued_items{pool="pool-a",priority="0"} 5.0',  # 4 + the lapsed one
+        'gpuinfer_pool_leased_items{pool="pool-a"} 1.0',
+        'gpuinfer_pool_oldest_lease_age_seconds{pool="pool-a"} 10.0',
+        'gpuinfer_pool_expired_leases{pool="pool-a"} 1.0',
+        'gpuinfer_pool_warm_hits{pool="pool-a"} 3.0',
+        'gpuinfer_pool_cold_starts{pool="pool-a"} 1.0',
+    ):
+        assert line in text, line
+
+
 # --------------------------------------------------------------------------- rules
 
 
@@ -179,6 +246,8 @@ def test_every_alert_has_a_firing_and_a_quiet_unit_test():
         "GpuinferRepeatedPartitionFailures",
         "GpuinferModelLoadErrors",
         "GpuinferOutOfMemoryStepDowns",
+        "GpuinferPoolLeasesExpiring",
+        "GpuinferPoolWaitingWithoutWorkers",
     }
     tests = yaml.safe_load((OBSERVABILITY / "rules-test.yaml").read_text())["tests"]
     cases = [case for test in tests for case in test["alert_rule_test"]]

@@ -29,3 +29,29 @@ def test_network_policies_deny_by_default_and_allow_dns_s3_and_the_model_source(
         d for _, d in kit_objects() if d["kind"] == "Job" and "warmer" in d["metadata"]["name"]
     )["spec"]["template"]["metadata"]["labels"]
     assert all(warmer_labels.get(k) == v for k, v in source["podSelector"]["matchLabels"].items())
+
+
+def test_pool_workers_reach_s3_and_the_lease_queue_database_and_nothing_else():
+    from security_support import DEPLOY as deploy
+
+    from dagster_gpuinfer.k8s.config import K8sLauncherConfig
+    from dagster_gpuinfer.k8s.pool_pod import build_pool_pod
+
+    policies = [
+        d
+        for d in load_all(deploy / "network" / "network-policies.yaml")
+        if d["metadata"]["name"] == "gpuinfer-allow-pool-workers"
+    ]
+    assert {p["metadata"]["namespace"] for p in policies} == {"gpuinfer", "gpuinfer-research"}
+    pool_labels = build_pool_pod("m-0123456789ab", "w", K8sLauncherConfig(image="w:1"))["metadata"][
+        "labels"
+    ]
+    for policy in policies:
+        spec = policy["spec"]
+        selector = spec["podSelector"]["matchLabels"]
+        assert all(pool_labels.get(k) == v for k, v in selector.items())
+        assert sorted(p["port"] for rule in spec["egress"] for p in rule["ports"]) == [443, 5432]
+    worker_labels = worker_pod()["metadata"]["labels"]
+    assert not all(worker_labels.get(k) == v for k, v in selector.items()), (
+        "per-run workers do not talk to the lease queue"
+    )

@@ -75,11 +75,15 @@ def policy() -> SecretsPolicy:
     return SecretsPolicy()
 
 
-def builder_pod(namespace: str = "gpuinfer") -> dict[str, Any]:
+def helm_env() -> dict[str, str]:
     deployment = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())[
         "dagster-user-deployments"
     ]["deployments"][0]
-    env = {item["name"]: item["value"] for item in deployment["env"]}
+    return {item["name"]: item["value"] for item in deployment["env"]}
+
+
+def builder_pod(namespace: str = "gpuinfer") -> dict[str, Any]:
+    env = helm_env()
     env["GPUINFER_HF_TOKEN_SECRET"] = "hf-token"
     env["GPUINFER_NAMESPACE"] = namespace
     spec = InferenceSpec.model_validate(
@@ -161,3 +165,15 @@ def test_pods_reading_other_secrets_are_refused(policy, case):
 
 def test_a_namespace_not_listed_may_read_no_secret(policy):
     assert policy.admit(builder_pod(), "gpuinfer-unlisted")
+
+
+def test_the_policy_admits_pool_worker_pods_with_the_lease_queue_secret(policy):
+    from dagster_gpuinfer.k8s.pool_pod import build_pool_pod
+
+    config = k8s_launcher_config({**helm_env(), "GPUINFER_NAMESPACE": "gpuinfer-research"})
+    pod = build_pool_pod("m-0123456789ab", "w-1", config)
+    assert policy.admit(pod, "gpuinfer-research") == []
+    other = config.model_copy(
+        update={"pools": config.pools.model_copy(update={"queue_secret": "someone-elses-db"})}
+    )
+    assert policy.admit(build_pool_pod("m-0123456789ab", "w-1", other), "gpuinfer-research")

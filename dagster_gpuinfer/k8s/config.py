@@ -19,6 +19,9 @@ MODEL_CACHE_MOUNT = "/models"
 HF_HUB_CACHE = f"{MODEL_CACHE_MOUNT}/hub"
 """Hugging Face hub cache inside the model cache, for specs that name a hub id."""
 
+QUEUE_MOUNT = "/var/lib/gpuinfer/queue"
+"""Where a pool pod mounts `PoolPods.queue_pvc` (a SQLite lease queue), read-write."""
+
 WORKER_CONTAINER = "worker"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 """The pod label that hands a pod to a Kueue LocalQueue."""
@@ -152,6 +155,25 @@ class SecretRefs(dg.Config):
     )
 
 
+class PoolPods(dg.Config):
+    """What engine pool worker pods (`k8s.pool_pod.build_pool_pod`) add to a worker pod: the
+    lease queue's location, by reference."""
+
+    queue_secret: str = Field(
+        "gpuinfer-lease-queue",
+        description="Secret holding the lease queue's location (a postgresql:// URL with its "
+        "password, or a SQLite path on queue_pvc); pool pods read it as GPUINFER_LEASE_QUEUE "
+        "through secretKeyRef, so it never appears in the pod manifest or the command line.",
+    )
+    queue_secret_key: str = Field("url", description="Key of queue_secret holding the location.")
+    queue_pvc: str | None = Field(
+        None,
+        description=f"PersistentVolumeClaim mounted read-write at {QUEUE_MOUNT} for a SQLite "
+        "lease queue (one-node clusters only: SQLite locks need every process on one host). "
+        "None with a PostgreSQL queue, the production setup.",
+    )
+
+
 class K8sLauncherConfig(dg.Config):
     """How worker pods look on the cluster: image, resources, placement, cache, security, secrets.
 
@@ -240,6 +262,11 @@ class K8sLauncherConfig(dg.Config):
         None,
         description="Dagster concurrency pool of the inference assets (one slot per pod). "
         "Pods are labelled with it, and a step outside this pool is logged as uncapped.",
+    )
+    pools: PoolPods = Field(
+        default_factory=PoolPods,
+        description="Engine pool worker pods: the Secret with the lease queue's location "
+        "(and, for a SQLite queue on one node, its volume).",
     )
     kubeconfig_file: str | None = Field(
         None, description="Kubeconfig for the launcher; None: in-cluster config, else ~/.kube."

@@ -132,7 +132,8 @@ def _check_env_and_secrets(config: K8sLauncherConfig, extra_env: Mapping[str, st
     _check_env_names(
         "k8s.secrets.env", [ref.env_name for ref in secrets.env], allow_secret_like=True
     )
-    for name in [*secrets.image_pull, *secrets.env_from, *(r.secret_name for r in secrets.env)]:
+    names = [*secrets.image_pull, *secrets.env_from, *(r.secret_name for r in secrets.env)]
+    for name in [*names, config.pools.queue_secret]:
         if not _DNS_SUBDOMAIN.match(name):
             raise PodSpecError(f"Secret name {name!r} is not a valid Kubernetes object name")
 

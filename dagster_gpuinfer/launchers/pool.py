@@ -16,6 +16,7 @@ step is gone or waiting on another host.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ from dagster_gpuinfer.messages import (
 )
 from dagster_gpuinfer.pools.keys import pool_key
 from dagster_gpuinfer.pools.lease_queue import JobProgress, JobSubmission, LeaseQueue, WorkItem
+from dagster_gpuinfer.pools.metrics import push_pool_metrics
 from dagster_gpuinfer.pools.reconciler import PoolBackend, WorkerSettings, reconcile
 from dagster_gpuinfer.pools.stores import open_lease_queue
 from dagster_gpuinfer.spec import InferenceSpec
@@ -339,6 +341,10 @@ def pool_reconciler_sensor(
             started = reconcile_all(
                 queue, resource.pool_backend(), resource.pool, resource.pool_worker_env()
             )
+            if resource.pushgateway_url:  # pools/metrics.py: size, depth, leases
+                known = json.loads(context.cursor) if context.cursor else []
+                shown = push_pool_metrics(resource.pushgateway_url, queue, known)
+                context.update_cursor(json.dumps(shown))
         if started:
             context.log.info(f"started pool workers: {started}")
         return dg.SkipReason(f"started {started}" if started else "every pool has its workers")

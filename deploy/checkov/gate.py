@@ -184,6 +184,36 @@ def worker_group_objects() -> list[dict[str, Any]]:
     return [group.service, *group.pods]
 
 
+EXAMPLE_POOL_MAX_WORKERS = 4
+
+
+def pool_objects() -> list[dict[str, Any]]:
+    """An engine pool of the 8B model with the Helm values: the KEDA ScaledJob that sizes it
+    (deploy/pools/keda-scaledjob.yaml is this, checked in for clusters that run KEDA) and
+    one pool worker pod as the reconciler's backend creates it (k8s.pool_pod)."""
+    sys.path.insert(0, str(REPO))
+    from dagster_gpuinfer.k8s.pool_keda import build_pool_scaled_job
+    from dagster_gpuinfer.k8s.pool_pod import build_pool_pod
+    from dagster_gpuinfer.pools import pool_key
+    from dagster_gpuinfer.spec import InferenceSpec
+    from resources.k8s import k8s_launcher_config
+
+    values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
+    deployment = values["dagster-user-deployments"]["deployments"][0]
+    config = k8s_launcher_config({item["name"]: item["value"] for item in deployment["env"]})
+    spec = InferenceSpec.model_validate(
+        {
+            "model": "/models/Llama-3.1-8B-Instruct",
+            "task": "generate",
+            "input": {"uri": "s3://gpuinfer-data/inputs/{partition_key}.jsonl"},
+            "output": {"root": "s3://gpuinfer-data/outputs", "asset_name": "completions"},
+        }
+    )
+    key = pool_key(spec)
+    scaled_job = build_pool_scaled_job(key, config, max_workers=EXAMPLE_POOL_MAX_WORKERS)
+    return [scaled_job, build_pool_pod(key, f"{key}-w0", config)]
+
+
 def accepted(check_id: str, file_path: str) -> bool:
     reason_scope = ACCEPTED.get(check_id)
     if reason_scope is None:
@@ -272,7 +302,22 @@ NOT_MANIFESTS = {
     Path("observability/dcgm-exporter-values.yaml"),
     Path("observability/rules-test.yaml"),
 }
-CRD_GROUPS = ("kueue.x-k8s.io/", "monitoring.coreos.com/")
+CRD_GROUPS = ("kueue.x-k8s.io/", "monitoring.coreos.com/", "keda.sh/")
+
+
+def keda_job(scaled_job: dict[str, Any]) -> dict[str, Any]:
+    """The batch/v1 Job a KEDA ScaledJob creates from its jobTargetRef (KEDA's CRD ships no
+    schema here; its Job does, and checkov reads Jobs)."""
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": scaled_job["metadata"]["name"] + "-x",
+            "namespace": scaled_job["metadata"]["namespace"],
+            "labels": dict(scaled_job["metadata"]["labels"]),
+        },
+        "spec": scaled_job["spec"]["jobTargetRef"],
+    }
 
 
 def run_schema_validation(pod_dir: Path) -> list[str]:
@@ -314,6 +359,11 @@ def main() -> int:
             (pod_dir / f"{name}.yaml").write_text(yaml.safe_dump(pod, sort_keys=False))
         group = worker_group_objects()
         (pod_dir / "multinode-2x8.yaml").write_text(yaml.safe_dump_all(group, sort_keys=False))
+        scaled_job, pool_pod = pool_objects()
+        (pod_dir / "pool-worker.yaml").write_text(yaml.safe_dump(pool_pod, sort_keys=False))
+        (pod_dir / "pool-job.yaml").write_text(
+            yaml.safe_dump(keda_job(scaled_job), sort_keys=False)
+        )
         # Scanned beside the pods, so checkov sees the NetworkPolicies that select them.
         policies = DEPLOY / "network" / "network-policies.yaml"
         (pod_dir / policies.name).write_text(policies.read_text())

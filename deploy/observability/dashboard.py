@@ -4,7 +4,7 @@
 
 A test regenerates it and compares with the committed JSON, and checks that every panel's
 query names a metric the worker, the launcher or NVIDIA's DCGM exporter exports.
-Rows: throughput, engine saturation, GPUs, queue and start, errors.
+Rows: throughput, engine saturation, GPUs, queue and start, errors, engine pools.
 """
 
 from __future__ import annotations
@@ -231,6 +231,60 @@ def errors() -> list[Timeseries]:
     ]
 
 
+def pools() -> list[Timeseries]:
+    """Engine pools (launch="pool"): the queue side (pushed by the reconciler sensor,
+    dagster_gpuinfer/pools/metrics.py) and each pool run's warm and cold partitions."""
+    return [
+        panel(
+            "Pool workers",
+            "short",
+            "Live pool workers by state; a pool at zero has no engine up.",
+            ("sum by (pool, state) (gpuinfer_pool_workers)", "{{pool}} {{state}}"),
+        ),
+        panel(
+            "Pool queue depth",
+            "short",
+            "Work items waiting for a lease, by job priority, and under a live lease.",
+            (
+                "sum by (pool, priority) (gpuinfer_pool_queued_items)",
+                "{{pool}} queued p{{priority}}",
+            ),
+            ("sum by (pool) (gpuinfer_pool_leased_items)", "{{pool}} leased"),
+        ),
+        panel(
+            "Oldest lease and expired leases",
+            "s",
+            "Age of each pool's oldest live lease; leases that expired (a worker lost).",
+            ("max by (pool) (gpuinfer_pool_oldest_lease_age_seconds)", "{{pool}} oldest lease"),
+            (
+                f"sum by (pool) (clamp_min(delta(gpuinfer_pool_expired_leases{RATE}), 0))",
+                "{{pool}} expired",
+            ),
+        ),
+        panel(
+            "Warm hits vs cold starts",
+            "short",
+            "Partitions of pool runs served by an engine already built (warm) or built for "
+            "them (cold); and the live workers' own counts.",
+            (
+                f"sum by (asset, engine) (gpuinfer_launcher_pool_partitions{{{ASSET}}})",
+                "{{asset}} {{engine}}",
+            ),
+            ("sum by (pool) (gpuinfer_pool_warm_hits)", "{{pool}} live workers warm"),
+            ("sum by (pool) (gpuinfer_pool_cold_starts)", "{{pool}} live workers cold"),
+        ),
+        panel(
+            "Pool queue wait",
+            "s",
+            "Each pool run's longest wait of a partition for its first lease.",
+            (
+                f"max by (asset, run) (gpuinfer_launcher_pool_queue_wait_seconds{{{ASSET}}})",
+                "{{asset}} {{run}} wait",
+            ),
+        ),
+    ]
+
+
 def build_dashboard() -> Dashboard:
     dashboard = (
         Dashboard("dagster-gpuinfer: batch inference")
@@ -256,6 +310,7 @@ def build_dashboard() -> Dashboard:
         ("GPUs", gpus()),
         ("Queue and start", queue_and_start()),
         ("Errors, retries, out of memory", errors()),
+        ("Engine pools", pools()),
     ):
         panel_id += 1
         dashboard = dashboard.with_row(Row(title).id(panel_id))
