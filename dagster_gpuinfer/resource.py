@@ -44,6 +44,12 @@ def env_references_variable(references: Mapping[str, str]) -> dict[str, str]:
 Launch = Literal["run", "pool"]
 
 
+# A run tag setting the lease priority of the run's pool job (`PoolSettings.lease_priority`).
+RUN_PRIORITY_TAG = "gpuinfer/priority"
+# The kit's PriorityClasses (deploy/kueue/priority-classes.yaml) by name; a test keeps them equal.
+KIT_PRIORITY_CLASSES = {"gpuinfer-batch": 1000}
+
+
 class PoolSettings(dg.Config):
     """Engine pools (`launch="pool"`): where their lease queue is, how big and how long.
 
@@ -79,6 +85,35 @@ class PoolSettings(dg.Config):
         "reports itself (process start and imports).",
     )
     poll_s: float = Field(0.5, gt=0, description="How often a waiting step reads its job.")
+    priority_classes: dict[str, int] = Field(
+        default_factory=lambda: dict(KIT_PRIORITY_CLASSES),
+        description="PriorityClass name -> value, for lease priority: a run tagged "
+        "`gpuinfer/priority` with a name, or pods placed with k8s.placement.priority_class, "
+        "lease with that class's value (higher first). Default: the kit's classes "
+        "(deploy/kueue/priority-classes.yaml).",
+    )
+
+    def lease_priority(self, tags: Mapping[str, str], priority_class: str | None) -> int:
+        """The lease priority of a run's pool job: its `gpuinfer/priority` tag (an integer,
+        or a PriorityClass name of `priority_classes`), else the value of the pods'
+        `priority_class`, else 0. Within one priority, jobs take turns (fair share).
+
+        Raises:
+            dagster.Failure: non-retryable, naming the tag, when it is neither.
+        """
+        tagged = tags.get(RUN_PRIORITY_TAG)
+        if tagged is None:
+            return self.priority_classes.get(priority_class or "", 0)
+        if tagged.strip().lstrip("-").isdigit():
+            return int(tagged)
+        if tagged in self.priority_classes:
+            return self.priority_classes[tagged]
+        raise dg.Failure(
+            description=f"run tag {RUN_PRIORITY_TAG}={tagged!r} is neither an integer nor a "
+            f"PriorityClass of GpuInferenceResource.pool.priority_classes "
+            f"({sorted(self.priority_classes)}): tag the run with one of those, or a number",
+            allow_retries=False,
+        )
 
     def location(self) -> str:
         """The queue's location, a default SQLite file made absolute (workers run elsewhere)."""
@@ -341,6 +376,9 @@ class GpuInferenceResource(dg.ConfigurableResource):
                 backend=self.pool_backend(spec),
                 env=self.pool_worker_env(),
                 poll_s=self.pool.poll_s,
+                priority=self.pool.lease_priority(
+                    context.run.tags, self.k8s.placement.priority_class if self.k8s else None
+                ),
             )
         if self.launcher == "local":
             from dagster_gpuinfer.launchers.local import LocalLauncher
