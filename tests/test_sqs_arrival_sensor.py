@@ -1,0 +1,367 @@
+"""The SQS arrival sensor: S3 event notifications on a queue (moto's SQS on the loopback
+server) become dynamic partitions, each object once, with no bucket listing; a message is
+deleted only once its partition is registered; poison is logged and deleted.
+
+The sensor is evaluated with `build_sensor_context` on a real Dagster instance; the test's
+`QueueSensorDriver` then applies the result as the sensor daemon does (partitions first).
+Every S3 and SQS request goes through a recording proxy (`request_log.py`), which counts
+the bucket listings.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+
+import dagster as dg
+import pytest
+from request_log import RequestLog
+
+from dagster_gpuinfer import GpuInferenceResource, InputSpec, inference_assets
+from dagster_gpuinfer.s3_events import PoisonMessage, read_s3_event
+from dagster_gpuinfer.sensors import arrival_sensor
+from dagster_gpuinfer.sqs_sensor import region_of_queue_url, sqs_arrival_sensor
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def instance():
+    with dg.instance_for_test() as test_instance:
+        yield test_instance
+
+
+@pytest.fixture(scope="module")
+def proxy(s3_server):
+    """The recording proxy in front of the loopback server, and a fast clock for moto's SQS.
+
+    moto 5.2.5's SQS recomputes the queue's attributes, scanning every message with two
+    datetime-based clock reads, for each message it sends or receives: a queue of 1,000
+    messages costs about 0.2 s per message received. Its clock helpers are swapped for
+    `time.time()`, the same value (seconds since the epoch) without the datetime work;
+    what the queue does is unchanged.
+    """
+    import moto.sqs.models as sqs_models
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sqs_models, "unix_time", lambda dt=None: time.time())
+        patch.setattr(sqs_models, "unix_time_millis", lambda dt=None: time.time() * 1000.0)
+        log = RequestLog(s3_server.endpoint_url)
+        yield log
+        log.close()
+
+
+@pytest.fixture
+def sqs(proxy, s3_server):
+    import boto3
+
+    return boto3.client("sqs", endpoint_url=s3_server.endpoint_url, region_name=s3_server.region)
+
+
+def new_queue(sqs) -> str:
+    return sqs.create_queue(QueueName=f"arrivals-{next(_names)}")["QueueUrl"]
+
+
+def queue_depth(sqs, queue_url: str) -> tuple[int, int]:
+    """(visible, in flight) messages."""
+    attributes = sqs.get_queue_attributes(
+        QueueUrl=queue_url,
+        AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+    )["Attributes"]
+    return (
+        int(attributes["ApproximateNumberOfMessages"]),
+        int(attributes["ApproximateNumberOfMessagesNotVisible"]),
+    )
+
+
+def s3_event(bucket: str, key: str, size: int = 3, name: str = "ObjectCreated:Put") -> str:
+    """An S3 event notification body as S3 writes it (the key URL-encoded)."""
+    from urllib.parse import quote_plus
+
+    record = {
+        "eventVersion": "2.1",
+        "eventSource": "aws:s3",
+        "awsRegion": "us-east-1",
+        "eventName": name,
+        "s3": {
+            "s3SchemaVersion": "1.0",
+            "bucket": {"name": bucket, "arn": f"arn:aws:s3:::{bucket}"},
+            "object": {"key": quote_plus(key), "size": size},
+        },
+    }
+    return json.dumps({"Records": [record]})
+
+
+def send_bodies(sqs, queue_url: str, bodies: list[str]) -> list[str]:
+    """Send the bodies, 10 a call; their message ids, in order."""
+    ids: list[str] = []
+    for start in range(0, len(bodies), 10):
+        entries = [
+            {"Id": str(i), "MessageBody": body} for i, body in enumerate(bodies[start : start + 10])
+        ]
+        response = sqs.send_message_batch(QueueUrl=queue_url, Entries=entries)
+        assert not response.get("Failed")
+        sent = {item["Id"]: item["MessageId"] for item in response["Successful"]}
+        ids += [sent[entry["Id"]] for entry in entries]
+    return ids
+
+
+def make_pipeline(bucket: str, glob_suffix: str = ".jsonl"):
+    return inference_assets(
+        name="queued_embeddings",
+        model="/models/never-loaded",
+        task="embed",
+        input=InputSpec(uri=f"s3://{bucket}/in/{{partition_key}}{glob_suffix}", id_column="id"),
+        output_root="/tmp/unused-output",
+        partitions_def=dg.DynamicPartitionsDefinition(name=f"queued_files_{next(_names)}"),
+    )
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelno, record.getMessage()))
+
+
+class QueueSensorDriver:
+    """Evaluates the sensor and, unless told the daemon died, applies its result as the
+    sensor daemon does: partitions registered, then the cursor saved."""
+
+    def __init__(self, pipeline, instance, proxy: RequestLog, queue_url: str, **kwargs):
+        kwargs.setdefault("visibility_timeout_seconds", 1)
+        kwargs.setdefault("wait_time_seconds", 0)
+        self.sensor = sqs_arrival_sensor(
+            pipeline, queue_url=queue_url, endpoint_url=proxy.endpoint_url, **kwargs
+        )
+        self.partitions_name = pipeline.output_asset.partitions_def.name
+        self.instance = instance
+        self.gpu = GpuInferenceResource(
+            s3_endpoint_url=proxy.endpoint_url, s3_region="us-east-1", s3_allow_http=True
+        )
+        self.cursor: str | None = None
+        self.log = _Lines()
+
+    def evaluate(self) -> dg.SensorResult:
+        context = dg.build_sensor_context(
+            instance=self.instance, cursor=self.cursor, resources={"gpu": self.gpu}
+        )
+        context.log.addHandler(self.log)
+        result = self.sensor(context)
+        assert isinstance(result, dg.SensorResult)
+        return result
+
+    def tick(self) -> dg.SensorResult:
+        result = self.evaluate()
+        for request in result.dynamic_partitions_requests or []:
+            self.instance.add_dynamic_partitions(
+                request.partitions_def_name, request.partition_keys
+            )
+        self.cursor = result.cursor
+        return result
+
+    def registered(self) -> list[str]:
+        return list(self.instance.get_dynamic_partitions(self.partitions_name))
+
+    def warnings(self) -> list[str]:
+        return [line for level, line in self.log.lines if level >= logging.WARNING]
+
+
+def added_keys(result: dg.SensorResult) -> list[str]:
+    return [k for r in result.dynamic_partitions_requests or [] for k in r.partition_keys]
+
+
+def requested_keys(result: dg.SensorResult, pipeline) -> list[str]:
+    keys: list[str] = []
+    for request in result.run_requests or []:
+        subset = request.asset_graph_subset
+        keys += subset.get_partitions_subset(pipeline.output_asset.key).get_partition_keys()
+    return keys
+
+
+def drain(driver: QueueSensorDriver, sqs, queue_url: str, max_ticks: int = 50) -> list[str]:
+    """Tick until the queue holds nothing (waiting out visibility timeouts); the keys added."""
+    added: list[str] = []
+    for _ in range(max_ticks):
+        added += added_keys(driver.tick())
+        if queue_depth(sqs, queue_url) == (0, 0):
+            return added
+        if queue_depth(sqs, queue_url)[0] == 0:
+            time.sleep(0.5)
+    raise AssertionError(f"not drained in {max_ticks} ticks: {queue_depth(sqs, queue_url)}")
+
+
+# --------------------------------------------------------------------------- messages
+
+
+def test_s3_event_bodies_are_read_into_created_objects_with_decoded_keys():
+    event = read_s3_event(s3_event("bkt", "in/2026 11/a,b+c.jsonl", size=42))
+    assert [(o.bucket, o.key, o.size) for o in event.created] == [
+        ("bkt", "in/2026 11/a,b+c.jsonl", 42)
+    ]
+    removed = read_s3_event(s3_event("bkt", "in/a.jsonl", name="ObjectRemoved:Delete"))
+    assert removed.created == [] and removed.other_records == 1
+    test = read_s3_event(json.dumps({"Service": "Amazon S3", "Event": "s3:TestEvent"}))
+    assert test.is_test_event and test.created == []
+    wrapped = json.dumps({"Type": "Notification", "Message": s3_event("bkt", "in/x.jsonl")})
+    assert [o.key for o in read_s3_event(wrapped).created] == ["in/x.jsonl"]
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ("not json {", "not JSON"),
+        ("[1, 2]", "JSON list"),
+        ('{"hello": "world"}', "no Records list"),
+        ('{"Records": [{"eventName": "ObjectCreated:Put", "s3": {}}]}', "lacks s3.bucket.name"),
+        ('{"Records": [{"eventSource": "aws:sqs", "eventName": "x"}]}', "not an S3 event"),
+    ],
+)
+def test_bodies_that_are_no_s3_event_are_poison_with_the_reason(body, why):
+    with pytest.raises(PoisonMessage, match=why):
+        read_s3_event(body)
+
+
+def test_queue_region_comes_from_its_url():
+    assert region_of_queue_url("https://sqs.eu-west-1.amazonaws.com/1234/q") == "eu-west-1"
+    assert region_of_queue_url("https://ap-south-1.queue.amazonaws.com/1234/q") == "ap-south-1"
+    assert region_of_queue_url("http://127.0.0.1:4566/000000000000/q") is None
+
+
+def test_the_sensor_refuses_an_input_that_is_not_on_s3(tmp_path):
+    pipeline = inference_assets(
+        name="local_docs",
+        model="/models/x",
+        task="embed",
+        input=InputSpec(uri=f"{tmp_path}/{{partition_key}}.jsonl"),
+        output_root=str(tmp_path / "out"),
+        partitions_def=dg.DynamicPartitionsDefinition(name="local_docs"),
+    )
+    with pytest.raises(ValueError, match="use arrival_sensor for local files"):
+        sqs_arrival_sensor(pipeline, queue_url="https://sqs.us-east-1.amazonaws.com/1/q")
+
+
+# --------------------------------------------------------------------------- real notifications
+
+
+def test_bucket_notifications_register_each_object_once_without_listing_the_bucket(
+    s3_server, sqs, proxy, instance
+):
+    bucket = s3_server.new_bucket("notified")
+    queue_url = new_queue(sqs)
+    arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])
+    s3_server.client.put_bucket_notification_configuration(
+        Bucket=bucket,
+        NotificationConfiguration={
+            "QueueConfigurations": [
+                {"QueueArn": arn["Attributes"]["QueueArn"], "Events": ["s3:ObjectCreated:*"]}
+            ]
+        },
+    )  # moto, like S3, sends an s3:TestEvent message now
+    names = [f"batch/{i:03d}" for i in range(30)] + ["with space, and+plus"]
+    for name in names:
+        s3_server.client.put_object(Bucket=bucket, Key=f"in/{name}.jsonl", Body=b"{}\n")
+    s3_server.client.put_object(Bucket=bucket, Key="elsewhere/z.jsonl", Body=b"{}\n")
+    pipeline = make_pipeline(bucket)
+    driver = QueueSensorDriver(pipeline, instance, proxy, queue_url)
+
+    first = driver.tick()
+    assert sorted(added_keys(first)) == sorted(names)
+    [request] = first.run_requests
+    assert sorted(requested_keys(first, pipeline)) == sorted(names)
+    assert request.tags["dagster-gpuinfer/arrival_sensor"] == "queued_embeddings_sqs_arrivals"
+    # The test event and the object outside the prefix are deleted; the new objects' messages
+    # wait in flight until their partitions are registered.
+    assert queue_depth(sqs, queue_url) == (0, len(names))
+    assert any("elsewhere/z.jsonl is outside" in line for line in driver.warnings())
+
+    assert drain(driver, sqs, queue_url) == []  # back after 1 s: registered, so deleted
+    assert sorted(driver.registered()) == sorted(names)
+    assert json.loads(driver.cursor) == {
+        "v": 1,
+        "received": 2 * len(names) + 2,
+        "registered": len(names),
+        "deleted": len(names) + 2,
+        "poison": 1,
+    }
+    assert proxy.s3_listings(bucket) == 0
+
+    # The counter counts: the listing sensor, through the same proxy, lists the bucket.
+    lister = arrival_sensor(pipeline, name="listing_control")
+    gpu = GpuInferenceResource(
+        s3_endpoint_url=proxy.endpoint_url, s3_region="us-east-1", s3_allow_http=True
+    )
+    lister(dg.build_sensor_context(instance=instance, resources={"gpu": gpu}))
+    assert proxy.s3_listings(bucket) >= 1
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_a_tick_that_dies_before_registration_leaves_its_messages_to_come_back(
+    s3_server, sqs, proxy, instance
+):
+    bucket = s3_server.new_bucket("dies")
+    queue_url = new_queue(sqs)
+    names = [f"f{i:02d}" for i in range(12)]
+    send_bodies(sqs, queue_url, [s3_event(bucket, f"in/{n}.jsonl") for n in names])
+    pipeline = make_pipeline(bucket)
+    driver = QueueSensorDriver(pipeline, instance, proxy, queue_url, visibility_timeout_seconds=2)
+
+    # The evaluation received every message and asked for the partitions; then the daemon
+    # died (or the evaluation timed out) before registering them: nothing was deleted.
+    died = driver.evaluate()
+    assert sorted(added_keys(died)) == names
+    assert driver.registered() == []
+    assert queue_depth(sqs, queue_url) == (0, len(names))
+    deletes_before = proxy.sqs_calls("DeleteMessageBatch")
+    assert added_keys(driver.tick()) == []  # still hidden: nothing to do yet
+    assert proxy.sqs_calls("DeleteMessageBatch") == deletes_before
+
+    time.sleep(2.2)  # the visibility timeout runs out; the messages are back
+    assert queue_depth(sqs, queue_url) == (len(names), 0)
+    assert sorted(added_keys(driver.tick())) == names
+    assert queue_depth(sqs, queue_url) == (0, len(names))  # kept until registered
+    assert drain(driver, sqs, queue_url) == []
+    assert sorted(driver.registered()) == names
+
+
+def test_poison_messages_are_logged_by_id_and_deleted_without_failing_the_tick(
+    s3_server, sqs, proxy, instance
+):
+    bucket = s3_server.new_bucket("poison")
+    queue_url = new_queue(sqs)
+    poison = {
+        "not json": "this is not json",
+        "no event": json.dumps({"hello": "world"}),
+        "other bucket": s3_event("some-other-bucket", "in/a.jsonl"),
+        "other prefix": s3_event(bucket, "out/a.jsonl"),
+        "other suffix": s3_event(bucket, "in/a.parquet"),
+        "marker": s3_event(bucket, "in/_SUCCESS.jsonl"),
+        "bad key": s3_event(bucket, "in/wait...what.jsonl"),
+    }
+    good = [s3_event(bucket, "in/good-1.jsonl"), s3_event(bucket, "in/good-2.jsonl")]
+    removal = s3_event(bucket, "in/gone.jsonl", name="ObjectRemoved:Delete")
+    ids = send_bodies(sqs, queue_url, [*poison.values(), good[0], removal, good[1]])
+    driver = QueueSensorDriver(make_pipeline(bucket), instance, proxy, queue_url)
+
+    first = driver.tick()
+    assert sorted(added_keys(first)) == ["good-1", "good-2"]
+    warnings = driver.warnings()
+    assert len(warnings) == len(poison)
+    for message_id, why in zip(ids, poison, strict=False):
+        [line] = [w for w in warnings if message_id in w]
+        assert line.startswith(f"deleted poison message {message_id} from {queue_url}: "), why
+    assert "the body is not JSON" in warnings[0] and "'this is not json'" in warnings[0]
+    assert "no Records list" in warnings[1]
+    assert "outside the pipeline's input prefix" in warnings[2] and "outside" in warnings[3]
+    assert "must end in '.jsonl'" in warnings[4] and "not start with '.' or '_'" in warnings[5]
+    assert "cannot be a partition" in warnings[6] and "'...'" in warnings[6]
+    # Poison and the removal are gone; only the new objects' messages wait, in flight.
+    assert queue_depth(sqs, queue_url) == (0, 2)
+    assert drain(driver, sqs, queue_url) == []
+    assert sorted(driver.registered()) == ["good-1", "good-2"]
