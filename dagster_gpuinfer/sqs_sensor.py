@@ -210,24 +210,31 @@ class QueueReads:
 
 
 def receive_messages(client: Any, reads: QueueReads) -> tuple[list[dict[str, Any]], int]:
-    """Receive up to `reads.max_messages`, 10 a call, until a long poll comes back empty or
-    `max_receive_seconds` have passed. Returns the messages and the number of calls."""
+    """Receive up to `reads.max_messages` messages, 10 a call, until a long poll comes back
+    empty or with messages this tick has already received (their visibility timeout ran out
+    during the tick), or `max_receive_seconds` have passed.
+
+    Returns:
+        The messages, each once with its latest receipt handle (the one SQS deletes by), in
+        order of first receipt; and the number of receive calls.
+    """
     deadline = time.monotonic() + reads.max_receive_seconds
-    messages: list[dict[str, Any]] = []
+    by_id: dict[str, dict[str, Any]] = {}
     calls = 0
-    while len(messages) < reads.max_messages and time.monotonic() < deadline:
+    while len(by_id) < reads.max_messages and time.monotonic() < deadline:
         calls += 1
         response = client.receive_message(
             QueueUrl=reads.queue_url,
-            MaxNumberOfMessages=min(RECEIVE_BATCH, reads.max_messages - len(messages)),
+            MaxNumberOfMessages=min(RECEIVE_BATCH, reads.max_messages - len(by_id)),
             WaitTimeSeconds=reads.wait_time_seconds,
             VisibilityTimeout=reads.visibility_timeout_seconds,
         )
         batch = response.get("Messages", [])
-        if not batch:
+        seen = len(by_id)
+        by_id.update((message["MessageId"], message) for message in batch)
+        if len(by_id) == seen:
             break
-        messages.extend(batch)
-    return messages, calls
+    return list(by_id.values()), calls
 
 
 def delete_messages(client: Any, queue_url: str, receipt_handles: list[str]) -> list[str]:

@@ -365,3 +365,68 @@ def test_poison_messages_are_logged_by_id_and_deleted_without_failing_the_tick(
     assert queue_depth(sqs, queue_url) == (0, 2)
     assert drain(driver, sqs, queue_url) == []
     assert sorted(driver.registered()) == ["good-1", "good-2"]
+
+
+# --------------------------------------------------------------------------- scale
+
+
+def deliver_and_register(n: int, s3_server, sqs, proxy, instance, wave: int) -> float:
+    """n objects announced with a fifth of them twice, in shuffled order, `wave` messages
+    sent between ticks; checks each object is added and requested exactly once, with no
+    listing, and the queue left empty. Returns the seconds the ticks took."""
+    import random
+
+    bucket = s3_server.new_bucket("scale")
+    queue_url = new_queue(sqs)
+    names = [f"day-{i % 7}/file-{i:05d}" for i in range(n)]
+    bodies = [s3_event(bucket, f"in/{name}.jsonl", size=100 + i) for i, name in enumerate(names)]
+    rng = random.Random(38)
+    stream = bodies + rng.sample(bodies, n // 5)  # duplicate deliveries
+    rng.shuffle(stream)  # out of order: a duplicate may come first, or after the deletion
+    pipeline = make_pipeline(bucket)
+    driver = QueueSensorDriver(
+        pipeline,
+        instance,
+        proxy,
+        queue_url,
+        max_messages_per_tick=4 * wave,
+        visibility_timeout_seconds=3,  # longer than a tick takes here
+    )
+    added: list[str] = []
+    requested: list[str] = []
+    receives_before = proxy.sqs_calls("ReceiveMessage")
+    ticking = 0.0
+    for start in range(0, len(stream), wave):
+        send_bodies(sqs, queue_url, stream[start : start + wave])
+        started = time.perf_counter()
+        result = driver.tick()
+        ticking += time.perf_counter() - started
+        added += added_keys(result)
+        requested += requested_keys(result, pipeline)
+    added += drain(driver, sqs, queue_url)
+    assert len(added) == n and sorted(added) == sorted(names)
+    assert len(requested) == n and sorted(requested) == sorted(names)
+    assert sorted(driver.registered()) == sorted(names)
+    assert proxy.s3_listings(bucket) == 0
+    counts = json.loads(driver.cursor)
+    assert counts["registered"] == n and counts["deleted"] == len(stream)
+    # Each message received once to register and once more to delete, 10 a receive
+    # (plus the receives that find nothing, one per tick at most).
+    receives = proxy.sqs_calls("ReceiveMessage") - receives_before
+    assert counts["received"] >= len(stream) + n
+    assert receives <= counts["received"] / 5
+    return ticking
+
+
+def test_500_arrivals_with_duplicates_out_of_order_register_once_without_listing(
+    s3_server, sqs, proxy, instance
+):
+    deliver_and_register(500, s3_server, sqs, proxy, instance, wave=100)
+
+
+@pytest.mark.slow
+def test_10000_arrivals_with_duplicates_out_of_order_register_once_without_listing(
+    s3_server, sqs, proxy, instance
+):
+    ticking = deliver_and_register(10_000, s3_server, sqs, proxy, instance, wave=250)
+    print(f"10,000 arrivals: {ticking:.1f} s of sensor ticks")
