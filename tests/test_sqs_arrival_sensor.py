@@ -430,3 +430,58 @@ def test_10000_arrivals_with_duplicates_out_of_order_register_once_without_listi
 ):
     ticking = deliver_and_register(10_000, s3_server, sqs, proxy, instance, wave=250)
     print(f"10,000 arrivals: {ticking:.1f} s of sensor ticks")
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+def queue_yaml(bucket: str, queue_url: str, endpoint: str) -> str:
+    return f"""
+name: queued_tickets
+model: /models/minilm
+task: embed
+input:
+  uri: s3://{bucket}/in/{{partition_key}}.jsonl
+  id_column: ticket_id
+output_root: s3://{bucket}/out
+partitioning:
+  type: dynamic
+arrival_sensor:
+  glob: "*.jsonl"
+  launch: runs
+  sqs:
+    queue_url: {queue_url}
+    endpoint_url: {endpoint}
+    region: us-east-1
+    wait_time_seconds: 0
+    visibility_timeout_seconds: 5
+"""
+
+
+def test_a_yaml_pipeline_with_an_sqs_block_gets_the_queue_sensor(s3_server, sqs, proxy, instance):
+    from dagster_gpuinfer.components import InferencePipelineComponent
+
+    bucket = s3_server.new_bucket("yaml")
+    queue_url = new_queue(sqs)
+    send_bodies(
+        sqs, queue_url, [s3_event(bucket, "in/t-1.jsonl"), s3_event(bucket, "in/t-2.jsonl")]
+    )
+    text = queue_yaml(bucket, queue_url, proxy.endpoint_url)
+    gpu = GpuInferenceResource()
+    defs = dg.component_defs(
+        component=InferencePipelineComponent.resolve_from_yaml(text), resources={"gpu": gpu}
+    )
+    [sensor] = defs.sensors
+    assert sensor.name == "queued_tickets_sqs_arrivals"
+    result = sensor(dg.build_sensor_context(instance=instance, resources={"gpu": gpu}))
+    assert [(r.partition_key, r.run_key) for r in result.run_requests] == [
+        ("t-1", "queued_tickets_sqs_arrivals:t-1"),
+        ("t-2", "queued_tickets_sqs_arrivals:t-2"),
+    ]
+    assert queue_depth(sqs, queue_url) == (0, 2)  # not registered yet: kept in flight
+
+    local = text.replace(f"s3://{bucket}/in/", "/tmp/local-in/")
+    with pytest.raises(dg.DagsterInvalidDefinitionError, match="arrival_sensor: .*local files"):
+        dg.component_defs(
+            component=InferencePipelineComponent.resolve_from_yaml(local), resources={"gpu": gpu}
+        )
