@@ -437,7 +437,7 @@ def _plan_split(
             keys += plan_partition_keys(
                 [listed], watched, input_spec.resolved_format(), split, lister
             )
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # gone, unreadable, not Parquet (ArrowInvalid)
             context.log.warning(
                 f"could not read {watched.prefix}{listed.name} to split it ({exc}); its "
                 "message stays on the queue and is tried again when it comes back"

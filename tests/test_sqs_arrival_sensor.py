@@ -299,6 +299,21 @@ def test_bucket_notifications_register_each_object_once_without_listing_the_buck
     assert proxy.s3_listings(bucket) >= 1
 
 
+def test_a_large_jsonl_object_splits_by_the_size_in_its_event_without_an_s3_request(
+    s3_server, sqs, proxy, instance
+):
+    from dagster_gpuinfer.arrivals import SplitLargeFiles, byte_ranges
+
+    bucket = s3_server.new_bucket("sized")
+    queue_url = new_queue(sqs)
+    send_bodies(sqs, queue_url, [s3_event(bucket, "in/big.jsonl", size=10_000)])
+    s3_before = [r for r in proxy.requests if r.sqs_action is None]
+    split = SplitLargeFiles(min_bytes=4096, jsonl_bytes_per_partition=3000)
+    driver = QueueSensorDriver(make_pipeline(bucket), instance, proxy, queue_url, split=split)
+    assert added_keys(driver.tick()) == [f"big@bytes={a}-{b}" for a, b in byte_ranges(10_000, 3000)]
+    assert [r for r in proxy.requests if r.sqs_action is None] == s3_before  # no S3 at all
+
+
 # --------------------------------------------------------------------------- failures
 
 
