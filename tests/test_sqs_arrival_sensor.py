@@ -447,6 +447,40 @@ def test_10000_arrivals_with_duplicates_out_of_order_register_once_without_listi
     print(f"10,000 arrivals: {ticking:.1f} s of sensor ticks")
 
 
+# --------------------------------------------------------------------------- real daemon
+
+
+def test_sensor_daemon_registers_then_a_later_tick_deletes_the_messages(
+    s3_server, sqs, proxy, tmp_path, monkeypatch
+):
+    from daemon_workspace import daemon_workspace, tick_sensors
+    from dagster._core.execution.backfill import BulkActionsFilter
+
+    bucket = s3_server.new_bucket("daemon")
+    queue_url = new_queue(sqs)
+    names = ["p1", "p2", "p3"]
+    send_bodies(sqs, queue_url, [s3_event(bucket, f"in/{n}.jsonl") for n in [*names, "p2"]])
+    monkeypatch.setenv("GPUINFER_TEST_INPUT_URI", f"s3://{bucket}/in/{{partition_key}}.jsonl")
+    monkeypatch.setenv("GPUINFER_TEST_OUTPUT_ROOT", str(tmp_path / "out"))
+    monkeypatch.setenv("GPUINFER_TEST_S3_ENDPOINT", proxy.endpoint_url)
+    monkeypatch.setenv("GPUINFER_TEST_SQS_QUEUE_URL", queue_url)
+    with dg.instance_for_test() as test_instance, daemon_workspace(test_instance) as workspace:
+        tick_sensors(workspace)
+        assert sorted(test_instance.get_dynamic_partitions("doc_files")) == names
+        [backfill] = test_instance.get_backfills(filters=BulkActionsFilter())
+        subset = backfill.asset_backfill_data.target_subset
+        keys = subset.get_partitions_subset(dg.AssetKey("doc_vectors")).get_partition_keys()
+        assert sorted(keys) == names
+        assert backfill.tags["dagster-gpuinfer/arrival_sensor"] == "doc_vectors_sqs_arrivals"
+        assert queue_depth(sqs, queue_url) == (0, 4)  # registered after the tick: kept
+
+        time.sleep(2.5)  # visibility timeout (2 s) and the sensor's interval (1 s)
+        tick_sensors(workspace)
+        assert queue_depth(sqs, queue_url) == (0, 0)
+        assert len(test_instance.get_backfills(filters=BulkActionsFilter())) == 1
+    assert proxy.s3_listings(bucket) == 0
+
+
 # --------------------------------------------------------------------------- YAML
 
 
