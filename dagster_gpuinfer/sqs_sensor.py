@@ -13,12 +13,14 @@ When a message is deleted (the queue, not the cursor, says what is left to do):
 - Its objects are all registered partitions already (a duplicate, a redelivery, or the
   message of an object registered by an earlier tick): deleted by this tick.
 - It announces a new object: this tick returns the partition request and leaves the message
-  in flight. Dagster's sensor daemon registers the partition after the evaluation; the
+  in flight. Dagster's sensor daemon registers the partition after the evaluation. The next
+  tick, if it runs in the same code server process within the visibility timeout, finds the
+  partition registered and deletes the message by the receipt it kept; otherwise the
   message becomes visible again `visibility_timeout_seconds` after it was received, a later
-  tick receives it, finds the partition registered and deletes it. A tick that dies anywhere
-  between the receive and the registration (the evaluation raised or timed out, the daemon
-  stopped) has deleted nothing of it: the message comes back and registers the object then.
-  The sensor itself never writes to the instance.
+  tick receives it, finds the partition registered and deletes it then. A tick that dies
+  anywhere between the receive and the registration (the evaluation raised or timed out,
+  the daemon stopped) has deleted nothing of it: the message comes back and registers the
+  object then. The sensor itself never writes to the instance.
 - Poison (not JSON, not an S3 event, an object outside the pipeline's input prefix, suffix
   or glob, or a name Dagster cannot key): logged with its message id and why, then deleted.
   Retrying cannot make it an input, so leaving it to a redrive policy would only receive it
@@ -34,17 +36,20 @@ meant for the other pipeline; route prefixes to queues with the notification's f
 
 The cursor holds running counts only (messages received, partitions registered, messages
 deleted, poison), shown in the UI; SQS keeps the position, so a lost or reset cursor loses
-nothing. Each new object is received twice (once to register, once to delete), and stays in
-flight for up to `visibility_timeout_seconds`: an SQS standard queue allows about 120,000
-messages in flight, so a visibility timeout of 60 s carries up to about 2,000 arrivals a
-second. AWS credentials come from the standard chain, as for `s3://` inputs.
+nothing. A new object's message stays in flight for a tick interval, or up to
+`visibility_timeout_seconds` when it has to come back: an SQS standard queue allows about
+120,000 messages in flight, so a visibility timeout of 60 s carries at least about 2,000
+arrivals a second. Receiving stops at half the visibility timeout, so no message comes
+back within the tick that received it. AWS credentials come from the standard chain, as
+for `s3://` inputs.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlparse
@@ -95,8 +100,10 @@ def region_of_queue_url(queue_url: str) -> str | None:
     return None
 
 
+@functools.cache
 def sqs_client(queue_url: str, *, region: str | None, endpoint_url: str | None) -> Any:
-    """A boto3 SQS client for `queue_url`; credentials from the standard AWS chain."""
+    """A boto3 SQS client for `queue_url`, one per process (boto3 clients are thread-safe
+    and refresh expiring credentials); credentials from the standard AWS chain."""
     try:
         import boto3
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
@@ -118,13 +125,15 @@ class QueueTick:
         delete: Receipt handles of the messages done with.
         poison: `(message id, why, start of the body)` of messages that no retry makes
             an input of this pipeline.
-        left_in_flight: Messages kept until their new partitions are registered.
+        in_flight: Messages kept until their new partitions are registered: message id ->
+            (receipt handle, the keys it waits for).
     """
 
     new_files: list[ListedFile] = field(default_factory=list)
     delete: list[str] = field(default_factory=list)
     poison: list[tuple[str, str, str]] = field(default_factory=list)
-    left_in_flight: int = 0
+    in_flight: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+    settled: int = 0
     duplicates: int = 0
     not_arrivals: int = 0
     received: int = 0
@@ -156,7 +165,10 @@ def sort_messages(
             tick.duplicates += 1
             tick.delete.append(message["ReceiptHandle"])
             continue
-        tick.left_in_flight += 1
+        tick.in_flight[message["MessageId"]] = (
+            message["ReceiptHandle"],
+            tuple(key for key, _ in unknown),
+        )
         for key, listed in unknown:
             if key not in new_keys:
                 new_keys.add(key)
@@ -208,6 +220,9 @@ class QueueReads:
     visibility_timeout_seconds: int
     max_receive_seconds: float
 
+    def __post_init__(self) -> None:
+        _check_reads(self)
+
 
 def receive_messages(client: Any, reads: QueueReads) -> tuple[list[dict[str, Any]], int]:
     """Receive up to `reads.max_messages` messages, 10 a call, until a long poll comes back
@@ -218,7 +233,11 @@ def receive_messages(client: Any, reads: QueueReads) -> tuple[list[dict[str, Any
         The messages, each once with its latest receipt handle (the one SQS deletes by), in
         order of first receipt; and the number of receive calls.
     """
-    deadline = time.monotonic() + reads.max_receive_seconds
+    # Stop at half the visibility timeout at the latest: a message received at the start is
+    # then still hidden when the tick deletes it, and never comes back within the tick.
+    deadline = time.monotonic() + min(
+        reads.max_receive_seconds, reads.visibility_timeout_seconds / 2
+    )
     by_id: dict[str, dict[str, Any]] = {}
     calls = 0
     while len(by_id) < reads.max_messages and time.monotonic() < deadline:
@@ -316,11 +335,10 @@ def sqs_arrival_sensor(
         visibility_timeout_seconds=visibility_timeout_seconds,
         max_receive_seconds=max_receive_seconds,
     )
-    _check_reads(reads)
     output_key = pipeline.output_asset.key
     sensor_name = name or f"{output_key.to_python_identifier()}_sqs_arrivals"
     tags = {ARRIVAL_SENSOR_TAG: sensor_name, **(run_tags or {})}
-    clients: list[Any] = []  # one boto3 client per code server process, made on first use
+    waiting = _WaitingMessages(visibility_timeout_seconds)
 
     def plan(context: dg.SensorEvaluationContext, files: list[ListedFile]) -> list[str]:
         if split is None:
@@ -342,12 +360,13 @@ def sqs_arrival_sensor(
         context: dg.SensorEvaluationContext, **_resources: Any
     ) -> dg.SensorResult:
         started = time.perf_counter()
-        if not clients:
-            clients.append(sqs_client(queue_url, region=region, endpoint_url=endpoint_url))
         known = registered_file_keys(
             context.instance.get_dynamic_partitions(partitions_def.name)  # type: ignore[arg-type]
         )
-        tick = receive_and_sort(context, clients[0], reads, watched, known.__contains__)
+        receiving_from, settled = time.monotonic(), waiting.settled(known)
+        client = sqs_client(queue_url, region=region, endpoint_url=endpoint_url)
+        tick = receive_and_sort(context, client, reads, watched, known.__contains__, settled)
+        waiting.remember(tick.in_flight, receiving_from)
         keys = plan(context, tick.new_files)
         cursor = _next_queue_cursor(context.cursor, tick, len(keys))
         summary = _tick_summary(tick, len(keys), time.perf_counter() - started, reads)
@@ -371,13 +390,17 @@ def receive_and_sort(
     reads: QueueReads,
     watched: WatchedFiles,
     is_known: Callable[[str], bool],
+    settled: list[str],
 ) -> QueueTick:
-    """One tick's queue work: receive, sort, delete what is done with, log the poison."""
+    """One tick's queue work: delete the `settled` messages of earlier ticks (first, so that
+    none of them comes back during the receive), receive, sort, delete what is done with,
+    log the poison."""
+    refused = delete_messages(client, reads.queue_url, settled)
     messages, calls = receive_messages(client, reads)
     tick = sort_messages(messages, watched, is_known)
-    tick.received, tick.receive_calls = len(messages), calls
-    refused = delete_messages(client, reads.queue_url, tick.delete)
-    tick.deleted = len(tick.delete) - len(refused)
+    tick.received, tick.receive_calls, tick.settled = len(messages), calls, len(settled)
+    refused += delete_messages(client, reads.queue_url, tick.delete)
+    tick.deleted = len(settled) + len(tick.delete) - len(refused)
     for message_id, why, body in tick.poison:
         context.log.warning(
             f"deleted poison message {message_id} from {reads.queue_url}: {why}; "
@@ -408,6 +431,43 @@ def _watched_s3_input(pipeline: InferencePipeline, glob: str) -> tuple[InputSpec
             "use arrival_sensor for local files"
         )
     return input_spec, watched
+
+
+class _WaitingMessages:
+    """The messages the last tick left in flight, remembered by this code server process so
+    that the next tick deletes them as soon as their partitions are registered, instead of
+    receiving them again when their visibility timeout runs out.
+
+    Only a shortcut: a process that restarted, or a receipt older than the visibility
+    timeout, is forgotten and the message comes back; and nothing is deleted before the
+    instance shows every partition it announced registered.
+    """
+
+    def __init__(self, visibility_timeout_seconds: int) -> None:
+        # A receipt handle deletes while its message is hidden: up to the visibility timeout
+        # after the receive, less a second for the delete call itself.
+        self.max_age = visibility_timeout_seconds - 1
+        self.received_from = 0.0
+        self.messages: dict[str, tuple[str, tuple[str, ...]]] = {}
+
+    def settled(self, known: Collection[str]) -> list[str]:
+        """Receipt handles of the remembered messages whose partitions are all registered
+        now; the rest are forgotten (their tick's result was never applied)."""
+        fresh = time.monotonic() - self.received_from < self.max_age
+        handles = [
+            handle
+            for handle, keys in self.messages.values()
+            if fresh and all(key in known for key in keys)
+        ]
+        self.messages = {}
+        return handles
+
+    def remember(
+        self, in_flight: Mapping[str, tuple[str, tuple[str, ...]]], received_from: float
+    ) -> None:
+        """Remember a tick's messages left in flight, received at `received_from` or later."""
+        self.messages = dict(in_flight)
+        self.received_from = received_from
 
 
 def _check_reads(reads: QueueReads) -> None:
@@ -452,6 +512,7 @@ def _tick_summary(tick: QueueTick, partitions: int, seconds: float, reads: Queue
         f"{seconds:.2f}s: "
         f"{len(tick.new_files)} new file(s), {partitions} partition(s); deleted "
         f"{tick.duplicates} of registered objects, {tick.not_arrivals} test or non-create "
-        f"event(s), {len(tick.poison)} poison; {tick.left_in_flight} left in flight until "
+        f"event(s), {len(tick.poison)} poison, {tick.settled} of objects registered since "
+        f"the last tick; {len(tick.in_flight)} left in flight until "
         f"their partitions are registered (back in {reads.visibility_timeout_seconds}s)"
     )

@@ -52,7 +52,7 @@ def defs() -> dg.Definitions:
                 endpoint_url=endpoint,
                 region="us-east-1",
                 wait_time_seconds=0,
-                visibility_timeout_seconds=2,
+                visibility_timeout_seconds=30,
                 minimum_interval_seconds=1,
                 default_status=dg.DefaultSensorStatus.RUNNING,
             )
