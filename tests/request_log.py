@@ -38,6 +38,9 @@ class RequestLog:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive, as boto3 expects
+            # Headers and body leave in two writes: without TCP_NODELAY, Nagle's algorithm
+            # and the client's delayed ACK hold each response about 40 ms.
+            disable_nagle_algorithm = True
 
             def log_message(self, format: str, *args: object) -> None:  # noqa: A002
                 pass
