@@ -400,10 +400,10 @@ def test_poison_messages_are_logged_by_id_and_deleted_without_failing_the_tick(
 # --------------------------------------------------------------------------- scale
 
 
-def deliver_and_register(n: int, s3_server, sqs, proxy, instance, wave: int) -> float:
+def deliver_and_register(n: int, s3_server, sqs, proxy, instance, wave: int) -> None:
     """n objects announced with a fifth of them twice, in shuffled order, `wave` messages
     sent between ticks; checks each object is added and requested exactly once, with no
-    listing, and the queue left empty. Returns the seconds the ticks took."""
+    listing, and the queue left empty."""
     import random
 
     bucket = s3_server.new_bucket("scale")
@@ -425,12 +425,9 @@ def deliver_and_register(n: int, s3_server, sqs, proxy, instance, wave: int) -> 
     added: list[str] = []
     requested: list[str] = []
     receives_before = proxy.sqs_calls("ReceiveMessage")
-    ticking = 0.0
     for start in range(0, len(stream), wave):
         send_bodies(sqs, queue_url, stream[start : start + wave])
-        started = time.perf_counter()
         result = driver.tick()
-        ticking += time.perf_counter() - started
         added += added_keys(result)
         requested += requested_keys(result, pipeline)
     added += drain(driver, sqs, queue_url)
@@ -444,7 +441,6 @@ def deliver_and_register(n: int, s3_server, sqs, proxy, instance, wave: int) -> 
     receives = proxy.sqs_calls("ReceiveMessage") - receives_before
     assert counts["received"] >= len(stream)
     assert receives <= counts["received"] / 5
-    return ticking
 
 
 def test_500_arrivals_with_duplicates_out_of_order_register_once_without_listing(
@@ -457,8 +453,8 @@ def test_500_arrivals_with_duplicates_out_of_order_register_once_without_listing
 def test_10000_arrivals_with_duplicates_out_of_order_register_once_without_listing(
     s3_server, sqs, proxy, instance
 ):
-    ticking = deliver_and_register(10_000, s3_server, sqs, proxy, instance, wave=250)
-    print(f"10,000 arrivals: {ticking:.1f} s of sensor ticks")
+    """30 s on an idle 2-core machine, 60 s on a busy one, most of it moto's SQS."""
+    deliver_and_register(10_000, s3_server, sqs, proxy, instance, wave=250)
 
 
 # --------------------------------------------------------------------------- real daemon
