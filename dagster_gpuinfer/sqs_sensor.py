@@ -513,6 +513,7 @@ def _tick_summary(tick: QueueTick, partitions: int, seconds: float, reads: Queue
         f"{len(tick.new_files)} new file(s), {partitions} partition(s); deleted "
         f"{tick.duplicates} of registered objects, {tick.not_arrivals} test or non-create "
         f"event(s), {len(tick.poison)} poison, {tick.settled} of objects registered since "
-        f"the last tick; {len(tick.in_flight)} left in flight until "
-        f"their partitions are registered (back in {reads.visibility_timeout_seconds}s)"
+        f"the last tick; {len(tick.in_flight)} left in flight until their partitions are "
+        f"registered (deleted by the next tick, or back on the queue after "
+        f"{reads.visibility_timeout_seconds}s)"
     )

@@ -98,6 +98,9 @@ class SqsQueueSettings(dg.Resolvable, dg.Model):
         description="How long a received message stays hidden; a new object's message comes "
         "back after it and is deleted once its partition is registered.",
     )
+    max_receive_seconds: float = Field(
+        20.0, gt=0, description="Receiving stops after this long (or half the visibility)."
+    )
 
 
 class ArrivalSensorSettings(dg.Resolvable, dg.Model):
