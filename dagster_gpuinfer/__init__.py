@@ -38,6 +38,7 @@ _EXPORTS = {
     "SecretRefs": "dagster_gpuinfer.k8s.config",
     "build_worker_pod": "dagster_gpuinfer.k8s.pod",
     "arrival_sensor": "dagster_gpuinfer.sensors",
+    "sqs_arrival_sensor": "dagster_gpuinfer.sqs_sensor",
     "backfill_estimate_sensor": "dagster_gpuinfer.estimate",
     "estimate_backfill": "dagster_gpuinfer.estimate",
     "SplitLargeFiles": "dagster_gpuinfer.arrivals",
@@ -90,6 +91,7 @@ if TYPE_CHECKING:
     from dagster_gpuinfer.spec import RowLimits as RowLimits
     from dagster_gpuinfer.spec import SamplingParams as SamplingParams
     from dagster_gpuinfer.spec import StorageOptions as StorageOptions
+    from dagster_gpuinfer.sqs_sensor import sqs_arrival_sensor as sqs_arrival_sensor
     from dagster_gpuinfer.storage import Manifest as Manifest
     from dagster_gpuinfer.storage import partition_error_files as partition_error_files
     from dagster_gpuinfer.storage import read_errors as read_errors

@@ -99,6 +99,20 @@ class WatchedFiles:
         return name[: len(name) - len(self.suffix)] if self.suffix else name
 
 
+def refused_key_reason(key: str) -> str | None:
+    """Why the file key `key` cannot be a partition key (what to do included), or None."""
+    unsafe = unsafe_partition_key_reason(key)
+    if unsafe is not None:
+        return f"its partition key {key!r} is refused: {unsafe}; rename the file"
+    bad = [s for s in INVALID_KEY_SUBSTRINGS if s in key]
+    if bad:
+        return (
+            f"its partition key would contain {bad[0]!r}, which Dagster does not allow in "
+            "partition keys; rename the file"
+        )
+    return None
+
+
 # --------------------------------------------------------------------------- scanning
 
 
@@ -145,23 +159,9 @@ def scan_arrivals(
         scan.next_start_after = arrived.name
         key = watched.file_key(arrived.name)
         if key is not None and not is_known(key):
-            bad = [s for s in INVALID_KEY_SUBSTRINGS if s in key]
-            unsafe = unsafe_partition_key_reason(key)
-            if unsafe is not None:
-                scan.rejected.append(
-                    (
-                        arrived.name,
-                        f"its partition key {key!r} is refused: {unsafe}; rename the file",
-                    )
-                )
-            elif bad:
-                scan.rejected.append(
-                    (
-                        arrived.name,
-                        f"its partition key would contain {bad[0]!r}, which Dagster "
-                        "does not allow in partition keys; rename the file",
-                    )
-                )
+            refused = refused_key_reason(key)
+            if refused is not None:
+                scan.rejected.append((arrived.name, refused))
             else:
                 scan.new_files.append(arrived)
         return len(scan.new_files) >= max_new_files or scan.listed >= max_listed

@@ -124,7 +124,7 @@ def arrival_sensor(
         ValueError: the pipeline's partitions are not dynamic, or its input uri cannot be
             watched.
     """
-    partitions_def = _dynamic_partitions_of(pipeline)
+    partitions_def = dynamic_partitions_of(pipeline)
     if max_new_files_per_tick < 1 or max_files_listed_per_tick < 1:
         raise ValueError("max_new_files_per_tick and max_files_listed_per_tick must be positive")
     input_spec = _watched_input(pipeline)
@@ -152,7 +152,7 @@ def arrival_sensor(
         known = registered_file_keys(
             context.instance.get_dynamic_partitions(partitions_def.name)  # type: ignore[arg-type]
         )
-        lister = _prefix_lister(context, watched.prefix, storage, resource_key, s3_resource_key)
+        lister = prefix_lister(context, watched.prefix, storage, resource_key, s3_resource_key)
         scan = scan_arrivals(
             lister,
             watched,
@@ -170,9 +170,7 @@ def arrival_sensor(
         context.log.info(summary)
         if not keys:
             return dg.SensorResult(skip_reason=summary, cursor=next_cursor)
-        run_requests = _arrival_requests(
-            launch, sensor_name, output_key, partitions_def, keys, tags
-        )
+        run_requests = arrival_requests(launch, sensor_name, output_key, partitions_def, keys, tags)
         return dg.SensorResult(
             run_requests=run_requests,
             dynamic_partitions_requests=[partitions_def.build_add_request(keys)],
@@ -182,7 +180,7 @@ def arrival_sensor(
     return _arrival_sensor
 
 
-def _dynamic_partitions_of(pipeline: InferencePipeline) -> dg.DynamicPartitionsDefinition:
+def dynamic_partitions_of(pipeline: InferencePipeline) -> dg.DynamicPartitionsDefinition:
     """The pipeline's named dynamic partitions, which an arrival sensor adds to."""
     partitions_def = pipeline.output_asset.partitions_def
     if not isinstance(partitions_def, dg.DynamicPartitionsDefinition) or not partitions_def.name:
@@ -195,7 +193,7 @@ def _dynamic_partitions_of(pipeline: InferencePipeline) -> dg.DynamicPartitionsD
     return partitions_def
 
 
-def _prefix_lister(
+def prefix_lister(
     context: dg.SensorEvaluationContext,
     prefix: str,
     storage: StorageOptions | None,
@@ -236,7 +234,7 @@ def _next_cursor(cursor: Mapping[str, Any], scan: Any) -> str:
     )
 
 
-def _arrival_requests(
+def arrival_requests(
     launch: str,
     sensor_name: str,
     output_key: dg.AssetKey,

@@ -6,6 +6,8 @@ daemons ticked by hand), configured through environment variables set by each te
 - GPUINFER_TEST_MODEL: the embedding model directory
 - GPUINFER_TEST_S3_ENDPOINT: the loopback S3 endpoint, if any
 - GPUINFER_TEST_SPLIT_MIN_BYTES / GPUINFER_TEST_SPLIT_BYTES: split JSONL files this large
+- GPUINFER_TEST_SQS_QUEUE_URL: the queue of S3 event notifications to read instead of
+  listing (`sqs_arrival_sensor`, at GPUINFER_TEST_S3_ENDPOINT)
 """
 
 import os
@@ -16,6 +18,7 @@ from assets.downstream import embedding_stats_asset
 from dagster_gpuinfer import EngineArgs, GpuInferenceResource, InputSpec, inference_assets
 from dagster_gpuinfer.arrivals import SplitLargeFiles
 from dagster_gpuinfer.sensors import arrival_sensor
+from dagster_gpuinfer.sqs_sensor import sqs_arrival_sensor
 
 PARTITIONS = dg.DynamicPartitionsDefinition(name="doc_files")
 
@@ -43,7 +46,18 @@ def defs() -> dg.Definitions:
     return dg.Definitions(
         assets=[*pipeline.assets, embedding_stats_asset(pipeline)],
         sensors=[
-            arrival_sensor(
+            sqs_arrival_sensor(
+                pipeline,
+                queue_url=env["GPUINFER_TEST_SQS_QUEUE_URL"],
+                endpoint_url=endpoint,
+                region="us-east-1",
+                wait_time_seconds=0,
+                visibility_timeout_seconds=30,
+                minimum_interval_seconds=1,
+                default_status=dg.DefaultSensorStatus.RUNNING,
+            )
+            if env.get("GPUINFER_TEST_SQS_QUEUE_URL")
+            else arrival_sensor(
                 pipeline,
                 split=split,
                 minimum_interval_seconds=1,

@@ -15,6 +15,8 @@ In a defs folder, `defs.yaml`::
         type: dynamic            # static (keys: [...]) | dynamic | daily (start_date: ...)
       arrival_sensor:
         glob: "*.jsonl"
+        # sqs:                   # read S3 event notifications instead of listing
+        #   queue_url: https://sqs.us-east-1.amazonaws.com/123456789012/ticket-arrivals
       engine:
         dtype: float16
         max_model_len: 512
@@ -42,6 +44,7 @@ from dagster_gpuinfer.asset_factory import InferencePipeline, inference_assets, 
 from dagster_gpuinfer.resource import GpuInferenceResource, InvalidInferenceSpec
 from dagster_gpuinfer.sensors import arrival_sensor
 from dagster_gpuinfer.spec import InferenceSpec, Task, pipeline_fields
+from dagster_gpuinfer.sqs_sensor import sqs_arrival_sensor
 
 # The attribute models are `Resolvable` too: Dagster then checks their `Field` constraints
 # while it reads the YAML, and its error names the attribute and the YAML line.
@@ -75,6 +78,32 @@ class DailyPartitioning(dg.Resolvable, dg.Model):
     schedule_running: bool = Field(False, description="Start the schedule running.")
 
 
+class SqsQueueSettings(dg.Resolvable, dg.Model):
+    """Read the bucket's S3 event notifications from an SQS queue instead of listing it."""
+
+    queue_url: str = Field(description="The queue the bucket's event notification sends to.")
+    region: str | None = Field(
+        None, description="The queue's region; default: the one in the queue URL."
+    )
+    endpoint_url: str | None = Field(
+        None, description="An SQS-compatible endpoint (LocalStack, moto); default: AWS."
+    )
+    max_messages_per_tick: int = Field(
+        2_000, ge=1, description="Messages received per tick; more wait for the next."
+    )
+    wait_time_seconds: int = Field(1, ge=0, le=20, description="Long-poll wait per receive.")
+    visibility_timeout_seconds: int = Field(
+        60,
+        ge=1,
+        le=43_200,
+        description="How long a received message stays hidden; a new object's message comes "
+        "back after it and is deleted once its partition is registered.",
+    )
+    max_receive_seconds: float = Field(
+        20.0, gt=0, description="Receiving stops after this long (or half the visibility)."
+    )
+
+
 class ArrivalSensorSettings(dg.Resolvable, dg.Model):
     """Watch the input prefix and register each new file as a partition."""
 
@@ -87,6 +116,12 @@ class ArrivalSensorSettings(dg.Resolvable, dg.Model):
     )
     minimum_interval_seconds: int = Field(30, ge=1, description="Seconds between ticks.")
     running: bool = Field(False, description="Start the sensor running.")
+    sqs: SqsQueueSettings | None = Field(
+        None,
+        description="Registers objects announced by S3 event notifications on this queue "
+        "(sqs_arrival_sensor) and never lists the bucket; max_new_files_per_tick then does "
+        "not apply.",
+    )
     split_min_bytes: Annotated[int, Field(ge=1)] | None = Field(
         None, description="Split files at least this large into row or byte ranges."
     )
@@ -228,6 +263,32 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, settings_model(_Pi
             **{name: getattr(self, name) for name in pipeline_fields()},
         )
 
+    def _arrival_sensor(
+        self, pipeline: InferencePipeline, settings: ArrivalSensorSettings
+    ) -> dg.SensorDefinition:
+        """The listing arrival sensor, or the SQS one when `sqs` names a queue."""
+        common: dict[str, Any] = {
+            "glob": settings.glob,
+            "launch": settings.launch,
+            "minimum_interval_seconds": settings.minimum_interval_seconds,
+            "default_status": dg.DefaultSensorStatus.RUNNING
+            if settings.running
+            else dg.DefaultSensorStatus.STOPPED,
+            "split": SplitLargeFiles(
+                min_bytes=settings.split_min_bytes,
+                jsonl_bytes_per_partition=settings.jsonl_bytes_per_partition,
+                parquet_rows_per_partition=settings.parquet_rows_per_partition,
+            )
+            if settings.split_min_bytes
+            else None,
+            "resource_key": self.effective_resource_key(),
+        }
+        if settings.sqs is None:
+            return arrival_sensor(
+                pipeline, max_new_files_per_tick=settings.max_new_files_per_tick, **common
+            )
+        return sqs_arrival_sensor(pipeline, **settings.sqs.model_dump(), **common)
+
     # ------------------------------------------------------------------ dg
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
@@ -253,27 +314,10 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, settings_model(_Pi
                     f"{where}: arrival_sensor registers partitions, so it needs "
                     f"`partitioning: {{type: dynamic}}`, not {self.partitioning.type!r}"
                 )
-            settings = self.arrival_sensor
-            sensors.append(
-                arrival_sensor(
-                    pipeline,
-                    glob=settings.glob,
-                    launch=settings.launch,
-                    max_new_files_per_tick=settings.max_new_files_per_tick,
-                    minimum_interval_seconds=settings.minimum_interval_seconds,
-                    default_status=dg.DefaultSensorStatus.RUNNING
-                    if settings.running
-                    else dg.DefaultSensorStatus.STOPPED,
-                    split=SplitLargeFiles(
-                        min_bytes=settings.split_min_bytes,
-                        jsonl_bytes_per_partition=settings.jsonl_bytes_per_partition,
-                        parquet_rows_per_partition=settings.parquet_rows_per_partition,
-                    )
-                    if settings.split_min_bytes
-                    else None,
-                    resource_key=self.effective_resource_key(),
-                )
-            )
+            try:
+                sensors.append(self._arrival_sensor(pipeline, self.arrival_sensor))
+            except ValueError as exc:
+                raise dg.DagsterInvalidDefinitionError(f"{where}: arrival_sensor: {exc}") from None
         if (
             isinstance(self.partitioning, DailyPartitioning)
             and self.partitioning.schedule_hour is not None
