@@ -177,6 +177,45 @@ def test_an_upload_without_a_length_stops_with_429_once_past_the_room_left(
     service.store.close()
 
 
+def test_concurrent_uploads_reserve_their_length_and_never_pass_the_byte_quota(
+    tmp_path, instance, store_url
+):
+    """Eight uploads at once, each fitting the empty quota alone: the length each announces
+    is reserved where its row is written (and given back to the file's size once it is in),
+    so together they never pass the quota."""
+    service = limited(tmp_path, instance, store_url, max_stored_bytes=2000)
+    key = service.store.create_key("acme").token
+    data = request_lines(4, model="mini")
+    with live_service(service) as base_url:
+
+        def send(_: int) -> int:
+            files = {"file": ("in.jsonl", data, "application/jsonl")}
+            headers = {"Authorization": f"Bearer {key}"}
+            answer = httpx.post(
+                f"{base_url}/files", files=files, data={"purpose": "batch"}, headers=headers
+            )
+            return answer.status_code
+
+        announced = len(
+            httpx.Request(
+                "POST",
+                base_url,
+                files={"file": ("in.jsonl", data, "application/jsonl")},
+                data={"purpose": "batch"},
+            ).read()
+        )
+        assert announced < 2000 < 8 * announced
+        with ThreadPoolExecutor(8) as pool:
+            statuses = list(pool.map(send, range(8)))
+    # At least as many as fit by their reservations; more only where an upload that had
+    # finished gave back what its form's boundaries had reserved. Never past the quota.
+    assert statuses.count(200) >= 2000 // announced and 429 in statuses
+    assert set(statuses) == {200, 429}
+    stored = service.store.usage("acme").stored_bytes
+    assert stored == statuses.count(200) * len(data) <= 2000
+    service.store.close()
+
+
 def test_batches_over_the_in_flight_quota_are_429_until_one_finishes(tmp_path, instance, store_url):
     service = limited(tmp_path, instance, store_url, max_batches_in_flight=2)
     with live_service(service) as base_url:
