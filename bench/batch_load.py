@@ -420,8 +420,9 @@ def start_replicas(
         log = open(work / f"replica-{index}.log", "w")  # noqa: SIM115 (the process keeps it)
         processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=log))
         urls.append(f"http://127.0.0.1:{port}/v1")
-    for process, url in zip(processes, urls, strict=True):
-        _wait_healthy(process, url)
+        # One at a time: the first creates the Dagster instance's SQLite tables in the
+        # fresh DAGSTER_HOME, and two at once raced to ("table bulk_actions already exists")
+        _wait_healthy(processes[-1], urls[-1])
     return processes, urls
 
 
