@@ -99,6 +99,8 @@ class Ledger:
     transport_errors: Counter = field(default_factory=Counter)
     files: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     deleted: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    # Files whose DELETE got no answer (a transport error): gone or kept, either is right.
+    delete_unanswered: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     batches: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     outputs_checked: int = 0
     outputs_wrong: list[str] = field(default_factory=list)
@@ -215,7 +217,9 @@ async def delete_file(clients: Clients, rng: random.Random, tenant: str, file_id
     path = f"/files/{file_id}"
     until = time.monotonic() + 30  # a delete frees quota: it goes on past the run's end
     answer = await send(clients, rng, tenant, "DELETE /files/{id}", "DELETE", path, until=until)
-    if answer is not None and answer.status_code == 200:
+    if answer is None:
+        clients.ledger.delete_unanswered[tenant].add(file_id)
+    elif answer.status_code == 200:
         clients.ledger.deleted[tenant].add(file_id)
 
 
@@ -524,11 +528,13 @@ def reconcile_objects(ledger: Ledger, base_url: str, keys: dict[str, str]) -> di
         file_ids = [f["id"] for f in files]
         counts["files_duplicated"] += len(file_ids) - len(set(file_ids))
         inputs = {f["id"] for f in files if f["purpose"] == "batch"}
-        kept = ledger.files[tenant] - ledger.deleted[tenant]
+        kept = ledger.files[tenant] - ledger.deleted[tenant] - ledger.delete_unanswered[tenant]
         counts["files_lost"] += len(kept - inputs)
+        counts["files_delete_unanswered"] += len(ledger.delete_unanswered[tenant])
         counts["files_unknown"] += len(inputs - ledger.files[tenant])
         outputs = {b["output_file_id"] for b in batches if b.get("output_file_id")}
-        missing = outputs - ledger.deleted[tenant] - set(file_ids)
+        missing = outputs - ledger.deleted[tenant] - ledger.delete_unanswered[tenant]
+        missing -= set(file_ids)
         counts["output_files_lost"] += len(missing)
     return {**counts, "batch_statuses": dict(statuses)}
 
