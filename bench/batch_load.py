@@ -99,7 +99,8 @@ class Ledger:
     transport_errors: Counter = field(default_factory=Counter)
     files: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     deleted: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
-    # Files whose DELETE got no answer (a transport error): gone or kept, either is right.
+    # Files whose DELETE got no answer (a transport error, or 429s until the client gave
+    # up at the run's end): gone or kept, either is right.
     delete_unanswered: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     batches: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     outputs_checked: int = 0
