@@ -403,9 +403,7 @@ def start_replicas(
     count: int, store_url: str, work: Path, routes: Path, limits: Path
 ) -> tuple[list[subprocess.Popen], list[str]]:
     """`count` API processes on free ports; returns them and their base URLs once healthy."""
-    home = work / "dagster_home"
-    home.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "DAGSTER_HOME": str(home), "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "DAGSTER_HOME": str(dagster_home(work)), "PYTHONPATH": str(REPO_ROOT)}
     processes, urls = [], []
     for index in range(count):
         port = _free_port()
@@ -425,10 +423,23 @@ def start_replicas(
         log = open(work / f"replica-{index}.log", "w")  # noqa: SIM115 (the process keeps it)
         processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=log))
         urls.append(f"http://127.0.0.1:{port}/v1")
-        # One at a time: the first creates the Dagster instance's SQLite tables in the
-        # fresh DAGSTER_HOME, and two at once raced to ("table bulk_actions already exists")
-        _wait_healthy(processes[-1], urls[-1])
+    for process, url in zip(processes, urls, strict=True):
+        _wait_healthy(process, url)
     return processes, urls
+
+
+def dagster_home(work: Path) -> Path:
+    """A DAGSTER_HOME whose (SQLite) instance exists before any replica starts: replicas
+    starting at once on a fresh one raced to create its tables ("table bulk_actions
+    already exists") and one exited."""
+    import dagster as dg
+    from dagster._core.instance.ref import InstanceRef
+
+    home = work / "dagster_home"
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "dagster.yaml").touch()
+    dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home))).dispose()
+    return home
 
 
 def _free_port() -> int:
