@@ -54,6 +54,10 @@ Design decisions, and why:
   before it resolves dependencies), uploads stream into storage under their bound
   (uploads.py), and a create streams its file line by line: no request makes the server
   hold a whole file, and none from an unknown caller makes it hold anything.
+- **Limits per tenant, shared by the replicas** (limits.py): a token bucket per key in the
+  store (one upsert per request), quotas on files, stored bytes and batches in flight
+  counted under a per-tenant lock where the row is written; 429 with `Retry-After` and an
+  OpenAI-shaped body naming the limit, before the body is read.
 """
 
 from dagster_gpuinfer.batch_api.tags import BATCH_ID_TAG, QUEUE_TAG, TENANT_TAG

@@ -24,16 +24,18 @@ def build_service(
     store_url: str | None,
     files_root: str | None,
     webhooks_source: str | None = None,
+    limits_source: str | None = None,
 ):
     """The service from the environment (settings.py), overridden by the given arguments.
 
     Raises:
-        ValueError: the webhook settings are not valid, or an endpoint's secret variable
-            is unset or not a `whsec_` secret.
+        ValueError: the webhook or limit settings are not valid, or an endpoint's secret
+            variable is unset or not a `whsec_` secret.
     """
     import dagster as dg
 
     from dagster_gpuinfer.batch_api.files import FileBytes
+    from dagster_gpuinfer.batch_api.limits import load_limit_settings
     from dagster_gpuinfer.batch_api.routing import load_routing_table
     from dagster_gpuinfer.batch_api.service import BatchService
     from dagster_gpuinfer.batch_api.webhooks import load_webhook_settings
@@ -46,6 +48,7 @@ def build_service(
         routes=load_routing_table(routes_source),
         instance=dg.DagsterInstance.get(),
         webhooks=webhooks,
+        limits=load_limit_settings(limits_source),
     )
 
 
@@ -55,7 +58,9 @@ def serve(args: argparse.Namespace) -> int:
     from dagster_gpuinfer.batch_api.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    service = build_service(args.routes, args.store_url, args.files_root, args.webhooks)
+    service = build_service(
+        args.routes, args.store_url, args.files_root, args.webhooks, args.limits
+    )
     app = create_app(service, reconcile_interval=args.reconcile_interval)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
@@ -122,6 +127,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--webhooks",
         help="webhook endpoints per tenant: YAML path (default $GPUINFER_BATCH_WEBHOOKS)",
+    )
+    run.add_argument(
+        "--limits",
+        help="per-tenant rate limits and quotas: YAML path (default $GPUINFER_BATCH_LIMITS; "
+        "without one, the defaults of dagster_gpuinfer/batch_api/limits.py)",
     )
     run.set_defaults(handler=serve)
     key_parser = commands.add_parser("keys", help="create, list or revoke API keys")

@@ -7,10 +7,10 @@ lives on `app.state`), a pydantic response model on every route (schemas.py), so
 back in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`) so the SDK raises
 its usual `AuthenticationError` (401), `NotFoundError` (404) and `BadRequestError` (400).
 
-GET requests only read the store. What a batch's run and partition say reaches its row
-through the reconcile loop started here (`reconcile_interval`), never through a GET. With
-webhook endpoints configured, a second loop here sends the events that loop leaves in the
-outbox (webhooks.py).
+GET requests read the store (their one write is the key's rate-limit token, limits.py).
+What a batch's run and partition say reaches its row through the reconcile loop started
+here (`reconcile_interval`), never through a GET. With webhook endpoints configured, a
+second loop here sends the events that loop leaves in the outbox (webhooks.py).
 """
 
 import contextlib
@@ -103,7 +103,7 @@ def health(service: ServiceDep) -> Health:
 
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.message, exc.code, exc.param)
+    return error_response(exc.status, exc.message, exc.code, exc.param, exc.retry_after)
 
 
 async def _invalid_request(_: Request, exc: Exception) -> JSONResponse:

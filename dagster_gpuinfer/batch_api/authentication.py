@@ -9,6 +9,10 @@ the application) that runs ahead of all that: for every `/v1` request it checks 
 key, answers 401 (and writes the audit line) without reading the body, and hands the tenant
 to the route through `request.state.tenant` (dependencies.py reads it there).
 
+Then it applies the tenant's limits that need no body (limits.py, `BatchService.admit`): the
+key's request rate, and for an upload or a create the file, byte and batch quotas, answered
+429 with `Retry-After` before the body is read.
+
 It also bounds what a route may be sent: a JSON body is read here, up to
 `MAX_JSON_BODY_BYTES` (413 beyond), and replayed to the route; the one upload route
 (`POST /v1/files`) streams its body itself, under its own bound (uploads.py).
@@ -16,12 +20,17 @@ It also bounds what a route may be sent: a JSON body is read here, up to
 
 from __future__ import annotations
 
+import functools
+
 import anyio.to_thread
 from starlette.datastructures import Headers
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dagster_gpuinfer.batch_api.audit import audit_refused_key
+from dagster_gpuinfer.batch_api.audit import audit_refusal, audit_refused_key
 from dagster_gpuinfer.batch_api.schemas import error_response
+from dagster_gpuinfer.batch_api.service import ApiError, BatchService
+from dagster_gpuinfer.batch_api.store import Tenant
 
 # The largest JSON body a route takes: a create with 16 metadata pairs of 64 and 512
 # characters is under 40 KB; 1 MiB leaves room and bounds what a caller can make us hold.
@@ -64,6 +73,10 @@ class AuthenticateFirst:
             await response(scope, receive, send)
             return
         scope.setdefault("state", {})["tenant"] = tenant
+        refusal = await _over_a_limit(service, tenant, scope)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
         if (scope["method"], path.rstrip("/")) == UPLOAD_ROUTE:
             await self.app(scope, receive, send)
             return
@@ -77,6 +90,31 @@ class AuthenticateFirst:
             await error_response(413, message, "request_too_large")(scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
+
+
+# The creates whose quota refusals are audit lines (a rate limit's 429s are not: a client
+# over its rate sends many, and they change nothing).
+_CREATES = {("POST", "/v1/files"): "file.create", ("POST", "/v1/batches"): "batch.create"}
+
+
+async def _over_a_limit(service: BatchService, tenant: Tenant, scope: Scope) -> Response | None:
+    """The 429 answer of a request over one of its tenant's limits, else None."""
+    announced = Headers(scope=scope).get("content-length", "")
+    admit = functools.partial(
+        service.admit,
+        tenant,
+        method=scope["method"],
+        path=scope["path"],
+        announced=int(announced) if announced.isdigit() else None,
+    )
+    try:
+        await anyio.to_thread.run_sync(admit)
+    except ApiError as exc:
+        action = _CREATES.get((scope["method"], scope["path"].rstrip("/")))
+        if action is not None and exc.code != "rate_limit_exceeded":
+            audit_refusal(tenant, action, None, exc)
+        return error_response(exc.status, exc.message, exc.code, exc.param, exc.retry_after)
+    return None
 
 
 async def _bounded_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:

@@ -238,7 +238,7 @@ class CreateBatch(BaseModel):
 
 class ErrorDetail(BaseModel):
     message: str
-    type: Literal["invalid_request_error", "api_error"]
+    type: Literal["invalid_request_error", "api_error", "requests", "insufficient_quota"]
     param: str | None = None
     code: str | None = None
 
@@ -261,8 +261,19 @@ def page_ids(data: list[Any]) -> dict[str, str | None]:
     }
 
 
-def error_response(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
-    """An OpenAI-shaped error answer."""
+def error_response(
+    status: int,
+    message: str,
+    code: str,
+    param: str | None = None,
+    retry_after: int | None = None,
+) -> JSONResponse:
+    """An OpenAI-shaped error answer. A 429 has OpenAI's types: `requests` for a rate limit
+    (`code` rate_limit_exceeded), `insufficient_quota` for a quota; `retry_after` seconds
+    go in the `Retry-After` header (the openai SDK waits that long before its retry)."""
     kind = "invalid_request_error" if 400 <= status < 500 else "api_error"
+    if status == 429:
+        kind = "requests" if code == "rate_limit_exceeded" else "insufficient_quota"
     body = ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)

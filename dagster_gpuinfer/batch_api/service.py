@@ -13,14 +13,25 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from dagster_gpuinfer.batch_api.audit import audit, audit_refusal
 from dagster_gpuinfer.batch_api.files import FileBytes
+from dagster_gpuinfer.batch_api.limits import (
+    QUOTA_RETRY_SECONDS,
+    LimitSettings,
+    TenantLimits,
+    batches_message,
+    bytes_message,
+    files_message,
+    rate_message,
+    retry_seconds,
+)
 from dagster_gpuinfer.batch_api.routing import RoutingTable
-from dagster_gpuinfer.batch_api.store import FILES, BatchStore, Tenant, now
+from dagster_gpuinfer.batch_api.store import FILES, BatchStore, QuotaExceeded, Tenant, now
 from dagster_gpuinfer.batch_api.tags import BATCH_ID_TAG
 from dagster_gpuinfer.batch_api.validation import (
     DEFAULT_MAX_BYTES,
@@ -48,11 +59,33 @@ OUTPUT_EXPIRY_SECONDS = (3600, 30 * 24 * 3600)
 
 
 class ApiError(Exception):
-    """An error the API answers with OpenAI's error shape."""
+    """An error the API answers with OpenAI's error shape; `retry_after` (seconds) becomes
+    the answer's `Retry-After` header (429s)."""
 
-    def __init__(self, status: int, message: str, *, code: str, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str,
+        param: str | None = None,
+        retry_after: int | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.retry_after = retry_after
+
+
+def quota_error(limits: TenantLimits, refused: QuotaExceeded, adding: int = 0) -> ApiError:
+    """The 429 of a write refused at a quota: what the tenant holds, the limit, what to do."""
+    if refused.what == "files":
+        message, code = files_message(limits, refused.held), "file_limit_exceeded"
+    elif refused.what == "bytes":
+        message = bytes_message(limits, refused.held, adding)
+        code = "storage_limit_exceeded"
+    else:
+        message, code = batches_message(limits, refused.held), "batch_limit_exceeded"
+    return ApiError(429, message, code=code, retry_after=QUOTA_RETRY_SECONDS)
 
 
 def not_found(what: str, object_id: str) -> ApiError:
@@ -94,11 +127,28 @@ class Upload:
     """A file being written: its row (status `uploaded`) is in the store, its bytes go to
     `writer` as they come; `abandon()` deletes both."""
 
-    def __init__(self, service: BatchService, tenant: Tenant, record: dict, writer: Any):
+    def __init__(
+        self,
+        service: BatchService,
+        tenant: Tenant,
+        record: dict,
+        writer: Any,
+        room: int | None = None,
+    ):
         self.service, self.tenant, self.record, self.writer = service, tenant, record, writer
         self.size = 0
+        self.room = room  # bytes the tenant's storage quota had left when the upload began
 
     def write(self, data: bytes) -> None:
+        """Write the next bytes.
+
+        Raises:
+            ApiError: 429 when they take the upload past the room its tenant had left.
+        """
+        if self.room is not None and self.size + len(data) > self.room:
+            limits = self.service.limits.for_tenant(self.tenant.name)
+            stored = limits.max_stored_bytes - self.room
+            raise quota_error(limits, QuotaExceeded("bytes", stored), self.size + len(data))
         self.writer.write(data)
         self.size += len(data)
 
@@ -151,6 +201,40 @@ class BatchService:
     max_bytes: int = DEFAULT_MAX_BYTES
     webhooks: WebhookSettings = field(default_factory=WebhookSettings)
     output_expiry_seconds: tuple[int, int] = OUTPUT_EXPIRY_SECONDS
+    limits: LimitSettings = field(default_factory=LimitSettings)
+
+    # ---------------------------------------------------------------- limits
+
+    def admit(self, tenant: Tenant, *, method: str, path: str, announced: int | None) -> None:
+        """The limits a request meets before its body is read (limits.py): its key's rate;
+        for an upload the file quota and, with the length it `announced`, the byte quota;
+        for a create the batches in flight. The writes check the quotas again, race-free.
+
+        Raises:
+            ApiError: 429 naming the limit, with `retry_after`.
+        """
+        limits = self.limits.for_tenant(tenant.name)
+        wait = self.store.take_token(
+            tenant.key_id, rate=limits.requests_per_second, burst=limits.burst, at=time.time()
+        )
+        if wait > 0:
+            raise ApiError(
+                429,
+                rate_message(limits, wait),
+                code="rate_limit_exceeded",
+                retry_after=retry_seconds(wait),
+            )
+        route = (method, path.rstrip("/"))
+        if route not in (("POST", "/v1/files"), ("POST", "/v1/batches")):
+            return
+        held = self.store.usage(tenant.name)
+        if route == ("POST", "/v1/batches"):
+            if held.batches_in_flight >= limits.max_batches_in_flight:
+                raise quota_error(limits, QuotaExceeded("batches", held.batches_in_flight))
+        elif held.files >= limits.max_files:
+            raise quota_error(limits, QuotaExceeded("files", held.files))
+        elif held.stored_bytes + (announced or 0) > limits.max_stored_bytes:
+            raise quota_error(limits, QuotaExceeded("bytes", held.stored_bytes), announced or 0)
 
     # ---------------------------------------------------------------- files
 
@@ -167,20 +251,28 @@ class BatchService:
                 ),
             )
         try:
-            upload = self.begin_upload(tenant, filename=filename, purpose=purpose)
+            upload = self.begin_upload(
+                tenant, filename=filename, purpose=purpose, reserve=len(data)
+            )
+            upload.write(data)
         except ApiError as exc:
             raise self.refuse_upload(tenant, exc) from None
-        upload.write(data)
         return self.finish_upload(upload, purpose)
 
-    def begin_upload(self, tenant: Tenant, *, filename: str, purpose: str | None) -> Upload:
+    def begin_upload(
+        self, tenant: Tenant, *, filename: str, purpose: str | None, reserve: int = 0
+    ) -> Upload:
         """Check what a file's row needs, write the row (status `uploaded`), open the bytes.
 
         `purpose` may be None when the form sends it after the file part: `finish_upload`
-        checks it then. The row comes first so that bytes never exist without one.
+        checks it then. The row comes first so that bytes never exist without one. It is
+        written within the tenant's file and byte quotas, holding `reserve` bytes (the
+        request's announced length) until the upload finishes, so concurrent uploads on any
+        replica cannot together pass the byte quota.
 
         Raises:
-            ApiError: 400 for a filename the store cannot hold or a purpose other than batch.
+            ApiError: 400 for a filename the store cannot hold or a purpose other than batch;
+                429 when the tenant is at its file or byte quota.
         """
         check_filename(filename)
         if purpose is not None:
@@ -191,18 +283,25 @@ class BatchService:
             "tenant": tenant.name,
             "purpose": "batch",
             "filename": filename,
-            "bytes": 0,
+            "bytes": reserve,
             "created_at": now(),
             "status": "uploaded",
             "path": self.files.file_uri(file_id),
         }
-        self.store.add_file(record)
+        limits = self.limits.for_tenant(tenant.name)
+        try:
+            held = self.store.add_file(
+                record, max_files=limits.max_files, max_bytes=limits.max_stored_bytes
+            )
+        except QuotaExceeded as refused:
+            raise quota_error(limits, refused, reserve) from None
         try:
             writer = self.files.open_writer(record["path"])
         except BaseException:
             self.store.delete_file(file_id, tenant.name)
             raise
-        return Upload(self, tenant, record, writer)
+        room = None if held is None else limits.max_stored_bytes - held.stored_bytes
+        return Upload(self, tenant, record, writer, room)
 
     def finish_upload(self, upload: Upload, purpose: str | None) -> dict:
         """Close the bytes and mark the row `processed`; an upload refused here is deleted.
@@ -363,7 +462,8 @@ class BatchService:
 
         Raises:
             ApiError: 400 for a window or endpoint not served, 404 for an unknown file,
-                409 for a file still being uploaded.
+                409 for a file still being uploaded, 429 when the tenant has its limit of
+                batches in flight.
         """
         window = window_seconds(completion_window)
         if not self.routes.models_on(endpoint):
@@ -398,7 +498,11 @@ class BatchService:
             "expires_at": created + window,
             "output_expires_after": output_expires_after,
         }
-        self.store.add_batch(record)
+        limits = self.limits.for_tenant(tenant.name)
+        try:
+            self.store.add_batch(record, max_in_flight=limits.max_batches_in_flight)
+        except QuotaExceeded as refused:
+            raise quota_error(limits, refused) from None
         return record, source
 
     def output_lifetime(self, seconds: int | None) -> int | None:

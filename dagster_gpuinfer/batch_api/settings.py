@@ -9,6 +9,8 @@ of environment variables read by both processes (the API service and the code lo
 - `GPUINFER_BATCH_ROUTES`: the routing table (routing.py).
 - `GPUINFER_BATCH_WEBHOOKS`: a YAML file of webhook endpoints per tenant (webhooks.py); each
   names the environment variable holding its secret, never the secret.
+- `GPUINFER_BATCH_LIMITS`: a YAML file of per-tenant rate limits and quotas (limits.py);
+  without it every tenant gets the defaults there.
 - `GPUINFER_S3_ENDPOINT`, `GPUINFER_S3_REGION`: an S3-compatible endpoint, as the resources.
 """
 

@@ -10,9 +10,11 @@ File bytes are not here: they live in the output storage (dagster_gpuinfer.batch
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,8 +138,38 @@ WEBHOOK_DELIVERIES = sa.Table(
     sa.UniqueConstraint("event_id", "endpoint"),
 )
 
+# A token bucket per API key (limits.py): requests it may still send now, as of `updated_at`
+# (Unix seconds, fractional). One row per key; every request takes a token from it in one
+# upsert, so every replica behind the store draws from the same bucket.
+RATE_BUCKETS = sa.Table(
+    f"{PREFIX}rate_buckets",
+    METADATA,
+    sa.Column("key_id", sa.String(32), primary_key=True),
+    sa.Column("tokens", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
 # A batch status that ends it, and the event each one sends.
 FINAL_STATUSES = ("failed", "completed", "expired", "cancelled")
+IN_FLIGHT_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+class QuotaExceeded(Exception):
+    """A write refused because the tenant is at a quota: `what` is "files", "bytes" or
+    "batches", `held` what the tenant has now."""
+
+    def __init__(self, what: str, held: int) -> None:
+        super().__init__(f"{what} quota: {held} held")
+        self.what, self.held = what, held
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a tenant holds: files, their bytes, batches not yet final."""
+
+    files: int
+    stored_bytes: int
+    batches_in_flight: int
 
 
 @dataclass(frozen=True)
@@ -168,6 +200,8 @@ class BatchStore:
         else:
             kwargs["pool_pre_ping"] = True
         self.engine = sa.create_engine(url, **kwargs)
+        # SQLite serves one process: this lock makes its quota checks race-free (tenant_writes)
+        self._local_lock = threading.Lock()
         METADATA.create_all(self.engine)
         _add_missing_columns(self.engine)
 
@@ -238,11 +272,97 @@ class BatchStore:
             row = conn.execute(sa.select(TENANTS).where(TENANTS.c.name == tenant)).first()
         return None if row is None else row.kueue_queue
 
+    # ---------------------------------------------------------------- limits (limits.py)
+
+    def take_token(self, key_id: str, *, rate: float, burst: int, at: float) -> float:
+        """Take one request's token from the key's bucket at time `at` (Unix seconds).
+
+        Returns 0.0 when taken, else the seconds until the bucket holds one. One upsert
+        refills the bucket by the time passed, capped at `burst`, and takes a token only if
+        one is there (`ON CONFLICT DO UPDATE ... WHERE`): a compare-and-set on the row, so
+        concurrent requests on any replica never take the same token twice. A clock behind
+        the bucket's refills nothing (the elapsed time is never negative)."""
+        postgres = self.engine.dialect.name == "postgresql"
+        least = sa.func.least if postgres else sa.func.min
+        greatest = sa.func.greatest if postgres else sa.func.max
+        bucket = RATE_BUCKETS.c
+        level = least(bucket.tokens + greatest(at - bucket.updated_at, 0.0) * rate, float(burst))
+        insert = (postgresql if postgres else sqlite).insert(RATE_BUCKETS)
+        statement = (
+            insert.values(key_id=key_id, tokens=float(burst) - 1, updated_at=at)
+            .on_conflict_do_update(
+                index_elements=["key_id"],
+                set_={"tokens": level - 1, "updated_at": greatest(bucket.updated_at, at)},
+                where=level >= 1,
+            )
+            .returning(bucket.tokens)
+        )
+        with self.engine.begin() as conn:
+            if conn.execute(statement).first() is not None:
+                return 0.0
+            row = conn.execute(
+                sa.select(bucket.tokens, bucket.updated_at).where(bucket.key_id == key_id)
+            ).one()
+        now_level = min(float(burst), row.tokens + max(0.0, at - row.updated_at) * rate)
+        return max(0.0, (1 - now_level) / rate)
+
+    def usage(self, tenant: str, conn: sa.Connection | None = None) -> Usage:
+        """What the tenant holds now: files, their bytes, batches not yet final."""
+        files = sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(FILES.c.bytes), 0))
+        batches = sa.select(sa.func.count()).where(
+            BATCHES.c.tenant == tenant, BATCHES.c.status.in_(IN_FLIGHT_STATUSES)
+        )
+        with contextlib.ExitStack() as stack:
+            if conn is None:
+                conn = stack.enter_context(self.engine.connect())
+            count, stored = conn.execute(files.where(FILES.c.tenant == tenant)).one()
+            in_flight = conn.execute(batches).scalar_one()
+        return Usage(files=count, stored_bytes=int(stored), batches_in_flight=in_flight)
+
+    @contextlib.contextmanager
+    def tenant_writes(self, tenant: str) -> Iterator[sa.Connection]:
+        """A transaction in which no other writer counts or adds the tenant's files or
+        batches: on PostgreSQL a transaction-scoped advisory lock on the tenant (held
+        across every replica), on SQLite a lock of this process (SQLite serves one)."""
+        if self.engine.dialect.name == "postgresql":
+            with self.engine.begin() as conn:
+                conn.execute(
+                    sa.text("SELECT pg_advisory_xact_lock(hashtext(:name))"),
+                    {"name": f"{PREFIX}quota:{tenant}"},
+                )
+                yield conn
+        else:
+            with self._local_lock, self.engine.begin() as conn:
+                yield conn
+
     # ---------------------------------------------------------------- files
 
-    def add_file(self, record: dict[str, Any]) -> None:
-        with self.engine.begin() as conn:
+    def add_file(
+        self,
+        record: dict[str, Any],
+        *,
+        max_files: int | None = None,
+        max_bytes: int | None = None,
+    ) -> Usage | None:
+        """Insert a file row; with `max_files` / `max_bytes`, only if the tenant stays
+        within them counting this row (its `bytes`: what the upload reserves). Returns what
+        the tenant held before it (None without limits).
+
+        Raises:
+            QuotaExceeded: the row would take the tenant over a limit; nothing was written.
+        """
+        if max_files is None and max_bytes is None:
+            with self.engine.begin() as conn:
+                conn.execute(FILES.insert().values(**record))
+            return None
+        with self.tenant_writes(record["tenant"]) as conn:
+            held = self.usage(record["tenant"], conn)
+            if max_files is not None and held.files + 1 > max_files:
+                raise QuotaExceeded("files", held.files)
+            if max_bytes is not None and held.stored_bytes + record["bytes"] > max_bytes:
+                raise QuotaExceeded("bytes", held.stored_bytes)
             conn.execute(FILES.insert().values(**record))
+        return held
 
     def put_file(self, record: dict[str, Any]) -> None:
         """Insert or replace a file row by id (output files are rewritten on a re-finalize).
@@ -313,12 +433,25 @@ class BatchStore:
 
     # ---------------------------------------------------------------- batches
 
-    def add_batch(self, record: dict[str, Any]) -> None:
+    def add_batch(self, record: dict[str, Any], *, max_in_flight: int | None = None) -> None:
+        """Insert a batch row; with `max_in_flight`, only if the tenant then has at most
+        that many batches not yet final.
+
+        Raises:
+            QuotaExceeded: the tenant has `max_in_flight` already; nothing was written.
+        """
         record = dict(record)
         for name in ("metadata", "errors"):
             if record.get(name) is not None:
                 record[name] = json.dumps(record[name])
-        with self.engine.begin() as conn:
+        if max_in_flight is None:
+            with self.engine.begin() as conn:
+                conn.execute(BATCHES.insert().values(**record))
+            return
+        with self.tenant_writes(record["tenant"]) as conn:
+            held = self.usage(record["tenant"], conn).batches_in_flight
+            if held >= max_in_flight:
+                raise QuotaExceeded("batches", held)
             conn.execute(BATCHES.insert().values(**record))
 
     def get_batch(self, batch_id: str, tenant: str | None = None) -> dict[str, Any] | None:

@@ -160,7 +160,8 @@ async def receive_upload(request: Request, service: BatchService, tenant: Tenant
 
     Raises:
         ApiError: 413 over `service.max_bytes` (announced or counted), 400 for a form
-            without one 'file' part or with a bad filename or purpose.
+            without one 'file' part or with a bad filename or purpose, 429 at the tenant's
+            file or byte quota (the announced length is reserved while the bytes come).
     """
     announced = request.headers.get("content-length", "")
     if announced.isdigit() and int(announced) > service.max_bytes + FORM_OVERHEAD_BYTES:
@@ -185,6 +186,7 @@ async def receive_upload(request: Request, service: BatchService, tenant: Tenant
                     tenant,
                     filename=form.filename,
                     purpose=form.fields.get("purpose"),
+                    reserve=int(announced) if announced.isdigit() else 0,
                 )
                 upload = await anyio.to_thread.run_sync(begin)
             if upload is not None and form.pending_bytes >= FLUSH_BYTES:

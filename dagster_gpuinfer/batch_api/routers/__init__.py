@@ -8,4 +8,10 @@ ERROR_RESPONSES: dict[int | str, dict] = {
     400: {"model": ErrorResponse, "description": "The request is not valid; the message says why."},
     401: {"model": ErrorResponse, "description": "The API key is missing, unknown or revoked."},
     404: {"model": ErrorResponse, "description": "No such object for this key's tenant."},
+    429: {
+        "model": ErrorResponse,
+        "description": "A rate limit or quota of the tenant is reached; the message names "
+        "it, the Retry-After header says when to try again.",
+        "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds."}},
+    },
 }
