@@ -52,6 +52,7 @@ SECTIONS = (
     "control-plane",
     "knobs",
     "images",
+    "pools",
 )
 # `knobs` (engine settings, one start each) and `images` (image embeddings) only on request
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in ("knobs", "images"))
@@ -65,6 +66,7 @@ RESULT_KEYS = {
     "control-plane": "control_plane",
     "knobs": "knobs",
     "images": "images",
+    "pools": "pools",
 }
 # section -> the function that runs it (throughput runs once per task, apart)
 RUNNERS = {
@@ -76,6 +78,7 @@ RUNNERS = {
     "knobs": "bench.knobs:run_knobs",
     "images": "bench.images:run_images",
     "control-plane": "bench.control_plane:run_control_plane",
+    "pools": "bench.pools:run_pools",
 }
 log = logging.getLogger("bench")
 
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             return None
         log.info("== %s done in %.0fs", name, time.perf_counter() - started)
         results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - started)
-        return value
+        return _with_part_errors(results, name, value)
 
     if "throughput" in only:
         results.setdefault("throughput", {})
@@ -275,6 +278,16 @@ def _keep_earlier_sections(results: dict[str, Any], path: Path, only: set[str]) 
 
 
 UNFINISHED = "this run has not finished it"
+
+
+def _with_part_errors(results: dict[str, Any], section: str, value: Any) -> Any:
+    """A section made of parts (pools) returns the parts that failed in its `errors`; they
+    are the run's errors too (the exit code says so), and its other parts' results stay."""
+    if isinstance(value, dict) and value.get("errors"):
+        results["errors"][section] = "\n\n".join(
+            f"part {part}:\n{trace}" for part, trace in value["errors"].items()
+        )
+    return value
 
 
 def _throughput_done(results: dict[str, Any], measured: set[str]) -> None:
