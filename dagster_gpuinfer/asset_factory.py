@@ -8,17 +8,23 @@ partitions per run loads the model once per K shards.
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar, Literal, NoReturn
 
 import dagster as dg
 from pydantic import Field, create_model
 
 from dagster_gpuinfer.checks import ERROR_RATE, ROWS_BALANCED, VALID_OUTPUT, check_results
-from dagster_gpuinfer.metadata import PARTITION_FIGURES, partition_metadata, run_metadata
+from dagster_gpuinfer.metadata import (
+    PARTITION_FIGURES,
+    partition_metadata,
+    pool_metadata,
+    run_metadata,
+)
 from dagster_gpuinfer.resource import (
     GpuInferenceResource,
     InferenceRunResult,
     InvalidInferenceSpec,
+    Launch,
     validate_spec,
 )
 from dagster_gpuinfer.sinks.materialize import sink_partitions
@@ -60,6 +66,7 @@ def fail_partitions(
                     **partition_metadata(
                         result.spec or spec, manifest, computed=key in result.computed
                     ),
+                    **pool_metadata(result, key),
                     **sunk.get(key, {}),
                 },
             )
@@ -128,10 +135,19 @@ class _RunOverrides(dg.Config):
     """Per-run overrides, editable in the launchpad; unset fields keep the pipeline's.
 
     The fields are derived from the spec models (`spec.run_config_fields`): every pipeline
-    setting, engine and sampling field but those a run may not change (`NOT_PER_RUN`).
+    setting, engine and sampling field but those a run may not change (`NOT_PER_RUN`),
+    plus `launch`, which is how the run reaches a worker, not part of the spec (it leaves
+    the spec hash, and so the committed chunks, as they are).
     """
 
     SPEC_MODEL: ClassVar[type[InferenceSpec]] = InferenceSpec
+
+    launch: Literal["run", "pool"] | None = Field(
+        None,
+        description="run: this run starts its own worker (engine build included). pool: its "
+        "partitions go to the model's engine pool, served by warm workers shared across "
+        "runs. Unset: the pipeline's `launch`.",
+    )
 
     def apply(self, raw_spec: dict[str, Any]) -> dict[str, Any]:
         """The spec with the fields this run sets replaced."""
@@ -268,17 +284,18 @@ def materialize_run(
     max_error_rate: float,
     max_invalid_output_rate: float | None,
     sink: PgVectorSink | None = None,
+    launch: Launch = "run",
 ) -> dg.MaterializeResult:
-    """The output asset's body: run the worker over the run's partitions, send the committed
-    ones to the sink (if any), then give each partition its own figures first and the run's
-    (`run_*`) after them."""
+    """The output asset's body: run the worker over the run's partitions (`launch`: a
+    worker of this run, or the engine pool), send the committed ones to the sink (if any),
+    then give each partition its own figures first and the run's (`run_*`) after them."""
     gpu: GpuInferenceResource = getattr(context.resources, resource_key)
     run_spec = dict(raw_spec, partition_keys=list(context.partition_keys))
     try:
         spec = validate_spec(run_spec, where=f"asset {name!r}")
     except ValueError as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from None
-    result = gpu.run_inference(context=context, spec=spec)
+    result = gpu.run_inference(context=context, spec=spec, launch=launch)
     sunk = sink_partitions(sink, result.spec or spec, result.manifests)
     if result.failed:
         fail_partitions(context, result, spec, sunk)
@@ -286,6 +303,7 @@ def materialize_run(
     for key, manifest in result.manifests.items():
         # Metadata given to MaterializeResult would be listed above every partition's own.
         own = partition_metadata(result.spec or spec, manifest, computed=key in result.computed)
+        own.update(pool_metadata(result, key))
         context.add_asset_metadata({**own, **sunk.get(key, {}), **shared}, partition_key=key)
     return dg.MaterializeResult(
         check_results=check_results(
@@ -327,6 +345,7 @@ def inference_assets(
     resource_key: str = "gpu",
     description: str | None = None,
     sink: PgVectorSink | Mapping[str, Any] | None = None,
+    launch: Launch = "run",
     **spec_fields: Any,
 ) -> InferencePipeline:
     """Declare a batch inference pipeline as two partitioned assets.
@@ -370,6 +389,12 @@ def inference_assets(
             below it (`metadata.PARTITION_FIGURES`), so each partition lists numbers only.
         sink: Where each committed partition also goes, replaced whole in one transaction
             (`PgVectorSink(url_env=..., table=...)`); the files stay the record of commits.
+        launch: `run` (default): each run starts its own worker and builds its engine, the
+            right shape for backfills of many partitions per run. `pool`: the run's
+            partitions go to the engine pool of its model (`GpuInferenceResource.pool`),
+            whose warm workers serve every run on that model: the shape for arrival
+            sensors' and schedules' small runs. A run may override it (run config
+            `launch`); it is not part of the spec, so switching keeps committed chunks.
         **spec_fields: Any other pipeline setting of `InferenceSpec` by its name
             (`spec.pipeline_fields`), so a setting added to the spec is settable here too.
 
@@ -430,6 +455,7 @@ def inference_assets(
         max_error_rate=max_error_rate,
         max_invalid_output_rate=max_invalid_output_rate,
         sink=sink,
+        launch=launch,
     )
     return InferencePipeline(input_asset=input_spec, output_asset=output_asset, spec=raw_spec)
 
@@ -548,6 +574,7 @@ def _output_asset(
     max_error_rate: float,
     max_invalid_output_rate: float,
     sink: PgVectorSink | None = None,
+    launch: Launch = "run",
 ) -> dg.AssetsDefinition:
     """The inference output asset of a pipeline whose raw spec is `raw_spec`."""
     name, model, task = output_key.path[-1], raw_spec["model"], raw_spec["task"]
@@ -580,6 +607,7 @@ def _output_asset(
             "output_root": raw_spec["output"]["root"],
             # read by dagster_gpuinfer.estimate (CLI and backfill_estimate_sensor)
             "gpuinfer/spec": dg.MetadataValue.json(raw_spec),
+            "gpuinfer/launch": launch,  # read by the estimate too; not in the spec
             # the sink's table and the name of its URL's variable, never the URL
             **({"gpuinfer/sink": dg.MetadataValue.json(sink.model_dump())} if sink else {}),
         },
@@ -593,6 +621,7 @@ def _output_asset(
             max_error_rate=max_error_rate,
             max_invalid_output_rate=invalid_rate,
             sink=sink,
+            launch=config.launch or launch,
         )
 
     return _inference_asset

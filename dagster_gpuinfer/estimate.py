@@ -22,6 +22,12 @@ The formula (docs/observability.md, "Estimating a backfill"):
   per pod), in backfill order, each to the slot that frees first. Time queued behind Kueue is
   not in it.
 
+On an engine pool (`launch="pool"`) the runs pay no model load each: the pending partitions
+are spread over the pool's workers (`max_workers`), each a slot; a worker that is already
+up and warm (idle or busy in the queue's worker reports) starts at once, every other one
+pays one worker start and one model load first. GPU-hours add each worker's idle TTL after
+its last partition (a pool worker holds its GPUs until it exits).
+
 The same numbers reach the UI through `backfill_estimate_sensor`, which records them as an
 observation of the output asset.
 """
@@ -51,6 +57,8 @@ DEFAULT_BYTES_PER_SECOND = 20_000.0
 DEFAULT_MODEL_LOAD_SECONDS = 120.0
 DEFAULT_RUN_START_SECONDS = 30.0
 SPEC_METADATA_KEY = "gpuinfer/spec"
+LAUNCH_METADATA_KEY = "gpuinfer/launch"
+WARM_STATES = frozenset({"idle", "busy"})  # a pool worker whose engine is built
 
 
 @dataclass
@@ -75,6 +83,9 @@ class BackfillEstimate:
     gpu_hours: float
     wall_seconds: float
     run_seconds: list[float] = field(default_factory=list)
+    launch: str = "run"
+    engine_builds: int = 0  # model loads the estimate counts (runs, or cold pool workers)
+    warm_workers: int = 0  # pool workers found warm (launch="pool")
 
     def summary(self) -> str:
         if not self.partitions_pending:
@@ -84,12 +95,21 @@ class BackfillEstimate:
             if self.missing_inputs
             else ""
         )
+        if self.launch == "pool":
+            shape = (
+                f"on an engine pool of {self.pool_slots} worker(s), {self.warm_workers} warm, "
+                f"{self.engine_builds} model load(s) ({self.model_load_seconds:.0f} s each)"
+            )
+        else:
+            shape = (
+                f"{self.runs} run(s) of up to {self.partitions_per_run} partitions, each "
+                f"loading the model ({self.model_load_seconds:.0f} s)"
+            )
         return (
             f"{self.asset}: {self.partitions_pending} of {self.partitions} partitions pending, "
             f"{self.pending_work:,.0f} {self.work_unit}{missing}. At "
             f"{self.speed_per_pod_second:,.1f} {self.work_unit}/s per pod ({self.speed_source}), "
-            f"{self.runs} run(s) of up to {self.partitions_per_run} partitions, each loading the "
-            f"model ({self.model_load_seconds:.0f} s): {self.gpu_hours:.2f} GPU-hours on "
+            f"{shape}: {self.gpu_hours:.2f} GPU-hours on "
             f"{self.gpus_per_pod} GPU(s) per pod; wall time {format_seconds(self.wall_seconds)} "
             f"with {self.pool_slots} pod(s) at a time ({self.pool_slots * self.gpus_per_pod} GPUs)."
         )
@@ -107,6 +127,8 @@ class BackfillEstimate:
             "estimate_pool_slots": self.pool_slots,
             "estimate_gpus_per_pod": self.gpus_per_pod,
             "estimate_runs": self.runs,
+            "estimate_launch": self.launch,
+            "estimate_engine_builds": self.engine_builds,
             "estimate_missing_inputs": len(self.missing_inputs),
             "estimate_summary": self.summary(),
         }
@@ -193,6 +215,7 @@ def estimate_backfill(
     speed_per_pod_second: float | None = None,
     model_load_seconds: float | None = None,
     run_start_seconds: float = DEFAULT_RUN_START_SECONDS,
+    pool: PoolShape | None = None,
 ) -> BackfillEstimate:
     """The estimate for `partition_keys` of the pipeline `spec` (see the module docstring).
 
@@ -205,6 +228,7 @@ def estimate_backfill(
         speed_per_pod_second: Overrides the measured speed (work units per pod-second).
         model_load_seconds: Overrides the measured model load.
         run_start_seconds: Worker start per run (process, imports, pod start).
+        pool: The engine pool the partitions run on (`launch="pool"`); None: per-run launch.
     """
     unit = work_unit(spec)
     work = input_work(spec, partition_keys)
@@ -239,6 +263,12 @@ def estimate_backfill(
         for run in runs
     ]
     gpus = spec.tensor_parallel_size * spec.replicas
+    builds, wall = len(runs), makespan(run_seconds, pool_slots)
+    gpu_seconds = sum(run_seconds)
+    if pool is not None:
+        seconds = [(work.get(k) or 0.0) / speed for k in pending]
+        builds, wall, gpu_seconds = pool.cost(seconds, run_start_seconds + model_load_seconds)
+        pool_slots = pool.max_workers
     return BackfillEstimate(
         asset=asset,
         work_unit=unit,
@@ -255,10 +285,44 @@ def estimate_backfill(
         runs=len(runs),
         gpus_per_pod=gpus,
         pool_slots=max(1, pool_slots),
-        gpu_hours=sum(run_seconds) * gpus / 3600,
-        wall_seconds=makespan(run_seconds, pool_slots),
+        gpu_hours=gpu_seconds * gpus / 3600,
+        wall_seconds=wall,
         run_seconds=run_seconds,
+        launch="pool" if pool is not None else "run",
+        engine_builds=builds,
+        warm_workers=pool.warm_workers if pool is not None else 0,
     )
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """An engine pool as the estimate sees it.
+
+    Attributes:
+        max_workers: Workers the pool may run (`PoolSettings.max_workers`).
+        warm_workers: Workers up with a built engine now (idle or busy).
+        idle_ttl_s: How long a worker holds its GPUs after its last partition.
+    """
+
+    max_workers: int
+    warm_workers: int = 0
+    idle_ttl_s: float = 0.0
+
+    def cost(self, seconds: Sequence[float], cold_start: float) -> tuple[int, float, float]:
+        """(engine builds, wall seconds, GPU-seconds) of partitions taking `seconds` each on
+        this pool: each to the worker that frees first, a cold worker free after
+        `cold_start` (its start and model load), a warm one at once."""
+        workers = max(1, min(self.max_workers, len(seconds)))
+        if not seconds:
+            return 0, 0.0, 0.0
+        warm = min(self.warm_workers, workers)
+        free = [0.0] * warm + [cold_start] * (workers - warm)
+        heapq.heapify(free)
+        for duration in seconds:
+            heapq.heapreplace(free, free[0] + duration)
+        builds = workers - warm
+        gpu_seconds = sum(seconds) + builds * cold_start + workers * self.idle_ttl_s
+        return builds, max(free), gpu_seconds
 
 
 # --------------------------------------------------------------------------- Dagster glue
@@ -307,6 +371,10 @@ def estimate_asset(
     per_run = getattr(policy, "max_partitions_per_run", None) if policy is not None else None
     pool = getattr(assets_def.op, "pool", None)
     slots = pool_slots or pool_slots_of(instance, pool) or 1
+    launch = assets_def.metadata_by_key[key].get(LAUNCH_METADATA_KEY)
+    launch = getattr(launch, "value", launch) or "run"
+    if launch == "pool" and resource is not None and hasattr(resource, "pool"):
+        overrides.setdefault("pool", engine_pool_shape(resource, spec))
     return estimate_backfill(
         spec,
         keys,
@@ -315,6 +383,22 @@ def estimate_asset(
         pool_slots=slots,
         **overrides,
     )
+
+
+def engine_pool_shape(resource: Any, spec: InferenceSpec) -> PoolShape:
+    """The pool `spec` runs on, from `resource.pool` and the queue's live workers (idle or
+    busy ones are warm); no warm worker when the queue cannot be read."""
+    from dagster_gpuinfer.launchers.pool import job_pool_key
+    from dagster_gpuinfer.pools.stores import open_lease_queue
+
+    settings = resource.pool
+    try:
+        with open_lease_queue(settings.location()) as queue:
+            live = queue.pool_workers(job_pool_key(spec))
+    except Exception:  # noqa: BLE001 - an estimate without the queue assumes cold workers
+        live = []
+    warm = sum(1 for worker in live if worker.state in WARM_STATES)
+    return PoolShape(settings.max_workers, warm_workers=warm, idle_ttl_s=settings.idle_ttl_s)
 
 
 def backfill_estimate_sensor(

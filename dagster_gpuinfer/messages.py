@@ -9,7 +9,9 @@ new `type` to `WorkerMessage`; a control plane that does not know a type skips i
 - `partition_failed`: one shard that cannot be processed; the other partitions go on;
 - `run`: once, the run's summary (model loads, timings);
 - `fatal`: the spec cannot run; the control plane fails the step, not retried;
-- `pod_start`: written by the Kubernetes launcher, not the worker: the pod's start split.
+- `pod_start`: written by the Kubernetes launcher, not the worker: the pod's start split;
+- `pool_lease`: written by the pool launcher, not the worker: how one partition ran on an
+  engine pool (warm engine or not, queue wait, leases).
 
 After a `fatal` message the worker exits `EXIT_SPEC_REFUSED` (78, EX_CONFIG), so a pod or
 process that refused its job never reads as succeeded; the launchers fail the step without
@@ -88,9 +90,26 @@ class PodStart(BaseModel):
         return self.model_dump(mode="json", exclude={"type"})
 
 
-_MESSAGE_MODELS = (PartitionCommitted, PartitionFailed, RunFinished, Fatal, PodStart)
+class PoolLease(BaseModel):
+    """The pool launcher's own message (launchers/pool.py): how one partition ran on an
+    engine pool, from the queue's item status and the worker's item result."""
+
+    type: Literal["pool_lease"] = "pool_lease"
+    partition_key: str
+    worker_id: str | None = None
+    warm: bool = Field(description="The engine was already built when the lease came.")
+    engine_load_seconds: float = Field(0.0, description="Engine build for this lease; 0 warm.")
+    queue_wait_s: float | None = Field(None, description="Submission to first lease.")
+    leases: int = Field(description="Times the item was leased (above 1: redone leases).")
+
+    def facts(self) -> dict[str, Any]:
+        """The facts as a plain dict, without `type` and `partition_key`."""
+        return self.model_dump(mode="json", exclude={"type", "partition_key"})
+
+
+_MESSAGE_MODELS = (PartitionCommitted, PartitionFailed, RunFinished, Fatal, PodStart, PoolLease)
 WorkerMessage = Annotated[
-    PartitionCommitted | PartitionFailed | RunFinished | Fatal | PodStart,
+    PartitionCommitted | PartitionFailed | RunFinished | Fatal | PodStart | PoolLease,
     Field(discriminator="type"),
 ]
 _WORKER_MESSAGE: TypeAdapter[Any] = TypeAdapter(WorkerMessage)

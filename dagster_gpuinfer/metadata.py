@@ -30,6 +30,10 @@ PARTITION_FIGURES = """\
   computed from; when either changes, the next materialization computes the partition again.
   `engine_versions`: the vLLM and torch versions that computed them (a spec's
   `vllm_version` pins the first).
+- `pool_warm_engine`, `pool_queue_wait_s`, `pool_leases` (runs with `launch="pool"`):
+  whether the partition's lease found its pool worker's engine already built, the seconds
+  from the job's submission to the partition's first lease, and how many leases it took
+  (above 1: a lease lapsed or failed and the partition was leased again).
 - `sampling_params` (generation tasks only): the pipeline's sampling defaults, unset ones
   left out; a row's own parameters override them.
 """
@@ -94,6 +98,21 @@ def partition_metadata(
         "engine_args": dg.MetadataValue.json(spec.engine.model_dump(mode="json")),
         **sampling_metadata(spec),
         **telemetry_metadata(manifest.telemetry),
+    }
+
+
+def pool_metadata(result: InferenceRunResult, partition_key: str) -> dict[str, Any]:
+    """How a partition ran on an engine pool (`launch="pool"`); nothing for a partition
+    this run did not send to a pool (per-run launch, or already committed)."""
+    facts = result.pool.get(partition_key)
+    if facts is None:
+        return {}
+    wait = facts.get("queue_wait_s")
+    return {
+        "pool_warm_engine": bool(facts["warm"]),
+        "pool_queue_wait_s": round(wait, 3) if wait is not None else NOT_AVAILABLE,
+        "pool_leases": int(facts["leases"]),
+        "pool_worker": facts.get("worker_id") or NOT_AVAILABLE,
     }
 
 

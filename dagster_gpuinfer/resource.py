@@ -7,6 +7,7 @@ messages into per-partition results. It never imports torch or vllm.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,11 +18,13 @@ from pydantic import Field, ValidationError
 
 from dagster_gpuinfer.k8s.config import K8sLauncherConfig
 from dagster_gpuinfer.k8s.group import GroupConfig
+from dagster_gpuinfer.launchers.base import Launcher
 from dagster_gpuinfer.messages import (
     Fatal,
     PartitionCommitted,
     PartitionFailed,
     PodStart,
+    PoolLease,
     RunFinished,
     parse_message,
 )
@@ -36,6 +39,66 @@ def env_references_variable(references: Mapping[str, str]) -> dict[str, str]:
     if not references:
         return {}
     return {ENV_REFERENCES_VARIABLE: json.dumps(dict(references), sort_keys=True)}
+
+
+Launch = Literal["run", "pool"]
+
+
+class PoolSettings(dg.Config):
+    """Engine pools (`launch="pool"`): where their lease queue is, how big and how long.
+
+    Examples:
+        >>> PoolSettings(max_workers=2, idle_ttl_s=600)
+    """
+
+    queue: str | None = Field(
+        None,
+        description="The lease queue: a postgresql:// URL (production: every step and pool "
+        "worker must reach it) or a SQLite file path. Default: $DAGSTER_HOME/gpuinfer/pools.db, "
+        "or .data/pools.db without DAGSTER_HOME.",
+    )
+    max_workers: int = Field(
+        1,
+        ge=0,
+        description="Workers (engines) per pool at most; the reconciler starts one "
+        "per queued or leased partition up to this.",
+    )
+    idle_ttl_s: float = Field(
+        300.0, gt=0, description="A pool worker exits after this many seconds without a lease."
+    )
+    lease_ttl_s: float = Field(
+        30.0,
+        gt=0,
+        description="A lease lapses this long after its last heartbeat (a killed "
+        "worker's partition is leased again after it).",
+    )
+    start_ttl_s: float = Field(
+        120.0,
+        gt=0,
+        description="How long a started worker counts as `starting` before it "
+        "reports itself (process start and imports).",
+    )
+    poll_s: float = Field(0.5, gt=0, description="How often a waiting step reads its job.")
+
+    def location(self) -> str:
+        """The queue's location, a default SQLite file made absolute (workers run elsewhere)."""
+        if self.queue:
+            return self.queue
+        home = os.environ.get("DAGSTER_HOME")
+        default = os.path.join(home, "gpuinfer", "pools.db") if home else ".data/pools.db"
+        os.makedirs(os.path.dirname(os.path.abspath(default)), exist_ok=True)
+        return os.path.abspath(default)
+
+    def log_dir(self) -> str:
+        """Where local pool workers write their logs: beside a SQLite queue, else under
+        $DAGSTER_HOME/gpuinfer (or .data)."""
+        location = self.location()
+        if location.startswith(("postgresql://", "postgres://")):
+            home = os.environ.get("DAGSTER_HOME")
+            base = os.path.join(home, "gpuinfer") if home else ".data"
+        else:
+            base = os.path.dirname(os.path.abspath(location.removeprefix("sqlite:///")))
+        return os.path.join(os.path.abspath(base), "pool-workers")
 
 
 class InvalidInferenceSpec(ValueError):
@@ -89,6 +152,8 @@ class InferenceRunResult:
     memory_step_down: dict[str, Any] | None = None
     # k8s launcher: where the pod's start went (k8s/timing.py): queued, scheduling, start.
     pod_start: dict[str, Any] | None = None
+    # pool launcher: per partition, how it ran on the pool ({key: PoolLease.facts()}).
+    pool: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class GpuInferenceResource(dg.ConfigurableResource):
@@ -153,6 +218,12 @@ class GpuInferenceResource(dg.ConfigurableResource):
         description="For specs with nodes > 1 (one engine across pods, k8s.group): topology "
         "key, master port, gloo/NCCL interface and per-rank env of the pod group.",
     )
+    pool: PoolSettings = Field(
+        default_factory=PoolSettings,
+        description="Engine pools, for pipelines or runs with launch='pool': the lease queue, "
+        "workers per pool, idle and lease TTLs. Pool workers start as local subprocesses "
+        "(launcher='local') or pool pods (launcher='k8s').",
+    )
 
     # ------------------------------------------------------------------ spec
 
@@ -172,7 +243,7 @@ class GpuInferenceResource(dg.ConfigurableResource):
     # ------------------------------------------------------------------ run
 
     def run_inference(
-        self, *, context: dg.AssetExecutionContext, spec: InferenceSpec
+        self, *, context: dg.AssetExecutionContext, spec: InferenceSpec, launch: Launch = "run"
     ) -> InferenceRunResult:
         """Commit every partition of `spec.partition_keys`, launching a worker only for the
         ones not yet committed for this spec from their shards (and a local model folder's
@@ -181,6 +252,9 @@ class GpuInferenceResource(dg.ConfigurableResource):
         A shard that cannot be processed lands in `result.failed` while the others are
         committed: the caller materializes those and fails the step (as `inference_assets`
         does), so one bad shard costs its own partition only.
+
+        `launch="run"` starts a worker for this run; `launch="pool"` submits the partitions
+        to the engine pool of the spec's model and waits (`launchers.pool`).
 
         Raises:
             dagster.Failure: non-retryable when the spec cannot run (the message says what to
@@ -203,9 +277,12 @@ class GpuInferenceResource(dg.ConfigurableResource):
             result.summary = {"model_loads": 0, "partitions_computed": 0}
             return result
         worker_spec = spec.model_copy(update={"partition_keys": todo})
-        messages = self._launch_stepping_down_memory(
-            context=context, spec=worker_spec, result=result
-        )
+        if launch == "pool":
+            messages = self._launch(context=context, spec=worker_spec, launch="pool")
+        else:
+            messages = self._launch_stepping_down_memory(
+                context=context, spec=worker_spec, result=result
+            )
         self._collect(messages, result)
         push_run_metrics(
             self.pushgateway_url, asset=spec.output.asset_name, run_id=context.run_id, result=result
@@ -234,45 +311,96 @@ class GpuInferenceResource(dg.ConfigurableResource):
         return {**self.env, **metrics_env(self.metrics_port, self.pushgateway_url)}
 
     def _launch(
-        self, *, context: dg.AssetExecutionContext, spec: InferenceSpec, launch_attempt: int = 0
+        self,
+        *,
+        context: dg.AssetExecutionContext,
+        spec: InferenceSpec,
+        launch_attempt: int = 0,
+        launch: Launch = "run",
     ) -> list[Any]:
         extras = {"spec": spec.model_dump(mode="json")}
-        if self.launcher == "local":
-            from dagster_gpuinfer.launchers.local import run_local_worker
+        return self.launcher_for(context, launch, spec=spec).launch(
+            context=context, spec=spec, extras=extras, launch_attempt=launch_attempt
+        )
 
-            return run_local_worker(
-                context=context,
-                extras=extras,
+    def launcher_for(
+        self,
+        context: dg.AssetExecutionContext,
+        launch: Launch = "run",
+        *,
+        spec: InferenceSpec | None = None,
+    ) -> Launcher:
+        """The launcher of this run: a pool's (`launch="pool"`), else a local subprocess or
+        a pod (group) per run, as `launcher` says."""
+        if launch == "pool":
+            from dagster_gpuinfer.launchers.pool import PoolLauncher
+
+            return PoolLauncher(
+                queue_location=self.pool.location(),
+                settings=self.pool,
+                backend=self.pool_backend(spec),
+                env=self.pool_worker_env(),
+                poll_s=self.pool.poll_s,
+            )
+        if self.launcher == "local":
+            from dagster_gpuinfer.launchers.local import LocalLauncher
+
+            return LocalLauncher(
                 python_executable=self.python_executable or sys.executable,
                 env={**self.worker_env(), **env_references_variable(self.env_references)},
             )
+        from dagster_gpuinfer.launchers.k8s import K8sLauncher
+
         # Per-run settings are resolved here, once, so the one-pod and the pod-group
         # launchers get the same pod configuration (the run's Kueue queue included).
-        config = self._pod_config_for_run(context)
-        if spec.nodes > 1:
-            from dagster_gpuinfer.k8s.group_launch import run_k8s_group
-
-            return run_k8s_group(
-                context=context,
-                spec=spec,
-                extras=extras,
-                config=config,
-                group_config=self.k8s_group,
-                env=self.worker_env(),
-                kubernetes_client=self.kubernetes_client,
-                launch_attempt=launch_attempt,
-            )
-        from dagster_gpuinfer.k8s.client import run_k8s_worker
-
-        return run_k8s_worker(
-            context=context,
-            spec=spec,
-            extras=extras,
-            config=config,
+        return K8sLauncher(
+            config=self._pod_config_for_run(context),
+            group_config=self.k8s_group,
             env=self.worker_env(),
             kubernetes_client=self.kubernetes_client,
-            launch_attempt=launch_attempt,
         )
+
+    # ------------------------------------------------------------------ pools
+
+    def pool_worker_env(self) -> dict[str, str]:
+        """A pool worker's environment: the worker env, and locally the references."""
+        if self.launcher == "local":
+            return {**self.worker_env(), **env_references_variable(self.env_references)}
+        return self.worker_env()
+
+    def pool_backend(self, spec: InferenceSpec | None = None) -> Any:
+        """What starts pool workers: `LocalPoolBackend` (detached subprocesses, their logs
+        beside the queue) for launcher='local', `K8sPoolBackend` (pool pods) for 'k8s',
+        whose pods get `spec`'s GPUs (tensor x pipeline parallel; 1 without a spec).
+        Pool pods serve many runs: no run's Kueue queue tag applies to them.
+
+        Raises:
+            dagster.Failure: non-retryable, when pool pods cannot be configured.
+        """
+        if self.launcher == "local":
+            from dagster_gpuinfer.pools.reconciler import LocalPoolBackend
+
+            return LocalPoolBackend(
+                self.pool.location(),
+                self.pool.log_dir(),
+                python_executable=self.python_executable or sys.executable,
+            )
+        try:
+            from dagster_gpuinfer.k8s.pool_backend import K8sPoolBackend  # type: ignore
+        except ImportError:
+            raise dg.Failure(
+                description="launch='pool' with launcher='k8s' needs K8sPoolBackend "
+                "(dagster_gpuinfer.k8s.pool_backend), which this install lacks",
+                allow_retries=False,
+            ) from None
+        if self.k8s is None:
+            raise dg.Failure(
+                description="launch='pool' with launcher='k8s' needs the pod configuration: "
+                "set k8s=K8sLauncherConfig(...) on GpuInferenceResource",
+                allow_retries=False,
+            )
+        gpus = spec.tensor_parallel_size * spec.pipeline_parallel_size if spec else 1
+        return K8sPoolBackend(self.k8s, self.kubernetes_client, gpus=gpus)
 
     # ------------------------------------------------------------------ k8s launcher
 
@@ -368,6 +496,8 @@ class GpuInferenceResource(dg.ConfigurableResource):
                 result.summary = message.summary()
             elif isinstance(message, PodStart):  # the k8s launcher's own (k8s/timing.py)
                 result.pod_start = message.timing()
+            elif isinstance(message, PoolLease):  # the pool launcher's own (launchers/pool.py)
+                result.pool[message.partition_key] = message.facts()
             elif isinstance(message, Fatal):
                 where = message.partition_key
                 raise dg.Failure(

@@ -388,6 +388,198 @@ def test_stores_share_state_across_connections(open_queue, clock):
     assert submitter.job_progress("run-1").done == 1
 
 
+# --------------------------------------------------------------------------- job events
+
+
+def test_complete_stores_the_result_once_with_the_completion(queue, clock):
+    queue.submit(job("run-1", 2))
+    first = queue.lease(POOL, worker_id="w1", ttl_s=30)
+    clock.advance(2)
+    result = {"messages": [{"type": "PartitionCommitted"}], "pool": {"warm": False}}
+    assert queue.complete(first, result)
+    assert queue.complete(first, result) is False  # a retried call stores nothing more
+    (event,) = queue.job_events("run-1")
+    assert (event.kind, event.item_key, event.worker_id, event.at) == (
+        "result",
+        first.item_key,
+        "w1",
+        1_002.0,
+    )
+    assert event.payload == result
+    second = queue.lease(POOL, worker_id="w2", ttl_s=30)
+    assert queue.complete(second)  # no result given: no event
+    assert len(queue.job_events("run-1")) == 1
+    queue.submit(job("run-2", 1))
+    third = queue.lease(POOL, worker_id="w3", ttl_s=30)
+    with pytest.raises(ValueError, match="not JSON-ready"):
+        queue.complete(third, {"x": object()})
+    assert queue.job_progress("run-2").leased == 1  # the refused result left it leased
+
+
+def test_a_lost_lease_neither_completes_nor_stores_its_result(queue, clock):
+    queue.submit(job("run-1", 1))
+    lost = queue.lease(POOL, worker_id="w1", ttl_s=5)
+    clock.advance(6)
+    taker = queue.lease(POOL, worker_id="w2", ttl_s=30)
+    with pytest.raises(LeaseLostError) as refused:
+        queue.complete(lost, {"messages": ["stale"]})
+    assert refused.value.reason == "taken_over"
+    with pytest.raises(LeaseLostError):
+        queue.post_event(lost, "log", {"message": "stale"})
+    queue.complete(taker, {"messages": ["fresh"]})
+    assert [e.payload for e in queue.job_events("run-1")] == [{"messages": ["fresh"]}]
+
+
+def test_events_stream_in_order_by_seq_and_page_with_after_seq(queue, clock):
+    queue.submit(job("run-1", 2))
+    queue.submit(job("run-2", 1))
+    a, other, b = (queue.lease(POOL, worker_id="w", ttl_s=30) for _ in range(3))
+    assert (a.job_id, other.job_id, b.job_id) == ("run-1", "run-2", "run-1")
+    seqs = [
+        queue.post_event(a, "log", {"level": "info", "message": "engine built"}),
+        queue.post_event(other, "progress", {"rows_done": 1}),
+        queue.post_event(b, "progress", {"rows_done": 5, "chunks_committed": 1}),
+    ]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 3
+    events = queue.job_events("run-1")
+    assert [(e.seq, e.kind, e.item_key) for e in events] == [
+        (seqs[0], "log", a.item_key),
+        (seqs[2], "progress", b.item_key),
+    ]
+    assert queue.job_events("run-1", after_seq=seqs[0]) == events[1:]
+    assert queue.job_events("run-1", limit=1) == events[:1]
+    assert queue.job_events("run-1", after_seq=seqs[2]) == []
+    with pytest.raises(ValueError, match="event kind='chat' must be one of log, progress"):
+        queue.post_event(a, "chat", {})
+    with pytest.raises(UnknownJobError):
+        queue.job_events("missing")
+    queue.cancel("run-1", "interrupted")
+    with pytest.raises(LeaseLostError, match="cancelled"):
+        queue.post_event(a, "log", {"message": "after cancel"})
+
+
+def post_events(location: str, job_id: str, worker_id: str, count: int) -> list[int]:
+    """A worker: lease one item of `job_id` and post `count` progress events on it."""
+    with open_lease_queue(location) as queue:
+        lease = queue.lease(POOL, worker_id=worker_id, ttl_s=60)
+        assert lease is not None and lease.job_id == job_id
+        return [queue.post_event(lease, "progress", {"n": n}) for n in range(count)]
+
+
+def test_a_reader_polling_after_seq_misses_no_event_of_concurrent_writers(store_location):
+    """Several writers post to one job while a reader polls with the last seq it saw:
+    the reader gets every event exactly once, in seq order (no late-committed gap)."""
+    writers, per_writer = 4, 60
+    with open_lease_queue(store_location) as queue:
+        queue.submit(job("busy", writers))
+    done = threading.Event()
+    seen: list[int] = []
+
+    def read() -> None:
+        with open_lease_queue(store_location) as reader:
+            while True:
+                finished = done.is_set()
+                events = reader.job_events("busy", after_seq=seen[-1] if seen else 0)
+                seen.extend(event.seq for event in events)
+                if finished and not events:
+                    return
+
+    posted: dict[int, list[int]] = {}
+    reader = threading.Thread(target=read)
+    reader.start()
+    threads = [
+        threading.Thread(
+            target=lambda i=i: posted.__setitem__(
+                i, post_events(store_location, "busy", f"w{i}", per_writer)
+            )
+        )
+        for i in range(writers)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    done.set()
+    reader.join(timeout=120)
+    every = sorted(seq for seqs in posted.values() for seq in seqs)
+    assert len(every) == writers * per_writer
+    assert seen == every
+
+
+# --------------------------------------------------------------------------- pool workers
+
+
+def test_workers_report_upsert_and_vanish_past_their_ttl(queue, clock):
+    first = queue.report_worker(POOL, "w1", state="starting", ttl_s=30, info={"pid": 7})
+    assert (first.state, first.started_at, first.expires_at, first.info) == (
+        "starting",
+        1_000.0,
+        1_030.0,
+        {"pid": 7},
+    )
+    clock.advance(10)
+    queue.report_worker(POOL, "w2", state="loading", ttl_s=5)
+    again = queue.report_worker(POOL, "w1", state="busy", ttl_s=30)  # info kept
+    assert (again.state, again.started_at, again.last_seen, again.info) == (
+        "busy",
+        1_000.0,
+        1_010.0,
+        {"pid": 7},
+    )
+    queue.report_worker("pool-b", "w3", state="idle", ttl_s=30, info={"warm": True})
+    assert [w.worker_id for w in queue.pool_workers(POOL)] == ["w1", "w2"]
+    clock.advance(5)  # w2 reported a 5 s TTL and went silent
+    assert [w.worker_id for w in queue.pool_workers(POOL)] == ["w1"]
+    updated = queue.report_worker(POOL, "w1", state="idle", ttl_s=30, info={"leases": 2})
+    assert updated.info == {"leases": 2}
+    queue.remove_worker("w1")
+    queue.remove_worker("never-seen")
+    assert queue.pool_workers(POOL) == []
+    assert [w.info for w in queue.pool_workers("pool-b")] == [{"warm": True}]
+    with pytest.raises(ValueError, match="worker state='asleep' must be one of starting"):
+        queue.report_worker(POOL, "w1", state="asleep", ttl_s=30)
+    with pytest.raises(ValueError, match="ttl_s"):
+        queue.report_worker(POOL, "w1", state="idle", ttl_s=-1)
+
+
+def test_a_store_made_before_events_and_workers_gets_their_tables(store_location, clock):
+    """A queue created by the release before these tables existed (jobs and items only)
+    opens with them added, and its jobs stay."""
+    from dagster_gpuinfer.pools.sql_queue import schema_statements
+
+    if store_location.startswith("postgresql://"):
+        import psycopg2
+
+        connection = psycopg2.connect(store_location)
+        statements = schema_statements(id_column="BIGSERIAL PRIMARY KEY", real="DOUBLE PRECISION")
+        with connection, connection.cursor() as cursor:
+            cursor.execute("CREATE SEQUENCE IF NOT EXISTS gpuinfer_pool_served")
+            for statement in statements[:5]:
+                cursor.execute(statement)
+            cursor.execute(
+                "INSERT INTO gpuinfer_pool_jobs (job_id, pool_key, priority, payload, "
+                "max_attempts, state, submitted_at, served_seq) "
+                "VALUES ('old', 'pool-a', 0, '{}', 3, 'active', 1, 0)"
+            )
+        connection.close()
+    else:
+        import sqlite3
+
+        connection = sqlite3.connect(store_location)
+        for statement in schema_statements(id_column="INTEGER PRIMARY KEY", real="REAL")[:5]:
+            connection.execute(statement)
+        connection.execute(
+            "INSERT INTO gpuinfer_pool_jobs (job_id, pool_key, priority, payload, "
+            "max_attempts, state, submitted_at, served_seq) "
+            "VALUES ('old', 'pool-a', 0, '{}', 3, 'active', 1, 0)"
+        )
+        connection.commit()
+        connection.close()
+    with open_lease_queue(store_location, clock=clock) as queue:
+        assert queue.job_events("old") == []
+        assert queue.report_worker(POOL, "w", state="idle", ttl_s=30).worker_id == "w"
+
+
 # --------------------------------------------------------------------------- pool keys
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import dagster as dg
 
@@ -57,8 +57,17 @@ def batch_pipelines(
     pool: str | None = None,
     minimum_interval_seconds: int = 5,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
+    launch: Literal["run", "pool"] = "run",
 ) -> BatchPipelines:
     """Build the batch pipelines of `routes` and their sensor.
+
+    Every batch is its own run of one partition, the case engine pools are for: with
+    `launch="pool"` twenty tenants' small batches on one model share warm engines instead
+    of paying twenty engine builds. The default stays `run` because a pool needs a queue
+    every step and pool worker reaches (`GpuInferenceResource.pool.queue`: PostgreSQL on a
+    cluster; the SQLite default serves one host only), which the deployment must set up;
+    a deployment that has it passes `launch="pool"`, and a route may choose for itself
+    (`Route.launch`).
 
     Args:
         routes: The routing table the API service validates batches against.
@@ -67,6 +76,7 @@ def batch_pipelines(
         store_url: The API's metadata store; default `GPUINFER_BATCH_STORE_URL` (read when
             the sensor ticks, so the code location loads without a database).
         group_name, retry_policy, pool: passed to every pipeline's output asset.
+        launch: `run` or `pool` for the routes that do not set `Route.launch`.
         minimum_interval_seconds, default_status: of the sensor.
     """
     table = routing_table(routes)
@@ -93,6 +103,7 @@ def batch_pipelines(
             chunk_size=route.chunk_size,
             retry_policy=retry_policy,
             pool=pool,
+            launch=route.launch or launch,
             group_name=group_name,
             description=f"OpenAI batches of model {route.model!r} on {route.endpoint} "
             "(one partition per batch)",

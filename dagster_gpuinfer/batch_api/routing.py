@@ -24,7 +24,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -58,6 +58,13 @@ class Route(BaseModel):
     )
     images: ImageOptions | None = Field(
         None, description="Image tasks: the URL allow-list and the pixel and byte limits."
+    )
+    launch: Literal["run", "pool"] | None = Field(
+        None,
+        description="How this route's batch runs reach a worker: `pool` sends each batch to "
+        "the model's engine pool (warm engines shared by every tenant's batches of this "
+        "model: one engine build for many small batches); `run` starts a worker per batch. "
+        "Unset: the deployment's choice (`batch_pipelines(launch=...)`, default `run`).",
     )
 
     @field_validator("endpoint")

@@ -21,6 +21,7 @@ In a defs folder, `defs.yaml`::
       tensor_parallel_size: 1
       replicas: 2
       max_partitions_per_run: 8
+      launch: run                # or pool: warm engines shared across runs
       resource:                  # optional: this pipeline's own GpuInferenceResource
         launcher: k8s
 
@@ -134,6 +135,13 @@ class _PipelineAttributes(dg.Model):
         4, ge=1, description="Backfill policy: partitions (shards) per run; one model load each."
     )
     pool: str | None = Field(None, description="Dagster concurrency pool capping GPU runs.")
+    launch: Literal["run", "pool"] = Field(
+        "run",
+        description="run: each run starts its own worker and engine (backfills of many "
+        "partitions per run). pool: runs send their partitions to the model's engine pool, "
+        "whose warm workers serve every run (arrival sensors, schedules, small runs). A run "
+        "may override it in its config (`launch`).",
+    )
     observe_cron: str | None = Field(
         None,
         description="Observe the input shards' versions on this cron (the automation daemon); "
@@ -216,6 +224,7 @@ class InferencePipelineComponent(dg.Component, dg.Resolvable, settings_model(_Pi
             group_name=self.group_name,
             resource_key=self.effective_resource_key(),
             sink=self.sink,
+            launch=self.launch,
             **{name: getattr(self, name) for name in pipeline_fields()},
         )
 

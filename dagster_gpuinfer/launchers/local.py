@@ -18,9 +18,34 @@ from typing import Any
 import dagster as dg
 
 from dagster_gpuinfer.messages import EXIT_SPEC_REFUSED
+from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.worker import WORKER_MODULE
 
 TERMINATION_TIMEOUT_SECONDS = 20.0
+
+
+class LocalLauncher:
+    """`Launcher`: one worker subprocess per step (`run_local_worker`)."""
+
+    def __init__(self, *, python_executable: str, env: Mapping[str, str]) -> None:
+        self.python_executable = python_executable
+        self.env = dict(env)
+
+    def launch(
+        self,
+        *,
+        context: dg.AssetExecutionContext,
+        spec: InferenceSpec,
+        extras: Mapping[str, Any],
+        launch_attempt: int = 0,
+    ) -> list[Any]:
+        del spec, launch_attempt  # the spec travels in `extras`; no step-down locally
+        return run_local_worker(
+            context=context,
+            extras=extras,
+            python_executable=self.python_executable,
+            env=self.env,
+        )
 
 
 def run_local_worker(

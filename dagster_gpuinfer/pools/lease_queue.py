@@ -22,6 +22,15 @@ What the queue promises, and what it does not:
 - Time comes from the store's `clock` (seconds, `time.time` by default). With several
   hosts, keep their clocks in step (NTP); a TTL of tens of seconds tolerates the usual skew.
 
+Beside the leases, two read-outs the control plane streams and scales by:
+
+- *Job events* (`post_event`, `job_events`): what the workers say while they work (log
+  lines, progress) and each item's result (`complete(lease, result)` stores it atomically
+  with the completion), in one increasing `seq` across the store, so a step streams a job's
+  events by polling with the last `seq` it saw.
+- *Pool workers* (`report_worker`, `pool_workers`): each worker upserts its state (starting,
+  loading, idle, busy, draining) with a TTL on every poll; one past its TTL is gone.
+
 Two stores behave the same (tests/test_lease_queue.py runs one suite on both):
 `SqliteLeaseQueue` (a file, the embedded default) and `PostgresLeaseQueue` (production).
 """
@@ -36,6 +45,10 @@ from typing import Any, Literal
 
 Clock = Callable[[], float]
 ItemState = Literal["queued", "leased", "done", "failed", "cancelled"]
+EventKind = Literal["log", "progress", "result"]
+WorkerState = Literal["starting", "loading", "idle", "busy", "draining"]
+EVENT_KINDS: tuple[str, ...] = ("log", "progress", "result")
+WORKER_STATES: tuple[str, ...] = ("starting", "loading", "idle", "busy", "draining")
 JobState = Literal["running", "done", "failed", "cancelled"]
 
 DEFAULT_MAX_ATTEMPTS = 3
@@ -219,6 +232,52 @@ class ItemStatus:
 
 
 @dataclass(frozen=True)
+class JobEvent:
+    """Something a worker said about a job: a log line, progress, or an item's result.
+
+    Attributes:
+        seq: Increasing across the store (stream a job's events with `after_seq`).
+        job_id: The job.
+        item_key: The work item it is about (None for job-wide events).
+        worker_id: The worker that posted it (None when posted otherwise).
+        kind: `log`, `progress` or `result`.
+        at: When it was posted (store clock).
+        payload: Its JSON-ready content.
+    """
+
+    seq: int
+    job_id: str
+    item_key: str | None
+    worker_id: str | None
+    kind: str
+    at: float
+    payload: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class PoolWorker:
+    """A pool worker as it last reported itself.
+
+    Attributes:
+        worker_id: Unique across the queue.
+        pool_key: Its pool.
+        state: `starting`, `loading`, `idle`, `busy` or `draining`.
+        started_at: When it first reported (store clock).
+        last_seen: When it last reported.
+        expires_at: `last_seen` + its TTL; past it the worker is gone (not listed).
+        info: JSON-ready facts (pid, host, pod, engine_load_seconds, leases_served, ...).
+    """
+
+    worker_id: str
+    pool_key: str
+    state: str
+    started_at: float
+    last_seen: float
+    expires_at: float
+    info: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
 class PoolStats:
     """A pool's backlog and leases, for the scaler and the metrics.
 
@@ -286,9 +345,13 @@ class LeaseQueue(abc.ABC):
         """
 
     @abc.abstractmethod
-    def complete(self, lease: Lease) -> bool:
+    def complete(self, lease: Lease, result: Mapping[str, Any] | None = None) -> bool:
         """Mark the lease's item done. True when this call did; False when this same lease
         had already completed it (a retried call).
+
+        `result` (JSON-ready), when given, is stored in the same transaction as a
+        `JobEvent(kind="result", item_key=lease.item_key)`: a done item's result is never
+        missing, and a retried call stores it once.
 
         Raises:
             LeaseLostError: the lease is not the item's live lease.
@@ -350,6 +413,52 @@ class LeaseQueue(abc.ABC):
         """
 
     @abc.abstractmethod
+    def post_event(self, lease: Lease, kind: str, payload: Mapping[str, Any]) -> int:
+        """Store an event about the lease's item (kind `log`, `progress` or `result`).
+
+        Returns:
+            The event's `seq`.
+
+        Raises:
+            LeaseLostError: the lease is not the item's live lease (a stale worker's events
+                are not mixed into the job's stream).
+            ValueError: `kind` is not one of the three.
+        """
+
+    @abc.abstractmethod
+    def job_events(self, job_id: str, *, after_seq: int = 0, limit: int = 1000) -> list[JobEvent]:
+        """The job's events with `seq > after_seq`, oldest first, at most `limit`.
+
+        Raises:
+            UnknownJobError: no such job.
+        """
+
+    @abc.abstractmethod
+    def report_worker(
+        self,
+        pool_key: str,
+        worker_id: str,
+        *,
+        state: str,
+        ttl_s: float,
+        info: Mapping[str, Any] | None = None,
+    ) -> PoolWorker:
+        """Insert or update a worker's record: its state, now as `last_seen`, and an expiry
+        `ttl_s` from now. `info` replaces the stored one when given (kept when None).
+
+        Raises:
+            ValueError: `state` is not a worker state, or `ttl_s` is not a positive number.
+        """
+
+    @abc.abstractmethod
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker (it exited); removing an unknown worker does nothing."""
+
+    @abc.abstractmethod
+    def pool_workers(self, pool_key: str) -> list[PoolWorker]:
+        """The pool's live workers (`expires_at` after now), oldest first."""
+
+    @abc.abstractmethod
     def pool_stats(self, pool_key: str) -> PoolStats:
         """The pool's backlog and leases (zeros for a pool with no jobs)."""
 
@@ -366,6 +475,13 @@ class LeaseQueue(abc.ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def check_choice(what: str, value: str, choices: tuple[str, ...]) -> str:
+    """`value`, or a ValueError that lists the `choices`."""
+    if value not in choices:
+        raise ValueError(f"{what}={value!r} must be one of {', '.join(choices)}")
+    return value
 
 
 def check_ttl(ttl_s: float) -> float:

@@ -23,7 +23,7 @@ from typing import Any
 
 from dagster_gpuinfer.pools.lease_queue import Clock
 from dagster_gpuinfer.pools.sql_queue import (
-    ITEMS,
+    WORKERS,
     SqlLeaseQueue,
     Transaction,
     schema_statements,
@@ -65,12 +65,14 @@ class PostgresLeaseQueue(SqlLeaseQueue):
 
     def _create_schema(self) -> None:
         """Create the tables once. A queue that exists takes no lock at all: DDL on it
-        (even `CREATE INDEX IF NOT EXISTS`) would lock its tables against running leases."""
+        (even `CREATE INDEX IF NOT EXISTS`) would lock its tables against running leases.
+        The workers table is created last, so a store that has it has every table; one
+        made before the events and workers tables existed gets them (once)."""
         with self._transaction() as tx:
-            if tx.one("SELECT to_regclass(?)", (ITEMS,))[0] is not None:
+            if tx.one("SELECT to_regclass(?)", (WORKERS,))[0] is not None:
                 return
             tx.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK,))
-            if tx.one("SELECT to_regclass(?)", (ITEMS,))[0] is not None:
+            if tx.one("SELECT to_regclass(?)", (WORKERS,))[0] is not None:
                 return  # another process created it while this one waited
             tx.execute(f"CREATE SEQUENCE IF NOT EXISTS {SERVED_SEQUENCE}")
             for statement in schema_statements(

@@ -1,8 +1,15 @@
 """The lease queue in SQL, shared by the SQLite and PostgreSQL stores.
 
 Two tables: `gpuinfer_pool_jobs` (one row per job) and `gpuinfer_pool_items` (one row per
-work item, with its live lease in place: token, holder, expiry). Every operation is one
-short transaction. The stores differ only in how a transaction excludes others:
+work item, with its live lease in place: token, holder, expiry); beside them
+`gpuinfer_pool_events` (the jobs' events, `seq` increasing) and `gpuinfer_pool_workers` (one
+row per worker, upserted as it reports). Every operation is one short transaction.
+
+Events of one job are posted under its job row's lock (PostgreSQL: `FOR UPDATE`, taken after
+the item row, as everywhere here), so within a job `seq` order is commit order and a reader
+polling with the last `seq` it saw never skips one committed late.
+
+The stores differ only in how a transaction excludes others:
 
 - SQLite: `BEGIN IMMEDIATE` takes the database's one write lock, so transactions run one
   at a time across threads and processes (WAL lets readers go on meanwhile).
@@ -21,28 +28,39 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
 from dagster_gpuinfer.pools.lease_queue import (
+    EVENT_KINDS,
+    WORKER_STATES,
     Clock,
     ItemState,
     ItemStatus,
     JobConflictError,
+    JobEvent,
     JobProgress,
     JobSubmission,
     Lease,
     LeaseLostError,
     LeaseQueue,
     PoolStats,
+    PoolWorker,
     UnknownJobError,
+    check_choice,
     check_ttl,
 )
 
 JOBS = "gpuinfer_pool_jobs"
 ITEMS = "gpuinfer_pool_items"
+EVENTS = "gpuinfer_pool_events"
+WORKERS = "gpuinfer_pool_workers"
+
+# A worker record past its expiry by this long is deleted when any worker reports (the
+# read-outs skip expired ones at once; this only keeps the table small).
+FORGET_WORKERS_AFTER_S = 3600.0
 
 # Jobs ranked per lease: how many of the pool's best-ranked jobs `lease` tries before it
 # says the pool has nothing (only PostgreSQL skips locked items, so only there can a job
@@ -338,8 +356,9 @@ class SqlLeaseQueue(LeaseQueue):
             )
         return replace(lease, expires_at=now + ttl, ttl_s=ttl)
 
-    def complete(self, lease: Lease) -> bool:
+    def complete(self, lease: Lease, result: Mapping[str, Any] | None = None) -> bool:
         now = self._clock()
+        payload = None if result is None else _dumps(result)
         with self._transaction() as tx:
             row = self._held_item(tx, lease)
             if row[3] == "done" and row[4] == lease.token:
@@ -349,8 +368,102 @@ class SqlLeaseQueue(LeaseQueue):
                 f"UPDATE {ITEMS} SET state = 'done', completed_at = ? WHERE item_id = ?",
                 (now, lease.item_id),
             )
+            if payload is not None:
+                self._insert_event(tx, lease, "result", payload, now)
             self._finish_if_drained(tx, lease.job_id)
         return True
+
+    # ------------------------------------------------------------------ events
+
+    def post_event(self, lease: Lease, kind: str, payload: Mapping[str, Any]) -> int:
+        check_choice("event kind", kind, EVENT_KINDS)
+        body = _dumps(payload)
+        now = self._clock()
+        with self._transaction() as tx:
+            self._check_live(self._held_item(tx, lease), lease, now)
+            return self._insert_event(tx, lease, kind, body, now)
+
+    def _insert_event(self, tx: Transaction, lease: Lease, kind: str, body: str, now: float) -> int:
+        """Insert one event under the job row's lock (see the module docstring)."""
+        tx.one(f"SELECT job_id FROM {JOBS} WHERE job_id = ?{self.row_lock_clause}", (lease.job_id,))
+        row = tx.one(
+            f"INSERT INTO {EVENTS} (job_id, item_key, worker_id, kind, at, payload) "
+            "VALUES (?, ?, ?, ?, ?, ?) RETURNING seq",
+            (lease.job_id, lease.item_key, lease.worker_id, kind, now, body),
+        )
+        assert row is not None
+        return int(row[0])
+
+    def job_events(self, job_id: str, *, after_seq: int = 0, limit: int = 1000) -> list[JobEvent]:
+        with self._transaction(write=False) as tx:
+            self._job_row(tx, job_id)
+            rows = tx.all(
+                f"SELECT seq, item_key, worker_id, kind, at, payload FROM {EVENTS} "
+                f"WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT {max(0, int(limit))}",
+                (job_id, int(after_seq)),
+            )
+        return [
+            JobEvent(
+                seq=int(seq),
+                job_id=job_id,
+                item_key=item_key,
+                worker_id=worker,
+                kind=kind,
+                at=float(at),
+                payload=json.loads(payload),
+            )
+            for seq, item_key, worker, kind, at, payload in rows
+        ]
+
+    # ------------------------------------------------------------------ workers
+
+    def report_worker(
+        self,
+        pool_key: str,
+        worker_id: str,
+        *,
+        state: str,
+        ttl_s: float,
+        info: Mapping[str, Any] | None = None,
+    ) -> PoolWorker:
+        check_choice("worker state", state, WORKER_STATES)
+        ttl = check_ttl(ttl_s)
+        if not pool_key or not worker_id:
+            raise ValueError("report_worker: pool_key and worker_id must be non-empty strings")
+        body = _dumps(dict(info or {}))
+        new_info = "excluded.info" if info is not None else f"{WORKERS}.info"  # None: keep
+        now = self._clock()
+        with self._transaction() as tx:
+            tx.execute(
+                f"DELETE FROM {WORKERS} WHERE expires_at <= ?", (now - FORGET_WORKERS_AFTER_S,)
+            )
+            tx.execute(
+                f"INSERT INTO {WORKERS} (worker_id, pool_key, state, started_at, last_seen, "
+                "expires_at, info) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (worker_id) DO "
+                "UPDATE SET pool_key = excluded.pool_key, state = excluded.state, "
+                "last_seen = excluded.last_seen, expires_at = excluded.expires_at, "
+                f"info = {new_info}",
+                (worker_id, pool_key, state, now, now, now + ttl, body),
+            )
+            row = tx.one(
+                f"SELECT {_WORKER_COLUMNS} FROM {WORKERS} WHERE worker_id = ?", (worker_id,)
+            )
+        assert row is not None
+        return _worker(row)
+
+    def remove_worker(self, worker_id: str) -> None:
+        with self._transaction() as tx:
+            tx.execute(f"DELETE FROM {WORKERS} WHERE worker_id = ?", (worker_id,))
+
+    def pool_workers(self, pool_key: str) -> list[PoolWorker]:
+        now = self._clock()
+        with self._transaction(write=False) as tx:
+            rows = tx.all(
+                f"SELECT {_WORKER_COLUMNS} FROM {WORKERS} WHERE pool_key = ? AND expires_at > ? "
+                "ORDER BY started_at, worker_id",
+                (pool_key, now),
+            )
+        return [_worker(row) for row in rows]
 
     def release(self, lease: Lease, reason: str) -> None:
         now = self._clock()
@@ -515,8 +628,25 @@ class SqlLeaseQueue(LeaseQueue):
         return sorted(pool for (pool,) in rows)
 
 
+_WORKER_COLUMNS = "worker_id, pool_key, state, started_at, last_seen, expires_at, info"
+
+
+def _worker(row: Sequence[Any]) -> PoolWorker:
+    worker_id, pool_key, state, started_at, last_seen, expires_at, info = row
+    return PoolWorker(
+        worker_id=worker_id,
+        pool_key=pool_key,
+        state=state,
+        started_at=float(started_at),
+        last_seen=float(last_seen),
+        expires_at=float(expires_at),
+        info=json.loads(info),
+    )
+
+
 def schema_statements(*, id_column: str, real: str) -> list[str]:
-    """The tables and indexes, for a store's id column type and float type."""
+    """The tables and indexes, for a store's id column type and float type. The workers
+    table comes last: a store that has it has them all (PostgreSQL checks for it)."""
     return [
         f"CREATE TABLE IF NOT EXISTS {JOBS} (job_seq {id_column}, job_id TEXT NOT NULL "
         "UNIQUE, pool_key TEXT NOT NULL, priority INTEGER NOT NULL, payload TEXT NOT NULL, "
@@ -533,6 +663,14 @@ def schema_statements(*, id_column: str, real: str) -> list[str]:
         "UNIQUE (job_id, item_key))",
         f"CREATE INDEX IF NOT EXISTS {ITEMS}_job ON {ITEMS} (job_id, state, seq)",
         f"CREATE INDEX IF NOT EXISTS {ITEMS}_pool ON {ITEMS} (pool_key, state, expires_at)",
+        f"CREATE TABLE IF NOT EXISTS {EVENTS} (seq {id_column}, job_id TEXT NOT NULL "
+        f"REFERENCES {JOBS} (job_id) ON DELETE CASCADE, item_key TEXT, worker_id TEXT, "
+        f"kind TEXT NOT NULL, at {real} NOT NULL, payload TEXT NOT NULL)",
+        f"CREATE INDEX IF NOT EXISTS {EVENTS}_job ON {EVENTS} (job_id, seq)",
+        f"CREATE TABLE IF NOT EXISTS {WORKERS} (worker_id TEXT PRIMARY KEY, "
+        f"pool_key TEXT NOT NULL, state TEXT NOT NULL, started_at {real} NOT NULL, "
+        f"last_seen {real} NOT NULL, expires_at {real} NOT NULL, info TEXT NOT NULL)",
+        f"CREATE INDEX IF NOT EXISTS {WORKERS}_pool ON {WORKERS} (pool_key, expires_at)",
     ]
 
 
