@@ -8,7 +8,8 @@ partitions per run loads the model once per K shards.
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, NoReturn
+from enum import StrEnum
+from typing import Any, ClassVar, NoReturn
 
 import dagster as dg
 from pydantic import Field, create_model
@@ -131,6 +132,13 @@ def default_backfill_policy() -> dg.BackfillPolicy:
     return dg.BackfillPolicy.multi_run(max_partitions_per_run=DEFAULT_PARTITIONS_PER_RUN)
 
 
+class LaunchMode(StrEnum):
+    """`launch` in a run's config (Dagster config takes enums, not literals)."""
+
+    run = "run"
+    pool = "pool"
+
+
 class _RunOverrides(dg.Config):
     """Per-run overrides, editable in the launchpad; unset fields keep the pipeline's.
 
@@ -142,7 +150,7 @@ class _RunOverrides(dg.Config):
 
     SPEC_MODEL: ClassVar[type[InferenceSpec]] = InferenceSpec
 
-    launch: Literal["run", "pool"] | None = Field(
+    launch: LaunchMode | None = Field(
         None,
         description="run: this run starts its own worker (engine build included). pool: its "
         "partitions go to the model's engine pool, served by warm workers shared across "
@@ -621,7 +629,7 @@ def _output_asset(
             max_error_rate=max_error_rate,
             max_invalid_output_rate=invalid_rate,
             sink=sink,
-            launch=config.launch or launch,
+            launch=config.launch.value if config.launch else launch,
         )
 
     return _inference_asset
