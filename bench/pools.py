@@ -167,6 +167,7 @@ class PoolWatch(threading.Thread):
         self.interval = interval
         self.pool_keys: set[str] = set()
         self.worker_pids: dict[str, int] = {}
+        self.worker_ids: set[str] = set()
         self.most_live: dict[str, int] = {}
         self._stop_event = threading.Event()
 
@@ -179,6 +180,7 @@ class PoolWatch(threading.Thread):
                         live = queue.pool_workers(key)
                         self.most_live[key] = max(self.most_live.get(key, 0), len(live))
                         for worker in live:
+                            self.worker_ids.add(worker.worker_id)
                             pid = worker.info.get("pid")
                             if isinstance(pid, int):
                                 self.worker_pids[worker.worker_id] = pid
@@ -575,7 +577,7 @@ def _scale_to_zero(bench: PoolBench, watch: PoolWatch) -> dict[str, Any]:
             keys = watch.pool_keys | set(queue.pools())
             listed = sum(len(queue.pool_workers(key)) for key in keys)
             pids = set(watch.worker_pids.values()) | {pid for pid, _ in bench.builds()}
-            left, zombies = _processes_left(pids, str(bench.queue))
+            left, zombies = _processes_left(pids, watch.worker_ids)
             if (not listed and not left) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
@@ -585,14 +587,16 @@ def _scale_to_zero(bench: PoolBench, watch: PoolWatch) -> dict[str, Any]:
         "pools": sorted(keys),
         "pool_workers_listed": listed,
         "worker_pids_seen": sorted(pids),
+        "worker_ids_seen": sorted(watch.worker_ids),
         "processes_left": left,
         "zombies": zombies,
     }
 
 
-def _processes_left(pids: set[int], marker: str) -> tuple[list[str], list[int]]:
-    """Live processes that are one of `pids`, in their process group or session, or name
-    `marker` (the queue's path) on their command line; and such processes that are zombies."""
+def _processes_left(pids: set[int], worker_ids: set[str]) -> tuple[list[str], list[int]]:
+    """Live processes that are one of `pids`, in their process group or session, or carry
+    one of `worker_ids` on their command line (`--worker-id`); and such processes that are
+    zombies (exited, not yet reaped by their parent)."""
     left: list[str] = []
     zombies: list[int] = []
     for entry in Path("/proc").iterdir():
@@ -605,7 +609,8 @@ def _processes_left(pids: set[int], marker: str) -> tuple[list[str], list[int]]:
             continue
         state, _ppid, pgrp, session = stat.rpartition(")")[2].split()[:4]
         pid = int(entry.name)
-        if not ({pid, int(pgrp), int(session)} & pids or marker in cmdline):
+        named = any(f"--worker-id {worker_id}" in cmdline for worker_id in worker_ids)
+        if not ({pid, int(pgrp), int(session)} & pids or named):
             continue
         if state == "Z":
             zombies.append(pid)
