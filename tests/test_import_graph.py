@@ -30,6 +30,7 @@ SHARED = (
     "image_options",
     "secrets",
     "out_of_memory",
+    "pools",  # the lease queue: the control plane submits, the pool worker leases
 )
 
 # The worker's rooms, lowest first: each may import its own modules and those of rooms before it.
@@ -41,6 +42,7 @@ WORKER_ROOMS = (
     ("worker.commit",),
     ("worker.loop",),
     ("worker.run",),
+    ("worker.pool",),
     ("worker.__main__", "worker.follower"),
 )
 

@@ -18,6 +18,13 @@ extras (`spec`), and progress goes back as Pipes messages (the models in
 Without Pipes, `python -m dagster_gpuinfer.worker --spec spec.json` runs the same job and
 prints the same messages as JSON lines (for debugging a spec by hand).
 
+`python -m dagster_gpuinfer.worker --pool POOL_KEY [--queue LOCATION] [--worker-id ID]
+[--idle-ttl SECONDS] [--lease-ttl SECONDS] [--poll SECONDS]` runs a pool worker instead
+(`worker/pool/`): it serves the pool's leases from the lease queue (`--queue`, else the
+`GPUINFER_LEASE_QUEUE` environment variable: a PostgreSQL URL holds a password, so pods take
+it from a Secret) with one warm engine, and exits 0 after `--idle-ttl` seconds without a
+lease, 143 after a SIGTERM (the lease released), 75 when its engine died (the lease failed).
+
 Exit codes besides 0: `lifecycle.EXIT_DRAINED` (143) after a SIGTERM drain (the chunks in
 flight were committed; the Pipes log says so), `lifecycle.EXIT_ENGINE_DIED` (75) when an
 engine process died or vLLM reported its engine dead (`EngineDeadError`, e.g. after its
@@ -35,69 +42,25 @@ import os
 import sys
 from typing import Any
 
-from pydantic import ValidationError
-
-from dagster_gpuinfer.messages import (
-    Fatal,
-    PartitionCommitted,
-    PartitionFailed,
-    RunFinished,
-    to_payload,
-)
-from dagster_gpuinfer.secrets import validation_problems
-from dagster_gpuinfer.spec import InferenceSpec
-from dagster_gpuinfer.storage import Manifest
 from dagster_gpuinfer.worker import lifecycle
 from dagster_gpuinfer.worker.errors import (
     Drained,
     EngineDied,
-    SpecError,
     WorkerError,
     cap_message,
     engine_death_in,
 )
 from dagster_gpuinfer.worker.metrics import MeteredReporter, start_worker_metrics
+from dagster_gpuinfer.worker.pool.loop import (
+    DEFAULT_IDLE_TTL_S,
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_POLL_S,
+    QUEUE_ENV,
+    run_pool_worker,
+)
 from dagster_gpuinfer.worker.run.env_references import apply_env_references
 from dagster_gpuinfer.worker.run.job import run_job
-
-
-class MessageReporter:
-    """Sends the worker's messages (`dagster_gpuinfer.messages`) to `emit` (Pipes custom
-    messages, or stdout)."""
-
-    def __init__(self, emit: Any) -> None:
-        self.emit = emit
-
-    def partition_committed(self, manifest: Manifest, *, computed: bool) -> None:
-        self.emit(to_payload(PartitionCommitted(computed=computed, manifest=manifest)))
-
-    def partition_failed(self, exc: WorkerError) -> None:
-        self.emit(to_payload(PartitionFailed(**_error_fields(exc))))
-
-    def run_finished(self, summary: dict[str, Any]) -> None:
-        self.emit(to_payload(RunFinished.model_validate(summary)))
-
-    def fatal(self, exc: WorkerError) -> None:
-        self.emit(to_payload(Fatal(**_error_fields(exc))))
-
-
-def _error_fields(exc: WorkerError) -> dict[str, Any]:
-    return {
-        "error_type": exc.error_type,
-        "message": cap_message(str(exc)),
-        "partition_key": exc.partition_key,
-    }
-
-
-def parse_spec(raw: Any) -> InferenceSpec:
-    if raw is None:
-        raise SpecError("the worker got no job spec: Pipes extras hold no 'spec'")
-    try:
-        return InferenceSpec.model_validate(raw)
-    except ValidationError as exc:
-        # Never `str(exc)`: it would echo a refused value, which may be a credential.
-        problems = "; ".join(validation_problems(exc))
-        raise SpecError(f"the job spec does not validate: {problems}") from None
+from dagster_gpuinfer.worker.run.reporting import MessageReporter, parse_spec
 
 
 def run(
@@ -146,11 +109,21 @@ def _engine_death(death: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dagster_gpuinfer.worker")
     parser.add_argument("--spec", help="a job spec JSON file, to run without Dagster Pipes")
+    _pool_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     lifecycle.install_signal_handlers()
     lifecycle.children_die_with_this_process()
     apply_env_references()
+    if args.pool:
+        return run_pool_worker(
+            args.pool,
+            location=args.queue,
+            worker_id=args.worker_id,
+            idle_ttl_s=args.idle_ttl,
+            lease_ttl_s=args.lease_ttl,
+            poll_s=args.poll,
+        )
     if args.spec:
         with open(args.spec) as handle:
             raw = json.load(handle)
@@ -165,6 +138,38 @@ def main(argv: list[str] | None = None) -> int:
             run_id=pipes.run_id,
             retry_number=pipes.retry_number,
         )
+
+
+def _pool_arguments(parser: argparse.ArgumentParser) -> None:
+    pool = parser.add_argument_group("pool worker (instead of one run's job)")
+    pool.add_argument("--pool", metavar="POOL_KEY", help="serve this pool's leases")
+    pool.add_argument(
+        "--queue",
+        metavar="LOCATION",
+        help=f"the lease queue: a SQLite file or a postgresql:// URL (default: ${QUEUE_ENV})",
+    )
+    pool.add_argument("--worker-id", help="this worker's id in the queue (default: host-pid)")
+    pool.add_argument(
+        "--idle-ttl",
+        type=float,
+        default=DEFAULT_IDLE_TTL_S,
+        metavar="SECONDS",
+        help="exit 0 after this long without a lease",
+    )
+    pool.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=DEFAULT_LEASE_TTL_S,
+        metavar="SECONDS",
+        help="each lease's TTL (heartbeats every third of it)",
+    )
+    pool.add_argument(
+        "--poll",
+        type=float,
+        default=DEFAULT_POLL_S,
+        metavar="SECONDS",
+        help="seconds between polls for a lease while idle",
+    )
 
 
 def exit_now(code: int, *, grace_seconds: float = 5.0) -> None:

@@ -2,6 +2,11 @@
 
 This is the only module that imports vllm, and it does so when an engine is built, so the
 worker can preflight its shards (and skip finished ones) without paying for the import.
+
+A pool worker (`worker/pool/`) keeps one engine across jobs: `InferenceEngine.bind(spec)`
+points a built engine at another job's spec (sampling defaults, limits, window, task) as
+long as that spec needs the same engine (`same_engine`), and `abort_in_flight` clears what
+a stopped loop left in it before the next job's loop starts.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dagster_gpuinfer.out_of_memory import memory_problem
@@ -176,19 +182,29 @@ class InferenceEngine:
 
     WINDOW_PER_MAX_NUM_SEQS = 2
 
-    def __init__(self, spec: InferenceSpec) -> None:
+    def __init__(
+        self, spec: InferenceSpec, *, on_death: Callable[[str], None] | None = None
+    ) -> None:
         check_model_dir(spec)
         started = time.perf_counter()  # the build counts vllm's import (seconds, once)
         self.spec = spec
         self.task = worker_task(spec.task)
         self.watch: EngineWatch | None = None
+        # Sequences in flight by request: a row asking for `n` completions is n sequences to
+        # the engine's batch, so the window counts them, not rows.
+        self._in_flight: dict[str, int] = {}
+        self._sequences = 0
+        self._binding = 0  # bumped by `bind`: request ids of one binding never meet another's
         self.llm, processes = load_llm(spec)
         self.load_seconds = time.perf_counter() - started
         # The engine's processes run from here on: whatever fails before the engine is handed
         # over shuts them down, so a failed start leaves no engine behind.
         try:
-            # A dead engine process fails the worker within seconds (never a wait for ever).
-            self.watch = EngineWatch(processes, name=f"model {spec.model!r}").start()
+            # A dead engine process fails the worker within seconds (never a wait for ever):
+            # `on_death` (default: `lifecycle.engine_died`, which exits) hears of it.
+            self.watch = EngineWatch(
+                processes, name=f"model {spec.model!r}", on_death=on_death
+            ).start()
             self._configure(spec)
         except BaseException:
             self._shutdown_after_failed_start()
@@ -202,8 +218,8 @@ class InferenceEngine:
         )
 
     def _configure(self, spec: InferenceSpec) -> None:
-        """What the worker reads from the loaded engine: limits, tokenizer, request builder,
-        image fit, renderer, default params.
+        """What the worker reads from the loaded engine (limits, tokenizer, renderer), then
+        what it reads from the spec for it (`_bind_spec`).
 
         Raises:
             SpecError: the spec asks for what this engine cannot do (a seed on a build
@@ -220,16 +236,7 @@ class InferenceEngine:
         self.max_num_seqs = int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
         # The KV cache's block: the prefix cache reuses whole blocks (`stream.prefix_order`).
         self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
-        self.window = (
-            spec.max_requests_in_flight or self.WINDOW_PER_MAX_NUM_SEQS * self.max_num_seqs
-        )
-        self.requests = request_builder(spec, self.llm)
-        if self.requests.refuse_seeds and self.requests.defaults.get("seed") is not None:
-            raise SpecError(f"sampling.seed is {self.requests.defaults['seed']}: {SEED_REFUSED}")
-        # Image tasks: the model's image resize, for the decoder's pool when it is exact.
-        self.image_fit = model_image_fit(self.llm) if task_facts(spec.task).images else None
-        if self.image_fit is not None:
-            log.info("images are resized to the model's input size in the decoder's pool")
+        self._final_only = RequestOutputKind.FINAL_ONLY
         # vLLM's renderer (input processing: for image tasks the model's HF image processor),
         # for `render` from the render thread; None in a vLLM without one: `submit` renders.
         self._renderer = getattr(self.llm, "renderer", None)
@@ -237,18 +244,76 @@ class InferenceEngine:
             from vllm.renderers.inputs.preprocess import parse_model_prompt
 
             self._parse_prompt = parse_model_prompt
-        # Tasks that stream (`facts.streams`) submit requests with these defaults; score and
-        # classify run whole chunks through `LLM.score` / `LLM.classify` (`run_chunk`).
-        self.default_params: Any = self.task.default_params(self)
-        self._final_only = RequestOutputKind.FINAL_ONLY
-        # Sequences in flight by request: a row asking for `n` completions is n sequences to
-        # the engine's batch, so the window counts them, not rows.
-        self._in_flight: dict[str, int] = {}
-        self._sequences = 0
+        self._bind_spec(spec)
         load_log = os.environ.get(LOAD_LOG_ENV)
         if load_log:
             with open(load_log, "a") as handle:
                 handle.write(f"{os.getpid()}\t{spec.model}\n")
+
+    def _bind_spec(self, spec: InferenceSpec) -> None:
+        """What the worker reads from the spec for this engine: the task, the request
+        builder (sampling defaults, limits), the window, image fit and default params.
+
+        Raises:
+            SpecError: a seed on a build where seeds are not reproducible.
+        """
+        requests = request_builder(spec, self.llm)
+        if requests.refuse_seeds and requests.defaults.get("seed") is not None:
+            raise SpecError(f"sampling.seed is {requests.defaults['seed']}: {SEED_REFUSED}")
+        self.spec = spec
+        self.task = worker_task(spec.task)
+        self.requests = requests
+        self.window = (
+            spec.max_requests_in_flight or self.WINDOW_PER_MAX_NUM_SEQS * self.max_num_seqs
+        )
+        # Image tasks: the model's image resize, for the decoder's pool when it is exact.
+        self.image_fit = model_image_fit(self.llm) if task_facts(spec.task).images else None
+        if self.image_fit is not None:
+            log.info("images are resized to the model's input size in the decoder's pool")
+        # Tasks that stream (`facts.streams`) submit requests with these defaults; score and
+        # classify run whole chunks through `LLM.score` / `LLM.classify` (`run_chunk`).
+        self.default_params: Any = self.task.default_params(self)
+
+    def bind(self, spec: InferenceSpec) -> None:
+        """Serve `spec` from now on with this built engine (a pool worker's next job):
+        sampling defaults, limits, window and task are read from `spec` again; the vLLM
+        engine stays as built.
+
+        Raises:
+            SpecError: `spec` needs another engine (`same_engine` says why), or asks for
+                what this engine cannot do (a seed where seeds are not reproducible). The
+                engine stays bound to its previous spec.
+            RuntimeError: requests are still in flight (`abort_in_flight` first).
+        """
+        if self._in_flight:
+            raise RuntimeError(
+                f"cannot bind a new spec with {len(self._in_flight)} requests in flight; "
+                "call abort_in_flight() after a stopped loop"
+            )
+        problem = same_engine(self.spec, spec)
+        if problem is not None:
+            raise SpecError(
+                f"this pool worker's engine cannot serve the spec: {problem}. The job was "
+                "submitted to the wrong pool; submit it under pool_key(spec)"
+            )
+        bound = {name: getattr(self, name) for name in _BOUND}
+        try:
+            self._bind_spec(spec)
+        except BaseException:
+            for name, value in bound.items():  # still bound to the previous spec
+                setattr(self, name, value)
+            raise
+        self._binding += 1
+
+    def abort_in_flight(self) -> int:
+        """Abort every request in flight (a loop stopped mid-window left them); returns how
+        many. The engine serves the next binding with an empty batch."""
+        request_ids = list(self._in_flight)
+        if request_ids:
+            self.llm.llm_engine.abort_request(request_ids)
+        self._in_flight.clear()
+        self._sequences = 0
+        return len(request_ids)
 
     def _shutdown_after_failed_start(self) -> None:
         """`shutdown`, for an engine whose start failed: a failure of the shutdown itself is
@@ -314,24 +379,26 @@ class InferenceEngine:
         elif self.task.facts.samples:
             params.output_kind = self._final_only
         prompt = rendered if rendered is not None else vllm_prompt(token_ids, images)
+        engine_id = f"{self._binding}-{request_id}"
         try:
-            self.llm.llm_engine.add_request(request_id, prompt, params)
+            self.llm.llm_engine.add_request(engine_id, prompt, params)
         except Exception as exc:
             if type(exc).__name__ == "EngineDeadError":
                 raise
             raise _refused(exc) from exc
         sequences = max(int(getattr(params, "n", 1) or 1), 1)
-        self._in_flight[request_id] = sequences
+        self._in_flight[engine_id] = sequences
         self._sequences += sequences
 
     def step(self) -> list[tuple[str, Any]]:
         """One engine step; returns `(request_id, output)` for each request that finished
-        (`RequestOutput` for generate and chat, `PoolingRequestOutput` for embed)."""
+        (`RequestOutput` for generate and chat, `PoolingRequestOutput` for embed). Outputs
+        of requests no longer in flight (aborted) are dropped."""
         finished = []
         for output in self.llm.llm_engine.step():
-            if output.finished:
-                self._sequences -= self._in_flight.pop(output.request_id, 0)
-                finished.append((output.request_id, output))
+            if output.finished and output.request_id in self._in_flight:
+                self._sequences -= self._in_flight.pop(output.request_id)
+                finished.append((output.request_id.split("-", 1)[1], output))
         return finished
 
     def shutdown(self) -> None:
@@ -351,6 +418,27 @@ class InferenceEngine:
                 engine_core.shutdown(timeout=grace)
             except TypeError:  # an engine client whose shutdown takes no timeout
                 engine_core.shutdown()
+
+
+# What `_bind_spec` sets from a spec (and `bind` puts back when a spec is refused).
+_BOUND = ("spec", "task", "requests", "window", "image_fit", "default_params")
+
+
+def same_engine(built: InferenceSpec, other: InferenceSpec) -> str | None:
+    """None when the engine built for `built` serves `other` as it is; else what differs
+    (the model, or the `vllm.LLM` arguments of `engine_kwargs`, which hold the runner,
+    parallel shape and engine settings)."""
+    if built.model != other.model:
+        return f"it runs model {built.model!r}, the spec asks for {other.model!r}"
+    if built.vllm_version != other.vllm_version:
+        return f"it runs vLLM {built.vllm_version!r}, the spec pins {other.vllm_version!r}"
+    ours, theirs = engine_kwargs(built), engine_kwargs(other)
+    if ours != theirs:
+        keys = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        return "engine arguments differ: " + ", ".join(
+            f"{k}={ours.get(k)!r} here, {theirs.get(k)!r} asked" for k in keys
+        )
+    return None
 
 
 def _refused(exc: Exception) -> RequestRejected:

@@ -11,6 +11,11 @@ processes, each pinned to its own devices (`CUDA_VISIBLE_DEVICES` slice of
 `tensor_parallel_size` GPUs, or its own CPU cores), and each pulls chunks (not shards) from
 one queue: one large shard keeps every engine busy.
 
+Serving on a built engine is `PartitionServer` (the coordinator, one `EngineLoop`, the chunk
+markers and the commit): `run_single_engine` builds an engine, serves through it and shuts
+the engine down; a pool worker (`worker/pool/`) keeps its engine and serves each lease's
+partition through the same server, so the two paths commit alike.
+
 SIGTERM (`worker/lifecycle.py`) drains: no chunk is handed to an engine after it, the
 chunks in flight finish and commit, and the run ends with `Drained`, naming what was left.
 
@@ -57,13 +62,14 @@ from dagster_gpuinfer.worker.lifecycle import (
     install_signal_handlers,
 )
 from dagster_gpuinfer.worker.loop.engine import InferenceEngine, check_model_dir
-from dagster_gpuinfer.worker.loop.engine_loop import serve_chunks
+from dagster_gpuinfer.worker.loop.engine_loop import EngineLoop, serve_chunks
 from dagster_gpuinfer.worker.metrics import current_metrics, start_worker_metrics
 from dagster_gpuinfer.worker.rows.readers import ShardReader
 from dagster_gpuinfer.worker.run.coordinator import RunCoordinator
 from dagster_gpuinfer.worker.run.engine_version import check_engine_version
 from dagster_gpuinfer.worker.stage_messages import (
     POLL_SECONDS,
+    ChunkCommitted,
     ReplicaChunk,
     ReplicaCrashed,
     ReplicaFinished,
@@ -99,7 +105,6 @@ def run_job(spec: InferenceSpec, reporter: Reporter) -> dict[str, Any]:
     check_model_dir(spec)
     check_engine_version(spec)
     model = local_model_version(spec)  # once for all partitions: a stat of every file
-    todo: list[str] = []
     failed: list[str] = []
 
     def shard_failed(exc: ShardError, key: str) -> None:
@@ -108,17 +113,7 @@ def run_job(spec: InferenceSpec, reporter: Reporter) -> dict[str, Any]:
         failed.append(exc.partition_key)
         reporter.partition_failed(exc)
 
-    for key in spec.partition_keys:
-        manifest = committed_manifest(spec, key, model=model)
-        if manifest is not None:
-            reporter.partition_committed(manifest, computed=False)
-            continue
-        try:
-            ShardReader(spec, key).preflight()
-        except ShardError as exc:
-            shard_failed(exc, key)
-            continue
-        todo.append(key)
+    todo = partitions_to_compute(spec, spec.partition_keys, model, reporter, shard_failed)
 
     replicas = spec.replicas if todo else 0
     timing = RunTiming()
@@ -153,6 +148,31 @@ def run_job(spec: InferenceSpec, reporter: Reporter) -> dict[str, Any]:
     }
     reporter.run_finished(summary)
     return summary
+
+
+def partitions_to_compute(
+    spec: InferenceSpec,
+    partition_keys: list[str],
+    model: str | None,
+    reporter: Reporter,
+    shard_failed: Callable[[ShardError, str], None],
+) -> list[str]:
+    """The partitions of `partition_keys` to compute: those committed already go to
+    `reporter.partition_committed` (not computed), those whose shard fails its preflight
+    to `shard_failed`; no engine is needed for either."""
+    todo = []
+    for key in partition_keys:
+        manifest = committed_manifest(spec, key, model=model)
+        if manifest is not None:
+            reporter.partition_committed(manifest, computed=False)
+            continue
+        try:
+            ShardReader(spec, key).preflight()
+        except ShardError as exc:
+            shard_failed(exc, key)
+            continue
+        todo.append(key)
+    return todo
 
 
 @dataclass
@@ -219,35 +239,117 @@ def run_single_engine(
     engine = InferenceEngine(spec)  # shuts itself down if its start fails
     try:  # nothing between the engine's start and the `finally` that shuts it down
         timing.load_seconds.append(engine.load_seconds)
-        chunks: queue.Queue[WorkChunk | None] = queue.Queue()
-        coordinator = RunCoordinator(
-            spec,
-            partition_keys,
-            on_committed=on_committed,
-            on_failed=on_failed,
-            put=admit_unless_draining(chunks.put),
-            engines=1,
-            max_outstanding=max_outstanding_chunks(spec, 1, engine.window),
-            model_version=model_version,
+        server = PartitionServer(
+            engine, spec, partition_keys, on_committed, on_failed, model_version
         )
-        coordinator.start(engine.load_seconds)
-        try:
-            serve_chunks(
-                engine, spec, take_unless_draining(chunks.get), coordinator.chunk_committed
-            )
-        finally:
-            coordinator.stop()
-        coordinator.check()
-        timing.inference_seconds = time.perf_counter() - (coordinator.started or 0.0)
+        server.run(engine.load_seconds)
+        timing.inference_seconds = server.inference_seconds
     finally:
         shutdown_started = time.perf_counter()
         engine.shutdown()
         timing.shutdown_seconds.append(time.perf_counter() - shutdown_started)
-    if not coordinator.done():
+    if not server.done:
         if draining():
             raise drained_error(partition_keys)
         raise RuntimeError("the engine stopped before every partition of the run was settled")
     return timing
+
+
+class PartitionServer:
+    """Serves `partition_keys` on an engine that is already built: the run's coordinator
+    reads the shards and commits each partition, one `EngineLoop` serves the chunks and
+    writes their markers. The per-run path (`run_single_engine`) and the pool worker
+    (`worker/pool/`) both serve through it; neither builds nor shuts down the engine here.
+
+    After a SIGTERM (`draining()`) no chunk is handed out and the chunks in flight finish
+    and commit; `stop()` (any thread: a pool worker that lost its lease) ends the loop now,
+    dropping the chunks not yet written (the next holder redoes only those). Either way
+    `done` stays False unless every partition was settled.
+
+    Args:
+        engine: The built engine (`InferenceEngine`, or a fake in tests).
+        spec: The job spec the engine is bound to.
+        partition_keys: The partitions to compute (preflighted, not committed yet).
+        on_committed: Called with (manifest, computed) for each committed partition.
+        on_failed: Called with (error, key) for each shard that cannot be processed.
+        model_version: The local model folder's version (`storage.model_version`).
+        on_chunk: Called (from the writer thread) after each chunk's marker is written.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        spec: InferenceSpec,
+        partition_keys: list[str],
+        on_committed: Callable[[Manifest, bool], None],
+        on_failed: Callable[[ShardError, str], None],
+        model_version: str | None,
+        *,
+        on_chunk: Callable[[ChunkCommitted], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.spec = spec
+        self.partition_keys = partition_keys
+        self.on_committed = on_committed
+        self.on_failed = on_failed
+        self.model_version = model_version
+        self.on_chunk = on_chunk
+        self.done = False
+        self.inference_seconds = 0.0
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._loop: EngineLoop | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether `stop` was called."""
+        return self._stopped.is_set()
+
+    def stop(self) -> None:
+        """End the loop now (from any thread); chunks not yet written are dropped."""
+        with self._lock:
+            self._stopped.set()
+            loop = self._loop
+        if loop is not None:
+            loop.stop()
+
+    def run(self, model_load_seconds: float = 0.0) -> None:
+        """Serve until every partition is settled, a drain ends, or `stop`; sets `done` and
+        `inference_seconds`.
+
+        Raises:
+            Exception: what the reader, the committer or the engine loop died of.
+        """
+        chunks: queue.Queue[WorkChunk | None] = queue.Queue()
+        coordinator = RunCoordinator(
+            self.spec,
+            self.partition_keys,
+            on_committed=self.on_committed,
+            on_failed=self.on_failed,
+            put=admit_unless_draining(chunks.put),
+            engines=1,
+            max_outstanding=max_outstanding_chunks(self.spec, 1, self.engine.window),
+            model_version=self.model_version,
+        )
+
+        def committed(message: ChunkCommitted) -> None:
+            coordinator.chunk_committed(message)
+            if self.on_chunk is not None:
+                self.on_chunk(message)
+
+        loop = EngineLoop(self.engine, self.spec, take_unless_draining(chunks.get), committed)
+        with self._lock:
+            self._loop = loop
+            if self._stopped.is_set():
+                loop.stop()
+        coordinator.start(model_load_seconds)
+        try:
+            loop.run()
+        finally:
+            coordinator.stop()
+        coordinator.check()
+        self.inference_seconds = time.perf_counter() - (coordinator.started or 0.0)
+        self.done = not self._stopped.is_set() and coordinator.done()
 
 
 def admit_unless_draining(put: Callable[[Any], None]) -> Callable[[Any], None]:

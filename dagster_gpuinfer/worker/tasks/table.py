@@ -280,8 +280,7 @@ class GenerateTask(WorkerTask):
 
         try:
             params = engine.requests.build(None).sampling
-        except ParameterError as exc:
-            engine.shutdown()
+        except ParameterError as exc:  # a new engine shuts itself down; a pool's stays bound
             raise SpecError(f"the pipeline's sampling parameters: {exc}") from None
         # Only the finished output of each request comes back (as in `LLM.generate`).
         params.output_kind = RequestOutputKind.FINAL_ONLY

@@ -1,0 +1,162 @@
+"""`LeaseWork`: one lease's partition on a bound engine, its events and its item result."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from dagster_gpuinfer.pools import Lease, LeaseLostError, LeaseQueue
+from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.storage import Manifest
+from dagster_gpuinfer.storage import model_version as local_model_version
+from dagster_gpuinfer.worker.errors import ShardError, WorkerError
+from dagster_gpuinfer.worker.metrics import MeteredReporter, current_metrics
+from dagster_gpuinfer.worker.run.job import PartitionServer, partitions_to_compute
+from dagster_gpuinfer.worker.run.reporting import MessageReporter, parse_spec
+from dagster_gpuinfer.worker.stage_messages import ChunkCommitted
+
+log = logging.getLogger("dagster_gpuinfer.worker")
+
+# Seconds between two progress events of one lease, at least.
+PROGRESS_SECONDS = 2.0
+
+
+def lease_spec(lease: Lease) -> tuple[InferenceSpec, str]:
+    """The job's spec narrowed to the lease's partition, and that partition's key.
+
+    Raises:
+        SpecError: the job payload holds no spec, or one that does not validate.
+    """
+    spec = parse_spec(lease.job_payload.get("spec"))
+    key = str(lease.item_payload.get("partition_key") or lease.item_key)
+    # The partition keys stay out of the spec hash: the markers and manifests are the run's.
+    return spec.model_copy(update={"partition_keys": [key]}), key
+
+
+class LeaseWork:
+    """What a pool worker does with one lease once its engine is bound: compute the
+    partition (`PartitionServer`, as a run does), post events while at it, and collect the
+    worker messages for the item result.
+
+    `lose` (any thread: the heartbeat was refused) stops the partition now.
+
+    Args:
+        queue: The lease queue (events are posted on it).
+        lease: The lease.
+        clock: Monotonic seconds, for progress pacing.
+    """
+
+    def __init__(self, queue: LeaseQueue, lease: Lease, *, clock: Any = time.monotonic) -> None:
+        self.queue = queue
+        self.lease = lease
+        self.clock = clock
+        self.messages: list[dict[str, Any]] = []
+        # Failures counted in the worker's metrics, as a run's are.
+        self.reporter = MeteredReporter(MessageReporter(self.messages.append), current_metrics())
+        self.settled = False  # the partition was committed or failed, or the spec refused
+        self.inference_seconds = 0.0
+        self.rows_done = 0
+        self.chunks_committed = 0
+        self._last_progress = -PROGRESS_SECONDS
+        self._lost: LeaseLostError | None = None
+        self._lock = threading.Lock()
+        self._server: PartitionServer | None = None
+
+    @property
+    def lost(self) -> LeaseLostError | None:
+        """Why the lease was lost, once it was."""
+        return self._lost
+
+    def lose(self, exc: LeaseLostError) -> None:
+        """The lease is gone: stop computing now (chunks not yet written are dropped)."""
+        with self._lock:
+            self._lost = self._lost or exc
+            server = self._server
+        if server is not None:
+            server.stop()
+
+    def refuse(self, exc: WorkerError) -> None:
+        """The lease's spec cannot run here: its result is a `Fatal` message."""
+        log.error("%s", exc)
+        self.reporter.fatal(exc)
+        self.settled = True
+
+    def post(self, kind: str, payload: dict[str, Any]) -> None:
+        """Post an event on the lease; a refusal means the lease is lost (never raises)."""
+        try:
+            self.queue.post_event(self.lease, kind, payload)
+        except LeaseLostError as exc:
+            self.lose(exc)
+        except Exception as exc:  # noqa: BLE001 - events are best effort
+            log.warning("could not post a %s event: %s", kind, exc)
+
+    def log_event(self, message: str) -> None:
+        """A notable line: logged here and posted for the step's log."""
+        log.info("%s", message)
+        self.post("log", {"level": "info", "message": message})
+
+    def serve(self, engine: Any, spec: InferenceSpec, key: str, load_seconds: float) -> None:
+        """Compute partition `key` of `spec` on `engine` (bound to `spec`): skip it when
+        committed already, report its shard when it fails, else serve it."""
+        model = local_model_version(spec)
+        todo = partitions_to_compute(spec, [key], model, self.reporter, self._failed)
+        if not todo:
+            self.settled = True
+            return
+        server = PartitionServer(
+            engine,
+            spec,
+            todo,
+            self._committed,
+            self._failed,
+            model,
+            on_chunk=self._chunk,
+        )
+        with self._lock:
+            self._server = server
+            if self._lost is not None:
+                server.stop()
+        try:
+            server.run(load_seconds)
+        finally:
+            with self._lock:
+                self._server = None
+        self.inference_seconds = server.inference_seconds
+        self.settled = server.done
+
+    def result(self, *, worker_id: str, warm: bool, engine_load_seconds: float) -> dict[str, Any]:
+        """The item result `complete` stores (see the contract in `worker/pool/`)."""
+        return {
+            "messages": list(self.messages),
+            "pool": {
+                "worker_id": worker_id,
+                "warm": warm,
+                "engine_load_seconds": round(0.0 if warm else engine_load_seconds, 3),
+                "lease_attempt": self.lease.attempt,
+                "inference_seconds": round(self.inference_seconds, 3),
+            },
+        }
+
+    def _committed(self, manifest: Manifest, computed: bool) -> None:
+        self.reporter.partition_committed(manifest, computed=computed)
+        verb = "committed" if computed else "was committed already"
+        self.log_event(f"partition {manifest.partition_key} {verb} ({manifest.rows_out} rows)")
+
+    def _failed(self, exc: ShardError, key: str) -> None:
+        exc.partition_key = exc.partition_key or key
+        log.error("partition %s failed: %s", exc.partition_key, exc)
+        self.reporter.partition_failed(exc)
+
+    def _chunk(self, message: ChunkCommitted) -> None:
+        """After each chunk marker (writer thread): progress, at most every few seconds."""
+        self.rows_done += message.marker.rows_in
+        self.chunks_committed += 1
+        now = self.clock()
+        if now - self._last_progress >= PROGRESS_SECONDS:
+            self._last_progress = now
+            self.post(
+                "progress",
+                {"rows_done": self.rows_done, "chunks_committed": self.chunks_committed},
+            )
