@@ -51,10 +51,14 @@ class Sizes:
     pools_skew_rows: int = 256
     pools_skew_factor: int = 8
     pools_skew_placements: tuple[str, ...] = ("first", "last")
+    pools_skew_per_run: bool = True
     pools_kill_partitions: int = 4
     pools_kill_rows: int = 512
     pools_kill_chunk: int = 32
     pools_idle_ttl_s: float = 15.0
+    # (b) OpenAI batches through the batch API (daemon, service, a run per batch); 0: not run.
+    pools_batches: int = 20
+    pools_batch_lines: int = 50
     pools_lease_ttl_s: float = 6.0
 
 
@@ -110,6 +114,8 @@ SMOKE = Sizes(
     pools_kill_chunk=16,
     pools_idle_ttl_s=8.0,
     pools_lease_ttl_s=4.0,
+    pools_batches=0,  # a daemon, a service and a run per batch: the full run only
+    pools_skew_per_run=False,  # two more engine builds: the full run only
 )
 
 

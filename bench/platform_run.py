@@ -200,10 +200,11 @@ class PlatformPipeline:
             model_load_seconds=0.0,
             model_loads=int(run_md.get("run_model_loads", 0)),
             worker_seconds=float(run_md.get("run_wall_seconds", 0.0)),
+            # A pool run has no worker start or shutdown of its own: those read "n/a".
             worker_split={
                 name: float(run_md[f"run_{name}_seconds"])
                 for name in ("start", "load", "inference", "shutdown")
-                if f"run_{name}_seconds" in run_md
+                if isinstance(run_md.get(f"run_{name}_seconds"), int | float)
             },
         )
         for key in keys:

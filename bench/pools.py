@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -59,10 +60,6 @@ AMORTIZATION_SOURCE = (
     "bench/results/results.json, amortization section (`python -m bench --only amortization "
     "--no-ray --amortization-partitions 16 --amortization-per-run 1,4,8,16` of "
     "2026-11-30T13:39:35): 16 runs of 1 partition 973.7 s, 1 run of 16 partitions 40.4 s: 0.04"
-)
-BATCHES_SKIPPED = (
-    "batches (b): the batch API has no pool routing on this branch yet (pool-launch); "
-    "20 batches of 50 lines on a pool were not run"
 )
 
 
@@ -222,10 +219,11 @@ def run_pools(ctx: BenchContext) -> dict[str, Any]:
         "idle_ttl_s": ctx.sizes.pools_idle_ttl_s,
         "lease_ttl_s": ctx.sizes.pools_lease_ttl_s,
         "amortization_reference": AMORTIZATION_SOURCE,
-        "skipped": [BATCHES_SKIPPED],
+        "skipped": [],
     }
     steps: list[tuple[str, Callable[[PoolBench, PoolWatch], dict[str, Any]]]] = [
         ("arrivals", _arrivals),
+        ("batches", _batches),
         ("skew", _skew),
         ("kill", _kill),
         ("scale_to_zero", _scale_to_zero),
@@ -302,6 +300,18 @@ def _arrivals(bench: PoolBench, watch: PoolWatch) -> dict[str, Any]:
     return result
 
 
+def _batches(bench: PoolBench, watch: PoolWatch) -> dict[str, Any]:
+    """(b) through the batch API (`bench/pool_batches.py`), unless the sizes say none."""
+    if not bench.ctx.sizes.pools_batches:
+        return {
+            "skipped": "batches (b): not run at these sizes (a daemon, a service and a run "
+            "per batch; the full run has them)"
+        }
+    from bench.pool_batches import run_batches
+
+    return run_batches(bench, watch)
+
+
 def _pool_facts(instance: dg.DagsterInstance, run_id: str) -> dict[str, dict[str, Any]]:
     """Per partition, the `pool_*` metadata its materialization carries (warm engine, queue
     wait, leases), as the UI shows it."""
@@ -352,7 +362,8 @@ def _skew(bench: PoolBench, watch: PoolWatch) -> dict[str, Any]:
             key: sizes.pools_skew_rows * (sizes.pools_skew_factor if i == big else 1)
             for i, key in enumerate(keys)
         }
-        launches = ("run", "pool") if placement == sizes.pools_skew_placements[0] else ("pool",)
+        first = placement == sizes.pools_skew_placements[0]
+        launches = ("run", "pool") if first and sizes.pools_skew_per_run else ("pool",)
         for launch in launches:
             settings.append(_skew_backfill(bench, watch, placement, launch, rows, runs))
     return {
@@ -416,30 +427,48 @@ def _skew_backfill(
 def _concurrent_runs(
     pipeline: PlatformPipeline, batches: list[list[str]]
 ) -> tuple[float, list[RunTiming]]:
-    """One Dagster run per batch of keys, all at once (a thread and an instance each, as
-    separate run processes would be); the wall time until the last ends, and their timings."""
-    timings: list[RunTiming | None] = [None] * len(batches)
-    failures: list[BaseException] = []
+    """One Dagster run per batch of keys, all at once, each in a process of its own (forked,
+    with its own instance), as a backfill's runs are; the wall time until the last one has
+    ended, and their timings. Not threads: two `execute_in_process` starting together in
+    one process deadlock in `logging` (Dagster's log manager calls `logging.config.dictConfig`
+    at each run's start while the other run's handlers hold their locks; seen here)."""
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    processes = [
+        context.Process(target=_run_child, args=(pipeline, i, batch, results), daemon=True)
+        for i, batch in enumerate(batches)
+    ]
+    started = time.perf_counter()
+    for process in processes:
+        process.start()
+    timings: dict[int, RunTiming] = {}
+    failures: list[str] = []
+    for _ in processes:
+        i, timing, failure = results.get(timeout=CHILD_RUN_TIMEOUT_S)
+        if failure is not None:
+            failures.append(failure)
+        else:
+            timings[i] = timing
+    wall = time.perf_counter() - started
+    for process in processes:
+        process.join(timeout=60)
+    if failures:
+        raise RuntimeError("a run of the backfill failed:\n" + "\n".join(failures))
+    return wall, [timings[i] for i in sorted(timings)]
 
-    def one(i: int) -> None:
+
+CHILD_RUN_TIMEOUT_S = 1800
+
+
+def _run_child(pipeline: PlatformPipeline, i: int, keys: list[str], results: Any) -> None:
+    """In a forked process: run `keys` on an instance of its own; put (i, timing, failure)."""
+    try:
         home = pipeline.instance.root_directory + f"-{i}"
         os.makedirs(home, exist_ok=True)
         instance = dg.DagsterInstance.local_temp(home, overrides={"telemetry": {"enabled": False}})
-        try:
-            timings[i] = pipeline.run(batches[i], instance=instance)
-        except BaseException as exc:  # re-raised below, in the caller's thread
-            failures.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(batches))]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - started
-    if failures:
-        raise failures[0]
-    return wall, [t for t in timings if t is not None]
+        results.put((i, pipeline.run(keys, instance=instance), None))
+    except BaseException:
+        results.put((i, None, traceback.format_exc()))
 
 
 def _kill(bench: PoolBench, watch: PoolWatch) -> dict[str, Any]:
@@ -467,6 +496,12 @@ def _kill(bench: PoolBench, watch: PoolWatch) -> dict[str, Any]:
     killer.join(timeout=5)
     if not killed:
         raise RuntimeError("no pool worker was caught mid-partition: nothing was killed")
+    log.info(
+        "pools kill: SIGKILL of %s (pid %s) on %s",
+        killed["worker_id"],
+        killed["pid"],
+        killed["partition"],
+    )
     outputs = _check_outputs(pipeline, rows)
     with open_lease_queue(str(bench.queue)) as queue:
         items = {item.key: item for item in queue.job_items(job_id)}
@@ -528,13 +563,7 @@ def _kill_mid_partition(
                     rows_committed_at_kill=counts.rows_in,
                     other_workers_live=len(workers) - 1,
                     at=time.time(),
-                )
-                log.info(
-                    "pools kill: SIGKILL %s (pid %s) on %s",
-                    worker.worker_id,
-                    killed["pid"],
-                    item.key,
-                )
+                )  # no logging here: a thread's log call beside a run's start can deadlock
                 return
             time.sleep(0.05)
 
@@ -640,6 +669,8 @@ def report_lines(res: dict[str, Any]) -> list[str]:
     ]
     if "arrivals" in res:
         lines += _arrivals_lines(res["arrivals"], res["amortization_reference"])
+    if "batches" in res:
+        lines += _batches_lines(res["batches"])
     if "skew" in res:
         lines += _skew_lines(res["skew"])
     if "kill" in res:
@@ -679,6 +710,31 @@ def _arrivals_lines(arr: dict[str, Any], reference: str) -> list[str]:
         f"{_num(pool['later_runs_median_seconds'])} s median; {warm} of "
         f"{len(pool['warm_engine'])} partitions on a warm engine (run metadata). "
         f"Per-run launch of one partition per run, for comparison: {reference}.",
+        "",
+    ]
+
+
+def _batches_lines(batches: dict[str, Any]) -> list[str]:
+    if "skipped" in batches:
+        return [f"(b) {batches['skipped']}.", ""]
+    one, pool = batches["one_batch_per_run_launch"], batches["batches_on_pool"]
+    n, lines = batches["batches"], batches["lines_per_batch"]
+    return [
+        f"(b) Batch API: {n} batches of {lines} lines created together on a pool route, "
+        f"against one batch of {n * lines} lines on a per-run route (daemon, service, a run "
+        f"per batch, at most {batches['max_concurrent_runs']} runs at once):",
+        "",
+        "| contestant | first create to last completed s | completed | engine builds | "
+        "lines out | lost | duplicated |",
+        "|---|---|---|---|---|---|---|",
+        f"| 1 batch, per-run launch | {one['seconds']:.1f} | {one['completed']}/1 | "
+        f"{one['engine_builds']} | {one['lines_out']} | {one['lost']} | {one['duplicated']} |",
+        f"| {n} batches, pool | {pool['seconds']:.1f} | {pool['completed']}/{n} | "
+        f"{pool['engine_builds']} | {pool['lines_out']} | {pool['lost']} | "
+        f"{pool['duplicated']} |",
+        "",
+        f"**one batch / {n} pool batches: {batches['ratio']:.2f}**; target: all completed with "
+        "at most 2 engine builds.",
         "",
     ]
 
