@@ -8,9 +8,11 @@ Sections: throughput (platform vs raw vLLM vs transformers vs Ray Data, embed an
 longtail (long-tailed generation: platform at several chunk sizes vs raw vLLM vs `vllm run-
 batch`), replicas (one embed partition, 1 vs 2 engines), prefix (prefix-cache ordering),
 amortization (partitions per run), memory (worker RSS over a large shard), control-plane
-(Dagster-side work at dataset sizes, no model) and, only when asked for (`--only knobs`),
-knobs (embedding engine settings one by one) and images (image embeddings: platform vs
-raw `LLM.embed` vs transformers, decode rate alone; `--only images`).
+(Dagster-side work at dataset sizes, no model), pools (engine pools against per-run launch:
+arrivals, batch API batches, a skewed backfill, a killed worker, scale to zero) and, only
+when asked for (`--only knobs`), knobs (embedding engine settings one by one) and images
+(image embeddings: platform vs raw `LLM.embed` vs transformers, decode rate alone;
+`--only images`).
 
 Each section is a function of the `BenchContext` returning a dict, stored as is in
 results.json under its key (`RESULT_KEYS`) and rendered by `bench/report.py`.
@@ -129,6 +131,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="rows of the memory shard (default 1,000,000 full, 2,000 smoke)",
     )
     parser.add_argument(
+        "--pools-parts",
+        help="comma-separated parts of the pools section (default all): arrivals, batches, "
+        "skew, kill, scale_to_zero",
+    )
+    parser.add_argument(
         "--note",
         action="append",
         default=[],
@@ -194,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = BenchContext(sizes=sizes, work_dir=work, results_dir=results_dir, smoke=args.smoke)
     ctx.notes.extend(args.note)
     ctx.ray_map_batches = args.ray_map_batches
+    ctx.pools_parts = tuple(p.strip() for p in (args.pools_parts or "").split(",") if p.strip())
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     unknown = only - set(SECTIONS)
     if unknown:

@@ -128,6 +128,8 @@ class BenchContext:
     ray_python: str | None = None
     # Also run the hand-written `map_batches` actor (`ray-map-batches`) beside Ray's processor.
     ray_map_batches: bool = False
+    # The parts of the pools section to run (`--pools-parts`); empty: all.
+    pools_parts: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -228,6 +228,10 @@ def run_pools(ctx: BenchContext) -> dict[str, Any]:
         ("kill", _kill),
         ("scale_to_zero", _scale_to_zero),
     ]
+    unknown = set(ctx.pools_parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown pools parts {sorted(unknown)}; choose among {PARTS}")
+    steps = [(n, step) for n, step in steps if not ctx.pools_parts or n in ctx.pools_parts]
     with _load_log_env(bench.load_log):
         watch.start()
         try:
