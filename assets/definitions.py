@@ -36,6 +36,7 @@ from dagster_gpuinfer import (
     SamplingParams,
     backfill_estimate_sensor,
     inference_assets,
+    pool_reconciler_sensor,
 )
 from resources import resources_for_environment
 
@@ -142,7 +143,11 @@ defs = dg.Definitions.merge(
         ],
         schedules=[daily_embeddings_schedule],
         # What backfilling the missing partitions costs, on each output asset's page.
-        sensors=[backfill_estimate_sensor(p) for p in PIPELINES.values()],
+        sensors=[
+            *(backfill_estimate_sensor(p) for p in PIPELINES.values()),
+            # Engine pools (runs with launch="pool"): starts workers for queued work.
+            pool_reconciler_sensor(),
+        ],
         resources=resources_for_environment(),
     ),
     # ticket_embeddings: declared in YAML (assets/defs/ticket_embeddings/defs.yaml).

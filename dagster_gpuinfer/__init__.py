@@ -20,6 +20,8 @@ _EXPORTS = {
     "recompute_stale": "dagster_gpuinfer.asset_factory",
     "GpuInferenceResource": "dagster_gpuinfer.resource",
     "InvalidInferenceSpec": "dagster_gpuinfer.resource",
+    "PoolSettings": "dagster_gpuinfer.resource",
+    "pool_reconciler_sensor": "dagster_gpuinfer.launchers.pool",
     "InferenceSpec": "dagster_gpuinfer.spec",
     "InputSpec": "dagster_gpuinfer.spec",
     "ImageOptions": "dagster_gpuinfer.image_options",
@@ -73,8 +75,10 @@ if TYPE_CHECKING:
     from dagster_gpuinfer.k8s.config import Toleration as Toleration
     from dagster_gpuinfer.k8s.config import WorkerPlacement as WorkerPlacement
     from dagster_gpuinfer.k8s.pod import build_worker_pod as build_worker_pod
+    from dagster_gpuinfer.launchers.pool import pool_reconciler_sensor as pool_reconciler_sensor
     from dagster_gpuinfer.resource import GpuInferenceResource as GpuInferenceResource
     from dagster_gpuinfer.resource import InvalidInferenceSpec as InvalidInferenceSpec
+    from dagster_gpuinfer.resource import PoolSettings as PoolSettings
     from dagster_gpuinfer.sensors import arrival_sensor as arrival_sensor
     from dagster_gpuinfer.sinks import PgVectorSink as PgVectorSink
     from dagster_gpuinfer.spec import EngineArgs as EngineArgs

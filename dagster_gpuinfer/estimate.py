@@ -311,18 +311,23 @@ class PoolShape:
     def cost(self, seconds: Sequence[float], cold_start: float) -> tuple[int, float, float]:
         """(engine builds, wall seconds, GPU-seconds) of partitions taking `seconds` each on
         this pool: each to the worker that frees first, a cold worker free after
-        `cold_start` (its start and model load), a warm one at once."""
+        `cold_start` (its start and model load), a warm one at once. The reconciler starts
+        a worker per partition up to `max_workers`, so every cold one counts as a build;
+        the wall time is when the last partition is done."""
         workers = max(1, min(self.max_workers, len(seconds)))
         if not seconds:
             return 0, 0.0, 0.0
         warm = min(self.warm_workers, workers)
-        free = [0.0] * warm + [cold_start] * (workers - warm)
+        free = [(0.0 if n < warm else cold_start, n) for n in range(workers)]
         heapq.heapify(free)
+        done = 0.0
         for duration in seconds:
-            heapq.heapreplace(free, free[0] + duration)
+            at, n = free[0]
+            done = max(done, at + duration)
+            heapq.heapreplace(free, (at + duration, n))
         builds = workers - warm
         gpu_seconds = sum(seconds) + builds * cold_start + workers * self.idle_ttl_s
-        return builds, max(free), gpu_seconds
+        return builds, done, gpu_seconds
 
 
 # --------------------------------------------------------------------------- Dagster glue

@@ -272,3 +272,11 @@ def test_entry_point_in_pyproject_registers_the_component_with_dg(tmp_path, monk
     assert registered[("dagster_gpuinfer.components", "InferencePipelineComponent")] is (
         InferencePipelineComponent
     )
+
+
+def test_a_yaml_pipeline_chooses_pool_launch_without_changing_its_spec():
+    pooled = build(TICKETS_YAML + "launch: pool\n").resolve_assets_def("tickets")
+    per_run = build(TICKETS_YAML).resolve_assets_def("tickets")
+    assert pooled.metadata_by_key[pooled.key]["gpuinfer/launch"] == "pool"
+    assert per_run.metadata_by_key[per_run.key]["gpuinfer/launch"] == "run"
+    assert pooled.code_versions_by_key == per_run.code_versions_by_key

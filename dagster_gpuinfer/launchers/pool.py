@@ -112,24 +112,29 @@ class PoolLauncher:
         )
         with open_lease_queue(self.queue_location) as queue:
             queue.submit(job)
-            context.log.info(
-                f"submitted job {job.job_id} ({len(job.items)} partition(s)) to engine pool "
-                f"{job.pool_key} (queue {redact(self.queue_location)})"
-            )
-            watch = JobWatch(
-                queue,
-                job,
-                context.log,
-                reconcile_pool=self._reconciler(queue, job),
-                max_workers=self.settings.max_workers,
-            )
-            try:
-                watch.wait(poll_s=self.poll_s)
+            try:  # from the submit on, an interruption cancels the job
+                return self._wait(context, queue, job)
             except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
                 queue.cancel(job.job_id, "the Dagster run was interrupted")
                 context.log.info(f"run interrupted: cancelled pool job {job.job_id}")
                 raise
-            return watch.messages()
+
+    def _wait(
+        self, context: dg.AssetExecutionContext, queue: LeaseQueue, job: JobSubmission
+    ) -> list[Any]:
+        context.log.info(
+            f"submitted job {job.job_id} ({len(job.items)} partition(s)) to engine pool "
+            f"{job.pool_key} (queue {redact(self.queue_location)})"
+        )
+        watch = JobWatch(
+            queue,
+            job,
+            context.log,
+            reconcile_pool=self._reconciler(queue, job),
+            max_workers=self.settings.max_workers,
+        )
+        watch.wait(poll_s=self.poll_s)
+        return watch.messages()
 
     def _reconciler(self, queue: LeaseQueue, job: JobSubmission) -> Callable[[], list[str]]:
         def run() -> list[str]:

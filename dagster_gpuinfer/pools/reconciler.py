@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from dagster_gpuinfer.pools.lease_queue import LeaseQueue, PoolStats, PoolWorker
 
 QUEUE_ENV = "GPUINFER_LEASE_QUEUE"
+# `dagster_gpuinfer.worker.WORKER_MODULE`, named here: a shared module imports no worker.
+WORKER_MODULE = "dagster_gpuinfer.worker"
 # A worker that stops counting toward its pool: it is going away.
 LEAVING_STATES = frozenset({"draining"})
 
@@ -147,8 +149,6 @@ def worker_command(
     python_executable: str, pool_key: str, worker_id: str, settings: WorkerSettings
 ) -> list[str]:
     """The pool worker's command line (the queue location travels in the environment)."""
-    from dagster_gpuinfer.worker import WORKER_MODULE
-
     return [
         python_executable,
         "-m",
