@@ -259,12 +259,17 @@ def _arrivals(bench: PoolBench, watch: PoolWatch) -> dict[str, Any]:
     total_rows = bench.write_shards("arrive_run", rows, seed=37)
     bench.write_shards("arrive_pool", rows, seed=37)
 
-    one = bench.pipeline("arrive_run", keys, launch="run")
+    # One chunk per partition on both sides. Not the suite's 512: on main a run of many
+    # partitions much smaller than its chunk size hangs (16 x 32 rows, chunk 512: the chunks
+    # a run may hand out, 8 windows of rows / chunk size + 3 = 11 chunks, hold 352 rows, and
+    # the loop's first batch waits for a full window of 512; seen twice, and on main).
+    chunk = sizes.pools_arrival_rows
+    one = bench.pipeline("arrive_run", keys, launch="run", chunk_size=chunk)
     builds = len(bench.builds())
     one_run = one.run(keys)
     one_builds = len(bench.builds()) - builds
 
-    pool = bench.pipeline("arrive_pool", keys, launch="pool")
+    pool = bench.pipeline("arrive_pool", keys, launch="pool", chunk_size=chunk)
     builds = len(bench.builds())
     started = time.perf_counter()
     timings = [pool.run([key]) for key in keys]
