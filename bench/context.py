@@ -55,7 +55,7 @@ class Sizes:
     pools_kill_partitions: int = 4
     pools_kill_rows: int = 512
     pools_kill_chunk: int = 32
-    pools_idle_ttl_s: float = 15.0
+    pools_idle_ttl_s: float = 60.0
     # (b) OpenAI batches through the batch API (daemon, service, a run per batch); 0: not run.
     pools_batches: int = 20
     pools_batch_lines: int = 50
