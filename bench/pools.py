@@ -798,7 +798,7 @@ def _skew_lines(skew: dict[str, Any]) -> list[str]:
         "(not timed here: a pool keeps its engines warm).",
         "",
         "| launch | big partition | makespan s | span s | work s | span / (work/2) | "
-        "engine builds | pool workers at once |",
+        "engine builds (a pool's in its warm-up) | pool workers at once |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for s in skew["settings"]:
