@@ -8,9 +8,11 @@ Sections: throughput (platform vs raw vLLM vs transformers vs Ray Data, embed an
 longtail (long-tailed generation: platform at several chunk sizes vs raw vLLM vs `vllm run-
 batch`), replicas (one embed partition, 1 vs 2 engines), prefix (prefix-cache ordering),
 amortization (partitions per run), memory (worker RSS over a large shard), control-plane
-(Dagster-side work at dataset sizes, no model) and, only when asked for (`--only knobs`),
-knobs (embedding engine settings one by one) and images (image embeddings: platform vs
-raw `LLM.embed` vs transformers, decode rate alone; `--only images`).
+(Dagster-side work at dataset sizes, no model), pools (engine pools against per-run launch:
+arrivals, batch API batches, a skewed backfill, a killed worker, scale to zero) and, only
+when asked for (`--only knobs`), knobs (embedding engine settings one by one) and images
+(image embeddings: platform vs raw `LLM.embed` vs transformers, decode rate alone;
+`--only images`).
 
 Each section is a function of the `BenchContext` returning a dict, stored as is in
 results.json under its key (`RESULT_KEYS`) and rendered by `bench/report.py`.
@@ -52,6 +54,7 @@ SECTIONS = (
     "control-plane",
     "knobs",
     "images",
+    "pools",
 )
 # `knobs` (engine settings, one start each) and `images` (image embeddings) only on request
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in ("knobs", "images"))
@@ -65,6 +68,7 @@ RESULT_KEYS = {
     "control-plane": "control_plane",
     "knobs": "knobs",
     "images": "images",
+    "pools": "pools",
 }
 # section -> the function that runs it (throughput runs once per task, apart)
 RUNNERS = {
@@ -76,6 +80,7 @@ RUNNERS = {
     "knobs": "bench.knobs:run_knobs",
     "images": "bench.images:run_images",
     "control-plane": "bench.control_plane:run_control_plane",
+    "pools": "bench.pools:run_pools",
 }
 log = logging.getLogger("bench")
 
@@ -124,6 +129,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--memory-rows",
         type=int,
         help="rows of the memory shard (default 1,000,000 full, 2,000 smoke)",
+    )
+    parser.add_argument(
+        "--pools-parts",
+        help="comma-separated parts of the pools section (default all): arrivals, batches, "
+        "skew, kill, scale_to_zero",
     )
     parser.add_argument(
         "--note",
@@ -191,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = BenchContext(sizes=sizes, work_dir=work, results_dir=results_dir, smoke=args.smoke)
     ctx.notes.extend(args.note)
     ctx.ray_map_batches = args.ray_map_batches
+    ctx.pools_parts = tuple(p.strip() for p in (args.pools_parts or "").split(",") if p.strip())
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     unknown = only - set(SECTIONS)
     if unknown:
@@ -227,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             return None
         log.info("== %s done in %.0fs", name, time.perf_counter() - started)
         results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - started)
-        return value
+        return _with_part_errors(results, name, value)
 
     if "throughput" in only:
         results.setdefault("throughput", {})
@@ -275,6 +286,16 @@ def _keep_earlier_sections(results: dict[str, Any], path: Path, only: set[str]) 
 
 
 UNFINISHED = "this run has not finished it"
+
+
+def _with_part_errors(results: dict[str, Any], section: str, value: Any) -> Any:
+    """A section made of parts (pools) returns the parts that failed in its `errors`; they
+    are the run's errors too (the exit code says so), and its other parts' results stay."""
+    if isinstance(value, dict) and value.get("errors"):
+        results["errors"][section] = "\n\n".join(
+            f"part {part}:\n{trace}" for part, trace in value["errors"].items()
+        )
+    return value
 
 
 def _throughput_done(results: dict[str, Any], measured: set[str]) -> None:

@@ -41,6 +41,25 @@ class Sizes:
     longtail_chunk_sizes: tuple[int, ...] = (128, 512, 2048)
     # One embed partition served by 1 and by 2 replicas (cores split).
     replicas_rows: int = 4000
+    # Engine pools (bench/pools.py): (a) runs of one partition arriving one after another,
+    # (c) a skewed backfill of two runs at once (one partition `factor` times the others;
+    # the big one first, then last, in its run), (d) a worker killed mid-partition; the pool's
+    # TTLs are short so that the section waits little for a lapsed lease or an idle worker.
+    pools_arrivals: int = 16
+    pools_arrival_rows: int = 32
+    pools_skew_partitions: int = 8
+    pools_skew_rows: int = 256
+    pools_skew_factor: int = 8
+    pools_skew_placements: tuple[str, ...] = ("first", "last")
+    pools_skew_per_run: bool = True
+    pools_kill_partitions: int = 4
+    pools_kill_rows: int = 512
+    pools_kill_chunk: int = 32
+    pools_idle_ttl_s: float = 60.0
+    # (b) OpenAI batches through the batch API (daemon, service, a run per batch); 0: not run.
+    pools_batches: int = 20
+    pools_batch_lines: int = 50
+    pools_lease_ttl_s: float = 6.0
 
 
 FULL = Sizes(
@@ -85,6 +104,18 @@ SMOKE = Sizes(
     longtail_stop_tokens=2000,
     longtail_chunk_sizes=(8,),  # one platform contestant: the full run has three
     replicas_rows=48,
+    pools_arrivals=2,
+    pools_arrival_rows=4,
+    pools_skew_partitions=3,
+    pools_skew_rows=4,
+    pools_skew_placements=("first",),
+    pools_kill_partitions=2,
+    pools_kill_rows=256,
+    pools_kill_chunk=16,
+    pools_idle_ttl_s=8.0,
+    pools_lease_ttl_s=4.0,
+    pools_batches=0,  # a daemon, a service and a run per batch: the full run only
+    pools_skew_per_run=False,  # two more engine builds: the full run only
 )
 
 
@@ -97,6 +128,8 @@ class BenchContext:
     ray_python: str | None = None
     # Also run the hand-written `map_batches` actor (`ray-map-batches`) beside Ray's processor.
     ray_map_batches: bool = False
+    # The parts of the pools section to run (`--pools-parts`); empty: all.
+    pools_parts: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -46,9 +46,13 @@ def raw_engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
 
 
 def local_resource(
-    *, env: dict[str, str] | None = None, engine_overrides: dict[str, Any] | None = None
+    *,
+    env: dict[str, str] | None = None,
+    engine_overrides: dict[str, Any] | None = None,
+    **fields: Any,
 ) -> GpuInferenceResource:
-    """The reference local resource (`resources.local`), plus bench environment and knobs."""
+    """The reference local resource (`resources.local`), plus bench environment and knobs;
+    `fields` are further resource fields as they are (e.g. `pool`, the engine pool settings)."""
     from resources.local import local_resources
 
     base = local_resources()["gpu"]
@@ -57,6 +61,7 @@ def local_resource(
         python_executable=base.python_executable,
         env={**base.env, **(env or {})},
         engine_overrides={**base.engine_overrides, **(engine_overrides or {})},
+        **fields,
     )
 
 
@@ -76,6 +81,7 @@ class RunTiming:
     generated_tokens: int = 0
     # The worker's own split (start, load, inference, shutdown seconds), from run metadata.
     worker_split: dict[str, float] = field(default_factory=dict)
+    run_id: str = ""
 
 
 class PlatformPipeline:
@@ -89,6 +95,8 @@ class PlatformPipeline:
         root: Folder for outputs and the Dagster instance.
         keys: The partition keys.
         resource: The `GpuInferenceResource` the runs use.
+        launch: `inference_assets(launch=...)`: "run" (a worker per run) or "pool" (warm
+            pool workers); None leaves the pipeline's default.
     """
 
     def __init__(
@@ -107,6 +115,7 @@ class PlatformPipeline:
         partitions_per_run: int | None = None,
         replicas: int = 1,
         params_column: str | None = None,
+        launch: str | None = None,
     ) -> None:
         self.name = name
         self.keys = keys
@@ -127,6 +136,7 @@ class PlatformPipeline:
             chunk_size=chunk_size,
             replicas=replicas,
             backfill_policy=dg.BackfillPolicy.multi_run(partitions_per_run or len(keys)),
+            **({"launch": launch} if launch is not None else {}),
         )
         self.job_name = f"bench_{name}"
         self.defs = dg.Definitions(
@@ -159,30 +169,42 @@ class PlatformPipeline:
         """Forget committed partitions, so the next run computes them again."""
         shutil.rmtree(Path(self.output_root) / self.name, ignore_errors=True)
 
-    def run(self, keys: list[str]) -> RunTiming:
-        """Materialize `keys` (a contiguous range) in one Dagster run."""
+    def run(
+        self,
+        keys: list[str],
+        *,
+        run_id: str | None = None,
+        instance: dg.DagsterInstance | None = None,
+    ) -> RunTiming:
+        """Materialize `keys` (a contiguous range) in one Dagster run, with this `run_id`
+        if given, on `instance` (default: the pipeline's; runs at once in threads each take
+        their own)."""
         job = self.defs.resolve_job_def(self.job_name)
+        instance = instance or self.instance
         started = time.perf_counter()
         result = job.execute_in_process(
-            instance=self.instance,
+            instance=instance,
             tags={RANGE_START: keys[0], RANGE_END: keys[-1]},
             run_config={"loggers": {"console": {"config": {"log_level": "WARNING"}}}},
             raise_on_error=True,
+            run_id=run_id,
         )
         run_seconds = time.perf_counter() - started
         if not result.success:
             raise RuntimeError(f"bench run of {self.name} {keys[0]}...{keys[-1]} failed")
-        run_md = _run_metadata(self.instance, result.run_id)
+        run_md = _run_metadata(instance, result.run_id)
         timing = RunTiming(
+            run_id=result.run_id,
             keys=list(keys),
             run_seconds=run_seconds,
             model_load_seconds=0.0,
             model_loads=int(run_md.get("run_model_loads", 0)),
             worker_seconds=float(run_md.get("run_wall_seconds", 0.0)),
+            # A pool run has no worker start or shutdown of its own: those read "n/a".
             worker_split={
                 name: float(run_md[f"run_{name}_seconds"])
                 for name in ("start", "load", "inference", "shutdown")
-                if f"run_{name}_seconds" in run_md
+                if isinstance(run_md.get(f"run_{name}_seconds"), int | float)
             },
         )
         for key in keys:

@@ -52,6 +52,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
         ("knobs", _knobs),
         ("images", _images),
         ("control_plane", _control_plane),
+        ("pools", _pools),
     ):
         if section in results:
             lines += writer(results[section])
@@ -473,6 +474,12 @@ def _images(images: dict[str, Any]) -> list[str]:
         f"MB/s. The run is bound by: {images['bound_by']}.",
         "",
     ]
+
+
+def _pools(pools: dict[str, Any]) -> list[str]:
+    from bench.pools import report_lines
+
+    return report_lines(pools)
 
 
 def _control_plane(cp: dict[str, Any]) -> list[str]:

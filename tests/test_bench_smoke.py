@@ -22,6 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # case, `make test-all`.
 HEADLINE_SECTIONS = "throughput,longtail,prefix,control-plane"
 OTHER_SECTIONS = "replicas,amortization,memory,images"
+POOLS_SECTION = "pools"  # engine pools: its own case, in `make test`
 
 
 def run_smoke(tmp_path: Path, only: str, tasks: str = "embed,generate") -> tuple[dict, Path]:
@@ -150,11 +151,44 @@ def test_bench_smoke_runs_the_other_sections(tmp_path: Path) -> None:
     assert (results / "amortization.png").stat().st_size > 0
 
 
+@pytest.mark.engine
+def test_bench_smoke_runs_the_pools_section(tmp_path: Path) -> None:
+    """Engine pools against per-run launch on tiny sizes: every part ran, the pool kept its
+    engine warm across runs, the killed worker lost no row, the pool emptied itself."""
+    data, results = run_smoke(tmp_path, POOLS_SECTION)
+    pools = data["pools"]
+    assert pools["errors"] == {}
+    arrivals = pools["arrivals"]
+    assert arrivals["pool_runs"]["rows"] == arrivals["rows"]
+    assert arrivals["one_run_per_run_launch"]["rows"] == arrivals["rows"]
+    # One engine build for all the pool's runs: the first cold, every later one warm.
+    assert arrivals["pool_runs"]["engine_builds"] == 1
+    assert arrivals["pool_runs"]["warm_engine"] == [False] + [True] * (arrivals["partitions"] - 1)
+    skew = pools["skew"]
+    expected_rows = skew["big_rows"] + skew["small_rows"] * (skew["partitions"] - 1)
+    assert [s["launch"] for s in skew["settings"]] == ["pool"]  # per-run: the full run's
+    for setting in skew["settings"]:
+        assert setting["rows"] == expected_rows, setting
+        assert setting["work_seconds"] > 0 and setting["span_seconds"] > 0, setting
+    assert "skipped" in pools["batches"]  # a daemon and a run per batch: the full run's
+    kill = pools["kill"]
+    assert kill["partitions_committed"] == kill["partitions"]
+    assert (kill["rows_lost"], kill["rows_duplicated"], kill["rows_unexpected"]) == (0, 0, 0)
+    assert kill["rows_out"] == kill["rows_in"]
+    assert kill["killed_partition_leases"] >= 2 and kill["expired_leases"] >= 1
+    assert kill["victim_process_gone"] and kill["finished_by_another_worker"]
+    zero = pools["scale_to_zero"]
+    assert zero["pool_workers_listed"] == 0 and zero["processes_left"] == [], zero
+    assert zero["worker_ids_seen"], "the watch saw the pool's workers"
+    report = (results / "RESULTS.md").read_text()
+    assert "## Engine pools" in report and "one run / pool runs" in report
+
+
 def test_every_section_is_in_one_smoke_case() -> None:
     """Each section the bench has is smoke-run by one of the two cases above."""
     from bench.__main__ import SECTIONS
 
-    covered = set(HEADLINE_SECTIONS.split(",")) | set(OTHER_SECTIONS.split(","))
+    covered = set(HEADLINE_SECTIONS.split(",")) | set(OTHER_SECTIONS.split(",")) | {POOLS_SECTION}
     assert covered == set(SECTIONS) - {"knobs"}  # knobs: engine settings, by hand
 
 
