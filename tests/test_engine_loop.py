@@ -324,6 +324,27 @@ def _serve(spec: InferenceSpec, engine: FakeEngine, after_commit=None, on_failed
     return manifests, coordinator.done(), error
 
 
+def test_a_run_whose_chunks_in_hand_never_fill_the_window_still_finishes(tmp_path):
+    """Partitions of 10 rows, at most 6 chunks handed out (60 rows) against a window of 512:
+    the first batch waited for a full window that the capped reader could never bring, and
+    the run hung after its engine was built (16 partitions of 32 rows, chunk 512, on the
+    real engine). It goes once no more rows come within a poll."""
+    keys = [f"s{i}" for i in range(12)]
+    _write_shards(tmp_path, keys)
+    spec = _spec(tmp_path, keys).model_copy(update={"chunk_size": 512})
+    engine = FakeEngine(window=512)
+    outcome: list = []
+    runner = threading.Thread(target=lambda: outcome.append(_serve(spec, engine)), daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "the run hung with rows waiting and nothing in flight"
+    manifests, done, error = outcome[0]
+    assert error is None and done
+    assert sorted(m.partition_key for m, computed in manifests if computed) == sorted(keys)
+    assert sorted(engine.finished) == sorted(set(engine.finished))
+    assert len(engine.finished) == len(keys) * ROWS
+
+
 def test_the_coordinator_commits_in_its_own_thread_after_every_marker(tmp_path, monkeypatch):
     keys = ["s0", "s1", "s2"]
     _write_shards(tmp_path, keys)

@@ -434,6 +434,10 @@ class _RequestWindow:
         self.incoming: deque[tuple[_ChunkInFlight, int]] = deque()  # read ahead, not ordered
         self.current: deque[tuple[_ChunkInFlight, int]] = deque()  # ordered, being submitted
         self.prepared_all = False
+        # Rows wait, nothing is in flight, and no more came within a poll: the reader may be
+        # held back (the run caps chunks handed out, and small partitions make small chunks),
+        # so the first batch goes without waiting for a full window.
+        self.starved = False
         self.sequence = 0
         self.rows = 0
         self.done = False
@@ -448,9 +452,13 @@ class _RequestWindow:
             try:
                 item = prepared.get(timeout=POLL_SECONDS) if idle else prepared.get_nowait()
             except queue.Empty:
+                if idle and self.incoming:
+                    self.starved = True
+                    break
                 if idle and not self.stopping.is_set() and all(t.error is None for t in threads):
                     continue
                 break
+            self.starved = False
             if item is None:
                 self.prepared_all = True
                 break
@@ -464,7 +472,9 @@ class _RequestWindow:
         behind later arrivals. A batch is all that waits once a window of rows waits, or the
         input is all read, or the engine's batch (`max_num_seqs`) is not full: the first
         batch (nothing submitted yet) waits for a full window, so prompts that share a prefix
-        reach the engine together from the start, for the price of preparing one window.
+        reach the engine together from the start, for the price of preparing one window,
+        unless no more rows come within a poll (`starved`: the run hands out chunks up to a
+        cap, and a run of partitions smaller than a chunk may never fill a window).
         An image prompt the render thread has not reached yet ends the fill while requests
         are in flight, so the engine steps and finished outputs drain meanwhile."""
         engine = self.engine
@@ -473,6 +483,7 @@ class _RequestWindow:
                 batch_ready = (
                     len(self.incoming) >= self.window
                     or self.prepared_all
+                    or self.starved
                     or (self.sequence > 0 and engine.in_flight < engine.max_num_seqs)
                 )
                 if not self.incoming or not batch_ready:
