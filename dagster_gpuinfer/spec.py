@@ -609,6 +609,10 @@ class InferenceSpec(_Strict):
         }
     )
 
+    # Pipeline settings a run's launchpad config may not change: the adapters' files, like
+    # the model's, are the pipeline's (its code or YAML), not a run's.
+    NOT_PER_RUN: ClassVar[frozenset[str]] = frozenset({"lora_adapters"})
+
     # Fields that change how the work is scheduled but not its results: left out of the
     # spec hash, so a retry with other settings resumes committed work.
     SCHEDULING_ONLY: ClassVar[frozenset[str]] = frozenset(
@@ -875,7 +879,12 @@ def run_config_fields(
     two of them share (`seed`) is prefixed by its section (`engine_seed`, `sampling_seed`).
     Fields in a model's `NOT_PER_RUN` are left out.
     """
-    sections: list[tuple[str | None, dict[str, Any]]] = [(None, pipeline_fields(spec_model))]
+    pipeline = {
+        name: info
+        for name, info in pipeline_fields(spec_model).items()
+        if name not in getattr(spec_model, "NOT_PER_RUN", frozenset())
+    }
+    sections: list[tuple[str | None, dict[str, Any]]] = [(None, pipeline)]
     for section in ("engine", "sampling"):
         model = spec_model.model_fields[section].annotation
         assert isinstance(model, type) and issubclass(model, BaseModel)
