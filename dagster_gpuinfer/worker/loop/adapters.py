@@ -7,6 +7,15 @@ caches a loaded adapter by its integer id, so `AdapterIds` gives each (name, fol
 version) its own id for the life of the engine: a pool worker's next job with the same
 adapter reuses the loaded one, new files under the same name get a new id (never the old
 weights).
+
+vLLM's CPU build applies the last LoRA slot to the rows of a batch that name no adapter:
+its PyTorch punica ops (`vllm/lora/ops/torch_ops/lora_ops.py`, `bgmv_shrink` /
+`bgmv_expand`, vLLM 0.32) index the stacked weights with each token's slot, and a token
+without an adapter has slot -1, which Python reads as the last one. Seen here: in a batch
+mixing base rows with two adapters, every base row answered as the adapter in the last
+slot (GPU kernels skip -1). So on the CPU build a base row runs on `zeroed_adapter`, a
+copy of a listed adapter with every `lora_B` weight zero: its delta is exactly zero, and
+no token has slot -1. It takes one more slot (`resolve_cpu_lora`).
 """
 
 from __future__ import annotations
@@ -143,6 +152,59 @@ def _check_adapter_folder(spec: InferenceSpec, name: str, folder: str) -> None:
             f"LoRA adapter {name!r} has rank {rank}, more than engine.max_lora_rank={limit}; "
             f"set engine.max_lora_rank to at least {rank}"
         )
+
+
+# The zero adapter's name in the engine: never a row's (not a valid adapter name).
+BASE_ADAPTER = "<base>"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def resolve_cpu_lora(kwargs: dict[str, Any], *, on_cpu: bool | None = None) -> dict[str, Any]:
+    """`kwargs` with one more `max_loras` on vLLM's CPU build when LoRA is on: the slot of
+    the zero adapter base rows run on there (see the module's docstring)."""
+    if not kwargs.get("enable_lora"):
+        return kwargs
+    if on_cpu is None:
+        from dagster_gpuinfer.worker.loop.cpu_dtype import vllm_on_cpu
+
+        on_cpu = vllm_on_cpu()
+    if not on_cpu:
+        return kwargs
+    return {**kwargs, "max_loras": int(kwargs.get("max_loras") or 1) + 1}
+
+
+def zeroed_adapter(source: ReadyAdapter) -> ReadyAdapter:
+    """`source` with every `lora_B` weight zero (its delta to the base model is exactly
+    zero), written once into the adapter cache: what base rows run on, on the CPU build.
+
+    Raises:
+        SpecError: `source` keeps its weights in another format than safetensors.
+    """
+    weights = os.path.join(source.folder, ADAPTER_WEIGHTS)
+    if not os.path.isfile(weights):
+        raise SpecError(
+            f"LoRA adapter {source.name!r} has no {ADAPTER_WEIGHTS}; on vLLM's CPU build base "
+            "rows run on a zeroed copy of an adapter, which needs safetensors weights. Save "
+            "the adapter with safe_serialization (peft's default)"
+        )
+    key = hashlib.sha256(f"zero\0{source.folder}\0{source.version}".encode()).hexdigest()[:16]
+    folder = os.path.join(adapter_cache_root(), f"zero-{key}")
+    if not os.path.isdir(folder):
+        from safetensors.torch import load_file, save_file
+
+        os.makedirs(adapter_cache_root(), exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".tmp-zero-{key}-", dir=adapter_cache_root())
+        tensors = load_file(weights)
+        for name, tensor in tensors.items():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                tensor.zero_()
+        save_file(tensors, os.path.join(staging, ADAPTER_WEIGHTS))
+        shutil.copy(os.path.join(source.folder, ADAPTER_CONFIG), staging)
+        try:
+            os.replace(staging, folder)
+        except OSError:  # another worker wrote it first
+            shutil.rmtree(staging, ignore_errors=True)
+    return ReadyAdapter(name=BASE_ADAPTER, folder=folder, version=f"zero:{source.version}")
 
 
 class AdapterIds:

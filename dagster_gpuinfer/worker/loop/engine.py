@@ -22,7 +22,14 @@ from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.task_table import task_facts
 from dagster_gpuinfer.worker.errors import SpecError
 from dagster_gpuinfer.worker.lifecycle import EngineWatch, engine_processes_started_by
-from dagster_gpuinfer.worker.loop.adapters import AdapterIds, check_local_adapters, ready_adapters
+from dagster_gpuinfer.worker.loop.adapters import (
+    BASE_ADAPTER,
+    AdapterIds,
+    check_local_adapters,
+    ready_adapters,
+    resolve_cpu_lora,
+    zeroed_adapter,
+)
 from dagster_gpuinfer.worker.loop.cpu_dtype import resolve_cpu_dtype
 from dagster_gpuinfer.worker.loop.cpu_seeds import resolve_cpu_chunked_prefill, seeds_unsafe
 from dagster_gpuinfer.worker.metrics import current_metrics
@@ -88,11 +95,13 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
 def built_engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     """What the worker passes to `vllm.LLM` for `spec`: `engine_kwargs` with compact JSON
     outputs, the CPU build's dtype (`worker/loop/cpu_dtype.py`) and, on the CPU build, no
-    chunked prefill for sampling tasks (`worker/loop/cpu_seeds.py`). It asks vLLM which
+    chunked prefill for sampling tasks (`worker/loop/cpu_seeds.py`) and a LoRA slot for
+    base rows (`worker/loop/adapters.py`). It asks vLLM which
     platform it runs on, so call it where vLLM is imported anyway; the benchmark gives raw
     vLLM the same."""
     kwargs = with_compact_json(spec, engine_kwargs(spec))
     kwargs = resolve_cpu_chunked_prefill(kwargs, samples=task_facts(spec.task).samples)
+    kwargs = resolve_cpu_lora(kwargs)
     return resolve_cpu_dtype(kwargs, spec.model)
 
 
@@ -266,8 +275,12 @@ class InferenceEngine:
         requests = request_builder(spec, self.llm)
         if requests.refuse_seeds and requests.defaults.get("seed") is not None:
             raise SpecError(f"sampling.seed is {requests.defaults['seed']}: {SEED_REFUSED}")
-        # LoRA adapters: fetched (s3://) and checked before any row names one.
-        self.lora_requests = self._adapter_ids.requests(ready_adapters(spec))
+        # LoRA adapters: fetched (s3://) and checked before any row names one; on the CPU
+        # build base rows run on a zeroed adapter (`adapters.resolve_cpu_lora`).
+        ready = ready_adapters(spec)
+        if ready and runs_base_on_zero_adapter(self.llm):
+            ready[BASE_ADAPTER] = zeroed_adapter(next(iter(ready.values())))
+        self.lora_requests = self._adapter_ids.requests(ready)
         self.spec = spec
         self.task = worker_task(spec.task)
         self.requests = requests
@@ -390,7 +403,11 @@ class InferenceEngine:
             params.output_kind = self._final_only
         prompt = rendered if rendered is not None else vllm_prompt(token_ids, images)
         engine_id = f"{self._binding}-{request_id}"
-        lora = self.lora_requests[adapter] if adapter is not None else None
+        lora = (  # a base row: the zeroed adapter on the CPU build, else none
+            self.lora_requests[adapter]
+            if adapter is not None
+            else self.lora_requests.get(BASE_ADAPTER)
+        )
         try:
             self.llm.llm_engine.add_request(engine_id, prompt, params, lora_request=lora)
         except Exception as exc:
@@ -450,6 +467,14 @@ def same_engine(built: InferenceSpec, other: InferenceSpec) -> str | None:
             f"{k}={ours.get(k)!r} here, {theirs.get(k)!r} asked" for k in keys
         )
     return None
+
+
+def runs_base_on_zero_adapter(llm: Any) -> bool:
+    """Whether the built engine runs base rows on a zeroed adapter: LoRA on, on the CPU
+    build (`adapters.resolve_cpu_lora` gave it the slot)."""
+    from dagster_gpuinfer.worker.loop.cpu_dtype import vllm_on_cpu
+
+    return llm.llm_engine.vllm_config.lora_config is not None and vllm_on_cpu()
 
 
 def _refused(exc: Exception) -> RequestRejected:
