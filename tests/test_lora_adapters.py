@@ -292,3 +292,15 @@ def test_an_adapter_name_is_served_by_one_route_only():
                 },
             ]
         )
+
+
+def test_a_pod_refuses_a_local_adapter_outside_its_model_cache(tmp_path):
+    from dagster_gpuinfer.k8s.config import ModelCache, PodSpecError
+    from dagster_gpuinfer.k8s.validation import check_model_location
+
+    cache = ModelCache(pvc="model-cache")
+    spec = gen_spec(tmp_path, adapters={"ok": "/models/adapters/ok", "s3": "s3://b/a/"})
+    check_model_location(spec.model_copy(update={"model": "/models/base"}), cache)
+    outside = gen_spec(tmp_path, adapters={"home": "/home/alice/adapter"})
+    with pytest.raises(PodSpecError, match=r"lora_adapters\['home'\]='/models/<name>'"):
+        check_model_location(outside.model_copy(update={"model": "/models/base"}), cache)
