@@ -796,13 +796,13 @@ class InferenceSpec(_Strict):
             payload.pop("served_model_name")
         if not self.lora_adapters:  # no adapters: likewise
             payload.pop("lora_adapters")
-        if self.input.adapter_column is None:
-            payload["input"].pop("adapter_column")
-        else:
+        else:  # a local folder by its normalized path, as the model
             payload["lora_adapters"] = {
                 name: os.path.normpath(path) if _looks_local(path) else path
                 for name, path in self.lora_adapters.items()
             }
+        if self.input.adapter_column is None:
+            payload["input"].pop("adapter_column")
         for name in ("enable_lora", "max_lora_rank"):  # unset: likewise
             if payload["engine"].get(name) is None:
                 payload["engine"].pop(name)

@@ -81,6 +81,7 @@ def test_adapters_enter_the_spec_hash_only_when_listed(tmp_path):
     assert "lora_adapters" not in payload and "adapter_column" not in payload["input"]
     assert not {"enable_lora", "max_loras", "max_lora_rank"} & set(payload["engine"])
     one = gen_spec(tmp_path, adapters={"a": "/models/a"})
+    assert one.spec_hash() == gen_spec(tmp_path, adapters={"a": "/models/./a/"}).spec_hash()
     other_path = gen_spec(tmp_path, adapters={"a": "/models/a2"})
     assert len({plain.spec_hash(), one.spec_hash(), other_path.spec_hash()}) == 3
     assert one.code_version() != plain.code_version()
