@@ -29,7 +29,8 @@ PARTITION_FIGURES = """\
 - `input_version`, `model_files_version`: the shard and local model files the outputs were
   computed from; when either changes, the next materialization computes the partition again.
   `engine_versions`: the vLLM and torch versions that computed them (a spec's
-  `vllm_version` pins the first).
+  `vllm_version` pins the first). `lora_adapters` (pipelines with adapters): each adapter's
+  path and its files' version; a changed adapter recomputes the partition too.
 - `pool_warm_engine`, `pool_queue_wait_s`, `pool_leases` (runs with `launch="pool"`):
   whether the partition's lease found its pool worker's engine already built, the seconds
   from the job's submission to the partition's first lease, and how many leases it took
@@ -93,11 +94,29 @@ def partition_metadata(
         "model_files_version": (manifest.source.model if manifest.source else None)
         or NOT_AVAILABLE,
         "engine_versions": engine_versions(manifest),
+        **adapter_metadata(spec, manifest),
         "error_types": dg.MetadataValue.json(manifest.error_types),
         "output_path": dg.MetadataValue.path(partition_dir(spec.output, manifest.partition_key)),
         "engine_args": dg.MetadataValue.json(spec.engine.model_dump(mode="json")),
         **sampling_metadata(spec),
         **telemetry_metadata(manifest.telemetry),
+    }
+
+
+def adapter_metadata(spec: InferenceSpec, manifest: Manifest) -> dict[str, Any]:
+    """`lora_adapters` (pipelines that list adapters): each adapter's path and the version
+    of its files the partition was computed from; nothing for a pipeline without."""
+    if not spec.lora_adapters:
+        return {}
+    recorded = (manifest.source.adapters if manifest.source else None) or ""
+    versions = dict(entry.split("=", 1) for entry in recorded.split(";") if "=" in entry)
+    return {
+        "lora_adapters": dg.MetadataValue.json(
+            {
+                name: {"path": path, "version": versions.get(name, NOT_AVAILABLE)}
+                for name, path in sorted(spec.lora_adapters.items())
+            }
+        )
     }
 
 

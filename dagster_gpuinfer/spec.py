@@ -46,6 +46,14 @@ SAFE_LOAD_FORMATS = frozenset(
 )
 
 
+# `max_loras` when a pipeline lists adapters and leaves it unset: one slot per adapter up to
+# this many (vLLM preallocates each slot's weights at `max_lora_rank`).
+MAX_AUTO_LORAS = 8
+# An adapter's name: what rows and OpenAI lines name it by (`model`), so OpenAI-like
+# (`ft:base:org:name`, `acme/support-v2`), and never a path or blank.
+ADAPTER_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}$")
+
+
 def unsafe_partition_key_reason(partition_key: str) -> str | None:
     """Why a partition key cannot name a file under an input root, or None when it can.
 
@@ -103,6 +111,23 @@ class EngineArgs(_Strict):
     enable_prefix_caching: bool | None = Field(None, description="vLLM `enable_prefix_caching`.")
     seed: int = Field(0, description="vLLM engine `seed`.")
     trust_remote_code: bool = Field(False, description="vLLM `trust_remote_code`.")
+    enable_lora: bool | None = Field(
+        None,
+        description="vLLM `enable_lora`: serve LoRA adapters on this engine. Set by itself when "
+        "the pipeline lists `lora_adapters`.",
+    )
+    max_loras: int | None = Field(
+        None,
+        gt=0,
+        description="vLLM `max_loras`: adapters one engine batch may mix. Default with "
+        f"`lora_adapters`: their number, at most {MAX_AUTO_LORAS}.",
+    )
+    max_lora_rank: int | None = Field(
+        None,
+        gt=0,
+        description="vLLM `max_lora_rank`: the largest adapter rank the engine takes (vLLM's "
+        "default 16); an adapter of a higher rank is refused before the engine loads.",
+    )
     load_format: str = Field(
         "safetensors",
         description="vLLM `load_format`. safetensors by default: weights never come from a "
@@ -137,6 +162,7 @@ class EngineArgs(_Strict):
             "enforce_eager",
             "load_format",
             "allow_pickle_weights",
+            "max_loras",
         }
     )
 
@@ -368,6 +394,12 @@ class InputSpec(_Strict):
             "OpenAI batch input always takes them from each line's `body`."
         ),
     )
+    adapter_column: str | None = Field(
+        None,
+        description="Column naming each row's LoRA adapter (one of the pipeline's "
+        "`lora_adapters`); null, empty or the base model's name: the base model. Without it, "
+        "a row's `model` parameter (an OpenAI line's `model`) names it.",
+    )
     image_column: str = Field(
         "image",
         description="For image tasks: the column of images (encoded bytes, a bytes/path "
@@ -545,6 +577,14 @@ class InferenceSpec(_Strict):
         "`model` (vLLM's `served_model_name`): the batch API sets the name the requests "
         "named. Default: `model`. Part of the spec hash when set.",
     )
+    lora_adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters one engine serves beside the base model, by name: a local "
+        "folder (in a pod: under the model cache) or an `s3://` prefix, fetched to the "
+        "worker's adapter cache before use. Rows name theirs (`input.adapter_column`, or "
+        "an OpenAI line's `model`); others run the base model. Sets engine.enable_lora. "
+        "Part of the spec hash when set.",
+    )
     vllm_version: str | None = Field(
         None,
         description="Pin the engine: a vLLM version ('0.32.0') or a PEP 440 specifier "
@@ -569,6 +609,10 @@ class InferenceSpec(_Strict):
         }
     )
 
+    # Pipeline settings a run's launchpad config may not change: the adapters' files, like
+    # the model's, are the pipeline's (its code or YAML), not a run's.
+    NOT_PER_RUN: ClassVar[frozenset[str]] = frozenset({"lora_adapters"})
+
     # Fields that change how the work is scheduled but not its results: left out of the
     # spec hash, so a retry with other settings resumes committed work.
     SCHEDULING_ONLY: ClassVar[frozenset[str]] = frozenset(
@@ -590,6 +634,23 @@ class InferenceSpec(_Strict):
         if pin is not None:
             vllm_specifier(pin)
         return pin
+
+    @field_validator("lora_adapters")
+    @classmethod
+    def _valid_adapters(cls, adapters: dict[str, str]) -> dict[str, str]:
+        for name, path in adapters.items():
+            if not ADAPTER_NAME_PATTERN.match(name):
+                raise ValueError(
+                    f"lora_adapters name {name!r} is refused: an adapter name is 1-128 letters, "
+                    "digits and . _ : @ / + - (starting with a letter or digit), as rows and "
+                    "OpenAI lines name it"
+                )
+            if not (path.startswith("s3://") or _looks_local(path)):
+                raise ValueError(
+                    f"lora_adapters[{name!r}] = {path!r} is neither a local folder (absolute, "
+                    "./ or ~) nor an s3:// prefix; copy the adapter into the model cache or S3"
+                )
+        return adapters
 
     @field_validator("partition_keys")
     @classmethod
@@ -618,6 +679,7 @@ class InferenceSpec(_Strict):
                     "split by rows (`@rows=<start>-<end>`), byte ranges are for JSONL"
                 )
         self._check_nodes()
+        self._check_adapters()
         if task_facts(self.task).pooling and self.sampling != SamplingParams():
             raise ValueError(f"sampling parameters are set but task {self.task!r} does not sample")
         if self.sampling.n > self.limits.max_n:
@@ -658,6 +720,44 @@ class InferenceSpec(_Strict):
                 "of pods runs vLLM's multiprocessing backend ('mp'), leave it unset"
             )
 
+    def _check_adapters(self) -> None:
+        """Adapters on a generating task, named apart from the base model; an adapter column
+        only with adapters to name."""
+        if self.input.adapter_column and not self.lora_adapters:
+            raise ValueError(
+                f"input.adapter_column={self.input.adapter_column!r} is set but the pipeline "
+                "lists no lora_adapters for its rows to name; list them or unset the column"
+            )
+        if not self.lora_adapters:
+            return
+        if not task_facts(self.task).samples:
+            raise ValueError(
+                f"lora_adapters are listed but task {self.task!r} does not generate; adapters "
+                "are served for generating tasks (generate, chat and the vision ones)"
+            )
+        clash = sorted({self.model, self.served_model} & set(self.lora_adapters))
+        if clash:
+            raise ValueError(
+                f"lora_adapters name {clash[0]!r} is the base model's own name; rows naming it "
+                "run the base model, so give the adapter another name"
+            )
+        if self.engine.enable_lora is False:
+            raise ValueError(
+                "lora_adapters are listed but engine.enable_lora is False; leave it unset "
+                "(set by itself) or True"
+            )
+
+    def lora_engine_kwargs(self) -> dict[str, Any]:
+        """vLLM's LoRA arguments for the listed adapters: `enable_lora`, and `max_loras`
+        (one slot per adapter, at most `MAX_AUTO_LORAS`) where the engine leaves them unset;
+        nothing when no adapters are listed (the engine's own settings stand)."""
+        if not self.lora_adapters:
+            return {}
+        kwargs: dict[str, Any] = {"enable_lora": True}
+        if self.engine.max_loras is None:
+            kwargs["max_loras"] = min(len(self.lora_adapters), MAX_AUTO_LORAS)
+        return kwargs
+
     def ranks_per_node(self) -> int:
         """Engine ranks (GPUs) in each pod of the engine's group."""
         return self.tensor_parallel_size * self.pipeline_parallel_size // self.nodes
@@ -694,6 +794,18 @@ class InferenceSpec(_Strict):
             payload.pop("vllm_version")
         if self.served_model_name is None:  # named by its model: likewise
             payload.pop("served_model_name")
+        if not self.lora_adapters:  # no adapters: likewise
+            payload.pop("lora_adapters")
+        else:  # a local folder by its normalized path, as the model
+            payload["lora_adapters"] = {
+                name: os.path.normpath(path) if _looks_local(path) else path
+                for name, path in self.lora_adapters.items()
+            }
+        if self.input.adapter_column is None:
+            payload["input"].pop("adapter_column")
+        for name in ("enable_lora", "max_lora_rank"):  # unset: likewise
+            if payload["engine"].get(name) is None:
+                payload["engine"].pop(name)
         # image fields and the table's partition column at their defaults: likewise
         for name in ("image_column", "images", "partition_column"):
             if getattr(self.input, name) == InputSpec.model_fields[name].get_default(
@@ -767,7 +879,12 @@ def run_config_fields(
     two of them share (`seed`) is prefixed by its section (`engine_seed`, `sampling_seed`).
     Fields in a model's `NOT_PER_RUN` are left out.
     """
-    sections: list[tuple[str | None, dict[str, Any]]] = [(None, pipeline_fields(spec_model))]
+    pipeline = {
+        name: info
+        for name, info in pipeline_fields(spec_model).items()
+        if name not in getattr(spec_model, "NOT_PER_RUN", frozenset())
+    }
+    sections: list[tuple[str | None, dict[str, Any]]] = [(None, pipeline)]
     for section in ("engine", "sampling"):
         model = spec_model.model_fields[section].annotation
         assert isinstance(model, type) and issubclass(model, BaseModel)

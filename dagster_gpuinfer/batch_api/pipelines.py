@@ -89,6 +89,7 @@ def batch_pipelines(
             name=route.pipeline,
             model=route.model_path,
             served_model_name=route.model,  # output lines name the requested model
+            lora_adapters=dict(route.lora_adapters),  # lines naming them run on them
             task=route.task,  # type: ignore[arg-type]
             input=InputSpec(
                 uri=files.input_template,

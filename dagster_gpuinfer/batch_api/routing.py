@@ -15,6 +15,13 @@ Examples:
             model_path: /models/all-MiniLM-L6-v2
             engine: {dtype: float32}
             chunk_size: 64
+          - model: llama-8b
+            endpoint: /v1/chat/completions
+            pipeline: batch_llama_chat
+            model_path: /models/llama-8b
+            lora_adapters:          # lines naming these run on them, one engine for all
+              support-v2: /models/adapters/support-v2
+              legal: s3://adapters/legal/
 """
 
 from __future__ import annotations
@@ -58,6 +65,12 @@ class Route(BaseModel):
     )
     images: ImageOptions | None = Field(
         None, description="Image tasks: the URL allow-list and the pixel and byte limits."
+    )
+    lora_adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters of the model, by the name request lines give as their "
+        "`model` (a folder in the model cache or an s3:// prefix): this route serves lines "
+        "naming the base model or any of them, in one batch and on one engine.",
     )
     launch: Literal["run", "pool"] | None = Field(
         None,
@@ -111,6 +124,11 @@ class Route(BaseModel):
         return self
 
     @property
+    def served_models(self) -> tuple[str, ...]:
+        """The names lines may give as their `model` here: the base model's, its adapters'."""
+        return (self.model, *self.lora_adapters)
+
+    @property
     def partitions_name(self) -> str:
         """The dynamic partitions definition of this pipeline: one partition per batch."""
         return f"{self.pipeline}_batches"
@@ -132,24 +150,29 @@ class RoutingTable(BaseModel):
         seen: set[tuple[str, str]] = set()
         pipelines: set[str] = set()
         for route in self.routes:
-            if (route.model, route.endpoint) in seen:
-                raise ValueError(
-                    f"the routing table lists model {route.model!r} on {route.endpoint} twice"
-                )
+            for model in route.served_models:  # a base model or one of its adapters
+                if (model, route.endpoint) in seen:
+                    raise ValueError(
+                        f"the routing table lists model {model!r} on {route.endpoint} twice "
+                        "(as a route's model or one of its lora_adapters)"
+                    )
+                seen.add((model, route.endpoint))
             if route.pipeline in pipelines:
                 raise ValueError(f"the routing table names pipeline {route.pipeline!r} twice")
-            seen.add((route.model, route.endpoint))
             pipelines.add(route.pipeline)
         return self
 
     def route_for(self, model: str, endpoint: str) -> Route | None:
+        """The route serving `model` on `endpoint`: the route of that base model, or the
+        route whose `lora_adapters` name it."""
         for route in self.routes:
-            if route.model == model and route.endpoint == endpoint:
+            if model in route.served_models and route.endpoint == endpoint:
                 return route
         return None
 
     def models_on(self, endpoint: str) -> list[str]:
-        return sorted(route.model for route in self.routes if route.endpoint == endpoint)
+        """Every name lines may give as `model` on `endpoint` (adapters included)."""
+        return sorted(m for r in self.routes if r.endpoint == endpoint for m in r.served_models)
 
     def by_pipeline(self, pipeline: str) -> Route | None:
         return next((route for route in self.routes if route.pipeline == pipeline), None)

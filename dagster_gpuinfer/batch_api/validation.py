@@ -54,7 +54,8 @@ def validate_batch_input(
     Checks: the file's size and line count; each line is a JSON object with a non-empty
     string `custom_id` (unique in the file), `method` POST, a `url` equal to the batch's
     `endpoint`, and an object `body` naming a `model` the routing table serves on that
-    endpoint; all lines name the same model (one batch runs on one pipeline).
+    endpoint; all lines name models of one route (one batch runs on one pipeline): one
+    model, or a base model and its LoRA adapters (`Route.lora_adapters`).
     """
     result = ValidatedInput()
     if not routes.models_on(endpoint):
@@ -90,6 +91,8 @@ def validate_batch_input(
         result.error("empty_file", "the input file holds no request lines")
     if not result.errors and result.model is not None:
         result.route = routes.route_for(result.model, endpoint)
+        if result.route is not None:  # the batch's model: its route's base model
+            result.model = result.route.model
     return result
 
 
@@ -169,11 +172,11 @@ def _check_model(
         )
     elif result.model is None:
         result.model = model
-    elif model != result.model:
+    elif routes.route_for(model, endpoint) != routes.route_for(result.model, endpoint):
         result.error(
             "mismatched_model",
             f"line {number}: model {model!r} differs from {result.model!r} of the first line; "
-            "a batch runs on one model",
+            "a batch runs on one model (with its LoRA adapters)",
             line=number,
             param="body.model",
         )

@@ -182,19 +182,30 @@ def validate_launcher_config(config: K8sLauncherConfig, extra_env: Mapping[str, 
 
 
 def check_model_location(spec: InferenceSpec, cache: ModelCache) -> None:
-    model = spec.model.removeprefix("file://")
-    if model.startswith(("./", "../", "~")):
+    """The model, and each LoRA adapter given as a folder, where a pod sees it: in the
+    model cache (`s3://` adapters are fetched by the worker)."""
+    _check_in_cache(f"model {spec.model!r}", "model", spec.model, cache)
+    for name, path in spec.lora_adapters.items():
+        if not path.startswith("s3://"):
+            _check_in_cache(
+                f"LoRA adapter {name!r} ({path})", f"lora_adapters[{name!r}]", path, cache
+            )
+
+
+def _check_in_cache(what: str, setting: str, path: str, cache: ModelCache) -> None:
+    local = path.removeprefix("file://")
+    if local.startswith(("./", "../", "~")):
         raise PodSpecError(
-            f"model {spec.model!r} is a path relative to the code location; a pod cannot see "
-            f"it. Copy the model into the model cache and set model='{MODEL_CACHE_MOUNT}/<name>'"
+            f"{what} is a path relative to the code location; a pod cannot see it. Copy it "
+            f"into the model cache and set {setting}='{MODEL_CACHE_MOUNT}/<name>'"
         )
     if (
         cache.configured
-        and model.startswith("/")
-        and not (model == MODEL_CACHE_MOUNT or model.startswith(MODEL_CACHE_MOUNT + "/"))
+        and local.startswith("/")
+        and not (local == MODEL_CACHE_MOUNT or local.startswith(MODEL_CACHE_MOUNT + "/"))
     ):
         raise PodSpecError(
-            f"model {spec.model!r} is outside the model cache, which pods mount read-only at "
+            f"{what} is outside the model cache, which pods mount read-only at "
             f"{MODEL_CACHE_MOUNT}. Warm the cache (deploy/model-cache/) and set "
-            f"model='{MODEL_CACHE_MOUNT}/<name>'"
+            f"{setting}='{MODEL_CACHE_MOUNT}/<name>'"
         )

@@ -5,7 +5,10 @@ the same runner, the same `vllm.LLM` arguments, the same tensor/pipeline/node sh
 same vLLM pin, image and GPU type. What a pipeline may change per run without rebuilding the
 engine stays out of the key: sampling parameters, per-row parameters and limits, input and
 output locations, partitions, `chunk_size`, `replicas` (a pool sizes itself) and the engine
-loop's own knobs (`max_requests_in_flight`, `group_prefixes`).
+loop's own knobs (`max_requests_in_flight`, `group_prefixes`). LoRA adapters are loaded
+per request, so the adapter list is not in the key either: pipelines with other adapters over
+one base share a pool when their LoRA engine arguments (`enable_lora`, `max_loras`,
+`max_lora_rank`) agree; set `engine.max_loras` to share one across adapter counts.
 
 Imports only the standard library and the job spec, so the control plane and the worker
 both read the same key.
@@ -53,6 +56,8 @@ def pool_identity(
     """
     facts = task_facts(spec.task)
     engine = spec.engine.to_vllm_kwargs()
+    for name, value in spec.lora_engine_kwargs().items():  # the worker's (engine_kwargs)
+        engine.setdefault(name, value)
     if facts.images:  # the worker's default (worker/engine.py engine_kwargs)
         engine.setdefault(
             "limit_mm_per_prompt", {"image": spec.input.images.max_images_per_request}

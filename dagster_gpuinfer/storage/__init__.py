@@ -223,7 +223,13 @@ from dagster_gpuinfer.storage.versions import (
     SourceVersion as SourceVersion,
 )
 from dagster_gpuinfer.storage.versions import (
+    adapter_versions as adapter_versions,
+)
+from dagster_gpuinfer.storage.versions import (
     file_version as file_version,
+)
+from dagster_gpuinfer.storage.versions import (
+    folder_version as folder_version,
 )
 from dagster_gpuinfer.storage.versions import (
     input_version as input_version,

@@ -254,10 +254,11 @@ def committed_manifest(
     manifest = read_manifest(fs, path)
     if manifest is None or manifest.spec_hash != spec.spec_hash() or manifest.source is None:
         return None
-    if model == MODEL_AS_RECORDED:
-        model = manifest.source.model
+    adapters: str | None | bool = True  # read now
+    if model == MODEL_AS_RECORDED:  # the pods' model cache: adapters live there too
+        model, adapters = manifest.source.model, manifest.source.adapters
     try:
-        source = source_version(spec, partition_key, model=model)
+        source = source_version(spec, partition_key, model=model, adapters=adapters)
     except FileNotFoundError:
         return None  # the shard is gone: nothing proves the outputs are its
     return manifest if manifest.computed_from(manifest.spec_hash, source) else None

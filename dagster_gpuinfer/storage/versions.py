@@ -31,6 +31,11 @@ class SourceVersion(BaseModel):
     model: str | None = Field(
         None, description="The local model folder's version (`model_version`); None: a hub id."
     )
+    adapters: str | None = Field(
+        None,
+        description="The LoRA adapters' versions (`adapter_versions`, as `name=version` "
+        "joined by `;`); None: the spec lists no adapters.",
+    )
 
 
 def file_version(fs: pafs.FileSystem, path: str, storage: StorageOptions | None = None) -> str:
@@ -116,9 +121,19 @@ def model_version(spec: InferenceSpec) -> str | None:
     """
     if not spec.model_is_local_path():
         return None
-    root = os.path.expanduser(spec.model.removeprefix("file://"))
+    return folder_version(spec.model, what="model folder")
+
+
+def folder_version(folder: str, *, what: str) -> str:
+    """A digest of a local folder's files: relative paths, sizes and modification times
+    (links followed, hidden entries left out); stat calls only.
+
+    Raises:
+        FileNotFoundError: the folder is not there (or not readable from this process).
+    """
+    root = os.path.expanduser(folder.removeprefix("file://"))
     if not os.path.isdir(root):
-        raise FileNotFoundError(f"model folder {spec.model!r} is not there")
+        raise FileNotFoundError(f"{what} {folder!r} is not there")
     digest = hashlib.sha256()
     files = 0
     for folder, dirs, names in os.walk(root, followlinks=True):
@@ -132,11 +147,72 @@ def model_version(spec: InferenceSpec) -> str | None:
     return f"files:{files}:{digest.hexdigest()[:16]}"
 
 
-def source_version(spec: InferenceSpec, partition_key: str, *, model: str | None) -> SourceVersion:
+def s3_prefix_version(uri: str, storage: StorageOptions | None = None) -> str:
+    """A digest of the objects under an `s3://` prefix: each one's key below the prefix
+    and its version (`file_version`: ETag, size, version id).
+
+    Raises:
+        FileNotFoundError: no object under the prefix.
+    """
+    fs, prefix = filesystem_for(uri, storage or StorageOptions())
+    prefix = prefix.rstrip("/")
+    found = fs.get_file_info(pafs.FileSelector(prefix, recursive=True, allow_not_found=True))
+    files = sorted(info.path for info in found if info.type == pafs.FileType.File)
+    if not files:
+        raise FileNotFoundError(f"no object under {uri}")
+    digest = hashlib.sha256()
+    for path in files:
+        relative = path[len(prefix) :].lstrip("/")
+        digest.update(f"{relative}\0{file_version(fs, path, storage)}\n".encode())
+    return f"s3:{len(files)}:{digest.hexdigest()[:16]}"
+
+
+def adapter_version(spec: InferenceSpec, name: str) -> str:
+    """The version of one listed LoRA adapter: its local folder's digest (`folder_version`)
+    or its S3 prefix's (`s3_prefix_version`).
+
+    Raises:
+        FileNotFoundError: the adapter is not there.
+    """
+    path = spec.lora_adapters[name]
+    if path.startswith("s3://"):
+        return s3_prefix_version(path, spec.storage)
+    return folder_version(path, what=f"LoRA adapter {name!r} folder")
+
+
+def adapter_versions(spec: InferenceSpec) -> str | None:
+    """Every listed adapter's version as `name=version` joined by `;` (names sorted);
+    None when the spec lists none. What `SourceVersion.adapters` records.
+
+    Raises:
+        FileNotFoundError: an adapter is not there.
+    """
+    if not spec.lora_adapters:
+        return None
+    return ";".join(f"{name}={adapter_version(spec, name)}" for name in sorted(spec.lora_adapters))
+
+
+def source_version(
+    spec: InferenceSpec,
+    partition_key: str,
+    *,
+    model: str | None,
+    adapters: str | None | bool = True,
+) -> SourceVersion:
     """The source version of a partition now, with the model folder's `model_version(spec)`
     computed once by the caller for all its partitions.
 
+    Args:
+        adapters: The adapters' versions as recorded (`adapter_versions`); True (the
+            default): read them now.
+
     Raises:
-        FileNotFoundError: the shard is not there.
+        FileNotFoundError: the shard (or a listed adapter) is not there.
     """
-    return SourceVersion(input=input_version(spec, partition_key), model=model)
+    if adapters is True:
+        adapters = adapter_versions(spec)
+    return SourceVersion(
+        input=input_version(spec, partition_key),
+        model=model,
+        adapters=adapters or None,
+    )

@@ -22,10 +22,18 @@ from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.task_table import task_facts
 from dagster_gpuinfer.worker.errors import SpecError
 from dagster_gpuinfer.worker.lifecycle import EngineWatch, engine_processes_started_by
+from dagster_gpuinfer.worker.loop.adapters import (
+    BASE_ADAPTER,
+    AdapterIds,
+    check_local_adapters,
+    ready_adapters,
+    resolve_cpu_lora,
+    zeroed_adapter,
+)
 from dagster_gpuinfer.worker.loop.cpu_dtype import resolve_cpu_dtype
 from dagster_gpuinfer.worker.loop.cpu_seeds import resolve_cpu_chunked_prefill, seeds_unsafe
 from dagster_gpuinfer.worker.metrics import current_metrics
-from dagster_gpuinfer.worker.rows.request_params import RequestBuilder
+from dagster_gpuinfer.worker.rows.request_params import AdapterNames, RequestBuilder
 from dagster_gpuinfer.worker.stage_messages import RequestRejected
 from dagster_gpuinfer.worker.tasks.image import vllm_prompt
 from dagster_gpuinfer.worker.tasks.image_fit import model_image_fit
@@ -43,7 +51,9 @@ DEFAULT_SHUTDOWN_GRACE_SECONDS = 1.0
 
 
 def check_model_dir(spec: InferenceSpec) -> None:
-    """A model given as a local path must be a directory with a `config.json`."""
+    """A model given as a local path must be a directory with a `config.json`; a local
+    LoRA adapter a PEFT adapter folder the engine takes (`adapters.check_local_adapters`)."""
+    check_local_adapters(spec)
     if not spec.model_is_local_path():
         return
     path = os.path.expanduser(spec.model.removeprefix("file://"))
@@ -63,6 +73,8 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     """The keyword arguments `vllm.LLM` gets for `spec` (besides `model`); the benchmark
     gives the raw engine the very same ones."""
     kwargs = spec.engine.to_vllm_kwargs()
+    for name, value in spec.lora_engine_kwargs().items():  # LoRA adapters listed
+        kwargs.setdefault(name, value)
     kwargs["tensor_parallel_size"] = spec.tensor_parallel_size
     if spec.pipeline_parallel_size > 1:
         kwargs["pipeline_parallel_size"] = spec.pipeline_parallel_size
@@ -83,11 +95,13 @@ def engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
 def built_engine_kwargs(spec: InferenceSpec) -> dict[str, Any]:
     """What the worker passes to `vllm.LLM` for `spec`: `engine_kwargs` with compact JSON
     outputs, the CPU build's dtype (`worker/loop/cpu_dtype.py`) and, on the CPU build, no
-    chunked prefill for sampling tasks (`worker/loop/cpu_seeds.py`). It asks vLLM which
+    chunked prefill for sampling tasks (`worker/loop/cpu_seeds.py`) and a LoRA slot for
+    base rows (`worker/loop/adapters.py`). It asks vLLM which
     platform it runs on, so call it where vLLM is imported anyway; the benchmark gives raw
     vLLM the same."""
     kwargs = with_compact_json(spec, engine_kwargs(spec))
     kwargs = resolve_cpu_chunked_prefill(kwargs, samples=task_facts(spec.task).samples)
+    kwargs = resolve_cpu_lora(kwargs)
     return resolve_cpu_dtype(kwargs, spec.model)
 
 
@@ -195,6 +209,7 @@ class InferenceEngine:
         self._in_flight: dict[str, int] = {}
         self._sequences = 0
         self._binding = 0  # bumped by `bind`: request ids of one binding never meet another's
+        self._adapter_ids = AdapterIds()  # LoRA ids for the life of the engine
         self.llm, processes = load_llm(spec)
         self.load_seconds = time.perf_counter() - started
         # The engine's processes run from here on: whatever fails before the engine is handed
@@ -260,6 +275,12 @@ class InferenceEngine:
         requests = request_builder(spec, self.llm)
         if requests.refuse_seeds and requests.defaults.get("seed") is not None:
             raise SpecError(f"sampling.seed is {requests.defaults['seed']}: {SEED_REFUSED}")
+        # LoRA adapters: fetched (s3://) and checked before any row names one; on the CPU
+        # build base rows run on a zeroed adapter (`adapters.resolve_cpu_lora`).
+        ready = ready_adapters(spec)
+        if ready and runs_base_on_zero_adapter(self.llm):
+            ready[BASE_ADAPTER] = zeroed_adapter(next(iter(ready.values())))
+        self.lora_requests = self._adapter_ids.requests(ready)
         self.spec = spec
         self.task = worker_task(spec.task)
         self.requests = requests
@@ -362,6 +383,7 @@ class InferenceEngine:
         params: Any = None,
         images: list[Any] | None = None,
         rendered: Any = None,
+        adapter: str | None = None,
     ) -> None:
         """Add one pre-tokenized request to the engine.
 
@@ -373,6 +395,7 @@ class InferenceEngine:
             images: The row's decoded images (image tasks), sent as `multi_modal_data`.
             rendered: The prompt as `render` returned it (then `token_ids` and `images` are
                 not read again).
+            adapter: The LoRA adapter the row names (`RowRequest.adapter`); None: the base.
         """
         if params is None:
             params = self.default_params
@@ -380,8 +403,13 @@ class InferenceEngine:
             params.output_kind = self._final_only
         prompt = rendered if rendered is not None else vllm_prompt(token_ids, images)
         engine_id = f"{self._binding}-{request_id}"
+        lora = (  # a base row: the zeroed adapter on the CPU build, else none
+            self.lora_requests[adapter]
+            if adapter is not None
+            else self.lora_requests.get(BASE_ADAPTER)
+        )
         try:
-            self.llm.llm_engine.add_request(engine_id, prompt, params)
+            self.llm.llm_engine.add_request(engine_id, prompt, params, lora_request=lora)
         except Exception as exc:
             if type(exc).__name__ == "EngineDeadError":
                 raise
@@ -421,7 +449,7 @@ class InferenceEngine:
 
 
 # What `_bind_spec` sets from a spec (and `bind` puts back when a spec is refused).
-_BOUND = ("spec", "task", "requests", "window", "image_fit", "default_params")
+_BOUND = ("spec", "task", "requests", "window", "image_fit", "default_params", "lora_requests")
 
 
 def same_engine(built: InferenceSpec, other: InferenceSpec) -> str | None:
@@ -439,6 +467,14 @@ def same_engine(built: InferenceSpec, other: InferenceSpec) -> str | None:
             f"{k}={ours.get(k)!r} here, {theirs.get(k)!r} asked" for k in keys
         )
     return None
+
+
+def runs_base_on_zero_adapter(llm: Any) -> bool:
+    """Whether the built engine runs base rows on a zeroed adapter: LoRA on, on the CPU
+    build (`adapters.resolve_cpu_lora` gave it the slot)."""
+    from dagster_gpuinfer.worker.loop.cpu_dtype import vllm_on_cpu
+
+    return llm.llm_engine.vllm_config.lora_config is not None and vllm_on_cpu()
 
 
 def _refused(exc: Exception) -> RequestRejected:
@@ -468,6 +504,7 @@ def request_builder(spec: InferenceSpec, llm: Any) -> Any:
         verify=verify,
         limits=spec.limits,
         refuse_seeds=samples and seeds_unsafe(llm),
+        adapters=AdapterNames.of(spec),
     )
 
 

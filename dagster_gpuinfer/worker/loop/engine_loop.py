@@ -119,6 +119,12 @@ class _ChunkInFlight:
             return None  # embeddings: rows and prompts differ; PoolingParams are all alike
         return self.valid.requests[position].sampling
 
+    def adapter(self, position: int) -> str | None:
+        """The LoRA adapter the request at `position` names (None: the base model)."""
+        if self.whole or len(self.valid.requests) != len(self.valid.token_ids):
+            return None  # pooling tasks: never an adapter (`InferenceSpec._check_adapters`)
+        return self.valid.requests[position].adapter
+
 
 class _Worker(threading.Thread):
     """A daemon thread that keeps the exception it died of."""
@@ -510,6 +516,9 @@ class _RequestWindow:
         extra = (  # image tasks only: the render stage's input, else the decoded images
             {"rendered": rendered} if rendered is not None else {"images": images} if images else {}
         )
+        adapter = item.adapter(position)
+        if adapter is not None:  # a LoRA adapter's row
+            extra["adapter"] = adapter
         try:
             if isinstance(rendered, RequestRejected):
                 raise rendered

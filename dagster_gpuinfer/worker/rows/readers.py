@@ -79,7 +79,8 @@ class RawChunk:
     for embed/generate, a messages value for chat, a `(query, document)` tuple or a score
     body for score (validated later). `params` holds the per-request parameters of the rows
     that carry any, by row number (an OpenAI line's body minus its input; the
-    `input.params_column` value). `errors` holds the rows of this chunk that failed to
+    `input.params_column` value). `adapters` holds the `input.adapter_column` values that
+    are not null, by row number. `errors` holds the rows of this chunk that failed to
     parse. `rows_in` counts both.
     """
 
@@ -89,6 +90,7 @@ class RawChunk:
     errors: list[RowError] = field(default_factory=list)
     rows_in: int = 0
     params: dict[int, Any] = field(default_factory=dict)
+    adapters: dict[int, Any] = field(default_factory=dict)
     shard_uri: str | None = None  # the shard's file: image paths relative to it resolve there
 
 
@@ -158,6 +160,8 @@ class ShardReader:
         columns = list(self.payload_columns)
         if self.spec.input.params_column:
             columns.append(self.spec.input.params_column)
+        if self.spec.input.adapter_column:
+            columns.append(self.spec.input.adapter_column)
         if self.spec.input.id_column:
             columns.insert(0, self.spec.input.id_column)
         return columns
@@ -167,7 +171,8 @@ class ShardReader:
             f"shard {self.source} has no column {', '.join(repr(m) for m in missing)} "
             f"(columns: {', '.join(present) or 'none'}). Set input.id_column / "
             f"{' / '.join(f'input.{setting}' for setting in self.task.payload_settings)}"
-            f"{' / input.params_column' if self.spec.input.params_column else ''} to the "
+            f"{' / input.params_column' if self.spec.input.params_column else ''}"
+            f"{' / input.adapter_column' if self.spec.input.adapter_column else ''} to the "
             "right names",
             partition_key=self.partition_key,
         )
@@ -345,11 +350,14 @@ class ShardReader:
         chunk = RawChunk(
             index=index, source=self.source, rows=rows, rows_in=len(rows), shard_uri=self.uri
         )
-        params_column = self.spec.input.params_column
-        if params_column:
-            for i, value in enumerate(table.column(params_column).to_pylist()):
-                if value is not None:
-                    chunk.params[first_row + i] = value
+        for column, by_row in (
+            (self.spec.input.params_column, chunk.params),
+            (self.spec.input.adapter_column, chunk.adapters),
+        ):
+            if column:
+                for i, value in enumerate(table.column(column).to_pylist()):
+                    if value is not None:
+                        by_row[first_row + i] = value
         return chunk
 
     def _default_id(self, row: int) -> str:
@@ -456,6 +464,8 @@ class ShardReader:
                 row_params = parsed[3] if len(parsed) > 3 else None
                 if row_params:
                     chunk.params[row] = row_params
+                if len(parsed) > 4 and parsed[4] is not None:
+                    chunk.adapters[row] = parsed[4]
                 chunk.rows.append(parsed[:3])
         if chunk.rows_in:
             yield chunk
@@ -523,7 +533,9 @@ class ShardReader:
         payload = values[0] if len(values) == 1 else values
         params_column = self.spec.input.params_column
         params = record.get(params_column) if params_column else None
-        return (row, None if row_id is None else str(row_id), payload, params)
+        adapter_column = self.spec.input.adapter_column
+        adapter = record.get(adapter_column) if adapter_column else None
+        return (row, None if row_id is None else str(row_id), payload, params, adapter)
 
     def _custom_id_near_start(self, line: bytes) -> str | None:
         """An OpenAI line's custom_id, found without parsing the line (too long, too deep)."""

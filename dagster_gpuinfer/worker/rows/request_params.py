@@ -21,6 +21,11 @@ Before vLLM sees a row's values they are bounded: integers within 64 bits and fl
 pattern compilable by the output check's linear-time engine (`structured.pattern_problem`).
 Anything else that goes wrong while mapping one row is that row's `invalid_parameter`.
 
+A row names its LoRA adapter by the pipeline's `input.adapter_column`, else by its `model`
+parameter (an OpenAI line's `model`); a name that is neither one of the pipeline's adapters
+nor the base model's quarantines the row as `unknown_adapter`, naming the known ones
+(`AdapterNames`). Without adapters `model` is neutral, as before.
+
 OpenAI names map to vLLM's: `max_completion_tokens` -> `max_tokens`; chat `logprobs: true` +
 `top_logprobs: k` -> `logprobs=k`; `response_format` `json_schema` / `json_object` ->
 `structured_outputs` json / json_object; `logit_bias` keys (token ids as strings) -> ints.
@@ -28,7 +33,9 @@ OpenAI names map to vLLM's: `max_completion_tokens` -> `max_tokens`; chat `logpr
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from dagster_gpuinfer.spec import RowLimits, StructuredOutputs
@@ -48,6 +55,56 @@ from dagster_gpuinfer.worker.tasks.table import worker_task
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+@dataclass(frozen=True)
+class AdapterNames:
+    """The names a row may give its adapter: the pipeline's LoRA adapters, or the base
+    model (by its served name or its path; None or empty too) for none.
+
+    Args:
+        adapters: `InferenceSpec.lora_adapters`' names.
+        base: The base model's names (`served_model`, `model`).
+        column: `input.adapter_column` (the key named in a row's error), or None: `model`.
+    """
+
+    adapters: tuple[str, ...] = ()
+    base: tuple[str, ...] = ()
+    column: str | None = None
+
+    @classmethod
+    def of(cls, spec: Any) -> AdapterNames:
+        return cls(
+            adapters=tuple(spec.lora_adapters),
+            base=tuple(dict.fromkeys((spec.served_model, spec.model))),
+            column=spec.input.adapter_column,
+        )
+
+    def resolve(self, name: Any) -> str | None:
+        """The adapter a row's name means; None: the base model.
+
+        Raises:
+            ParameterError: `unknown_adapter` (naming the known ones) or a name that is not
+                a string (`invalid_parameter`).
+        """
+        key = self.column or "model"
+        if name is None or name == "" or name in self.base:
+            return None
+        if not isinstance(name, str):
+            raise ParameterError(
+                "invalid_parameter",
+                key,
+                f"{key!r} must name an adapter as a string, got {type(name).__name__}",
+            )
+        if name in self.adapters:
+            return name
+        raise ParameterError(
+            "unknown_adapter",
+            key,
+            f"adapter {cap_message(name, 130)!r} ({key!r}) is not served by this pipeline; "
+            f"its adapters: {', '.join(sorted(self.adapters))}; or the base model "
+            f"{self.base[0]!r} (or none) for no adapter",
+        )
+
+
 class RequestBuilder:
     """Builds each row's `RowRequest` from the pipeline's defaults and the row's params.
 
@@ -58,6 +115,8 @@ class RequestBuilder:
             running engine (`SamplingParams.verify`); raises ValueError on a rejected value.
         refuse_seeds: the engine would die on a seeded request (`cpu_seeds.seeds_unsafe`):
             a row's `seed` is its `unsupported_parameter`.
+        adapters: the pipeline's LoRA adapters (`AdapterNames.of(spec)`); None or empty:
+            every row runs the base model and `model` is neutral.
     """
 
     def __init__(
@@ -68,8 +127,10 @@ class RequestBuilder:
         verify: Any = None,
         limits: RowLimits | None = None,
         refuse_seeds: bool = False,
+        adapters: AdapterNames | None = None,
     ) -> None:
         self.task = task
+        self.adapters = adapters if adapters is not None and adapters.adapters else None
         self.worker_task = worker_task(task)
         self.defaults = dict(defaults)
         self.verify = verify
@@ -81,15 +142,25 @@ class RequestBuilder:
         )
         self._default_request: RowRequest | None = None
 
-    def build(self, params: dict[str, Any] | None) -> RowRequest:
+    def build(self, params: dict[str, Any] | None, *, adapter: Any = None) -> RowRequest:
         """The row's request.
 
+        Args:
+            params: The row's parameters (None: none).
+            adapter: The row's `input.adapter_column` value, when the pipeline sets one.
+
         Raises:
-            ParameterError: naming the first unsupported key or rejected value; whatever
-                else goes wrong mapping the row is its `invalid_parameter` too.
+            ParameterError: naming the first unsupported key or rejected value, or an
+                unknown adapter; whatever else goes wrong mapping the row is its
+                `invalid_parameter` too.
         """
         try:
-            return self._build(params)
+            request = self._build(params)
+            if self.adapters is None:
+                return request
+            named = adapter if self.adapters.column else (params or {}).get("model")
+            chosen = self.adapters.resolve(named)
+            return dataclasses.replace(request, adapter=chosen) if chosen else request
         except ParameterError:
             raise
         except Exception as exc:  # the row boundary: one row's values never fail the run

@@ -201,7 +201,7 @@ class RowValidator:
         assert row_id is not None  # screened by `screen_ids`
         where = f"{chunk.source} row {row} (id {row_id})"
         try:
-            request = self._request(chunk.params.get(row))
+            request = self._request(chunk.params.get(row), chunk.adapters.get(row))
         except ParameterError as exc:
             errors.append(
                 RowError.quarantined(
@@ -307,7 +307,8 @@ class RowValidator:
         """A chat's message contents together."""
         return [_chat_chars(candidate.prompts[0])]
 
-    def _request(self, params: Any) -> RowRequest:
+    def _request(self, params: Any, adapter: Any = None) -> RowRequest:
+        """The row's request from its parameters and its adapter column's value."""
         if params is None and self.requests is None:
             return RowRequest()
         if self.requests is None:
@@ -323,7 +324,7 @@ class RowValidator:
                 f"the parameters nest deeper than limits.max_json_depth="
                 f"{self.limits.max_json_depth} levels",
             )
-        return self.requests.build(values)
+        return self.requests.build(values, adapter=adapter)
 
     def _check_row(
         self, source: str, row: int, row_id: str | None, payload: Any
@@ -547,6 +548,7 @@ def screen_ids(chunk: RawChunk, seen_ids: set[str]) -> RawChunk:
         errors=errors,
         rows_in=chunk.rows_in,
         params=chunk.params,
+        adapters=chunk.adapters,
         shard_uri=chunk.shard_uri,
     )
 

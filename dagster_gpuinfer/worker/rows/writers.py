@@ -31,8 +31,15 @@ from dagster_gpuinfer.worker.tasks.table import worker_task
 
 def output_table(spec: InferenceSpec, valid: Any, result: Any) -> pa.Table:
     """The output rows of one validated chunk (`validate.ValidChunk`) and its results, in
-    the task's schema (`tasks.WorkerTask.output_table`)."""
-    return worker_task(spec.task).output_table(spec, valid, result)
+    the task's schema (`tasks.WorkerTask.output_table`), with an `adapter` column (each
+    row's LoRA adapter, null for the base model) when the pipeline lists adapters."""
+    table = worker_task(spec.task).output_table(spec, valid, result)
+    if spec.lora_adapters:
+        adapters = [request.adapter for request in valid.requests]
+        table = table.append_column(
+            pa.field("adapter", pa.string()), pa.array(adapters, pa.string())
+        )
+    return table
 
 
 def rows_invalid_output(table: pa.Table) -> int:
@@ -59,8 +66,10 @@ def encode_openai_batch(
     for position, row in enumerate(table.to_pylist()):
         custom_id = row["id"]
         rid = oa.request_id(spec_hash, custom_id)
+        # The model the line named: its LoRA adapter's name, else the base model's.
+        adapter = row.get("adapter")
         try:
-            body = answering.response_body(model, rid, created, row, valid, position)
+            body = answering.response_body(adapter or model, rid, created, row, valid, position)
             response = oa.BatchResponse(status_code=200, request_id=rid, body=body)
         except Exception as exc:  # the row boundary: one row's body never fails the chunk
             response, error = (

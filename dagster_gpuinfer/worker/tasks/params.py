@@ -132,7 +132,8 @@ class RowRequest:
 
     `sampling` is the row's `vllm.SamplingParams` (generate/chat). `top_logprobs`: how many
     alternatives each token's logprobs list (None: no logprobs). `constraint`: the structured
-    output its text must satisfy, checked after generation.
+    output its text must satisfy, checked after generation. `adapter`: the name of the LoRA
+    adapter (`InferenceSpec.lora_adapters`) the row runs on; None: the base model.
     """
 
     sampling: Any = None
@@ -140,6 +141,7 @@ class RowRequest:
     constraint: StructuredOutputs | None = None
     top_n: int | None = None
     return_documents: bool = True
+    adapter: str | None = None
 
 
 def parse_params_value(value: Any) -> dict[str, Any]:
