@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -28,7 +29,16 @@ from dagster_gpuinfer.task_table import Task, task_facts
 
 InputFormat = Literal["parquet", "jsonl", "openai_batch", "delta"]
 OutputFormat = Literal["parquet", "openai_batch"]
-RowReuse = Literal["auto", "sampled", "off"]
+
+
+class RowReuse(StrEnum):
+    """`row_reuse`: which rows are copied from earlier outputs (an enum: Dagster run
+    config takes enums, not literals)."""
+
+    auto = "auto"
+    sampled = "sampled"
+    off = "off"
+
 
 PARTITION_KEY_PLACEHOLDER = "{partition_key}"
 
@@ -553,7 +563,7 @@ class InferenceSpec(_Strict):
         "Part of the spec hash and code version when set.",
     )
     row_reuse: RowReuse = Field(
-        "auto",
+        RowReuse.auto,
         description="Row-level reuse: a row whose reuse key (model and its files' version, "
         "output-shaping settings, the request as rendered, its parameters and seed) is "
         "already in the partition's earlier output is copied from it, and identical requests "

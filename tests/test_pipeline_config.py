@@ -4,6 +4,7 @@ to the spec is settable in all three. These tests walk the spec and fail when th
 
 from __future__ import annotations
 
+import enum
 import typing
 from typing import Any, get_args
 
@@ -50,6 +51,9 @@ def _other_value(info: Any) -> Any:
         return 0.5 if default != 0.5 else 0.25
     if str in kinds and default is None:  # vllm_version: a version (YAML reads it as text)
         return "0.32.0"
+    enums = [k for k in kinds if isinstance(k, type) and issubclass(k, enum.Enum)]
+    if enums:  # row_reuse: another member, by value (YAML and run config give text)
+        return next(m.value for m in enums[0] if m != default)
     raise AssertionError(f"no test value for {info.annotation}: teach _other_value the type")
 
 
