@@ -9,8 +9,10 @@ longtail (long-tailed generation: platform at several chunk sizes vs raw vLLM vs
 batch`), replicas (one embed partition, 1 vs 2 engines), prefix (prefix-cache ordering),
 amortization (partitions per run), memory (worker RSS over a large shard), control-plane
 (Dagster-side work at dataset sizes, no model) and, only when asked for (`--only knobs`),
-knobs (embedding engine settings one by one) and images (image embeddings: platform vs
-raw `LLM.embed` vs transformers, decode rate alone; `--only images`).
+knobs (embedding engine settings one by one), images (image embeddings: platform vs
+raw `LLM.embed` vs transformers, decode rate alone; `--only images`) and incremental (row
+reuse: a shard re-run after 10% appended and 1% edited rows vs its full recompute, paired;
+`--only incremental`).
 
 Each section is a function of the `BenchContext` returning a dict, stored as is in
 results.json under its key (`RESULT_KEYS`) and rendered by `bench/report.py`.
@@ -52,9 +54,11 @@ SECTIONS = (
     "control-plane",
     "knobs",
     "images",
+    "incremental",
 )
-# `knobs` (engine settings, one start each) and `images` (image embeddings) only on request
-DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in ("knobs", "images"))
+# `knobs` (engine settings, one start each), `images` (image embeddings) and `incremental`
+# (row reuse: three engine starts a round) only on request
+DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in ("knobs", "images", "incremental"))
 RESULT_KEYS = {
     "throughput": "throughput",
     "longtail": "longtail",
@@ -65,6 +69,7 @@ RESULT_KEYS = {
     "control-plane": "control_plane",
     "knobs": "knobs",
     "images": "images",
+    "incremental": "incremental",
 }
 # section -> the function that runs it (throughput runs once per task, apart)
 RUNNERS = {
@@ -75,6 +80,7 @@ RUNNERS = {
     "memory": "bench.memory:run_memory",
     "knobs": "bench.knobs:run_knobs",
     "images": "bench.images:run_images",
+    "incremental": "bench.incremental:run_incremental",
     "control-plane": "bench.control_plane:run_control_plane",
 }
 log = logging.getLogger("bench")

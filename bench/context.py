@@ -41,6 +41,8 @@ class Sizes:
     longtail_chunk_sizes: tuple[int, ...] = (128, 512, 2048)
     # One embed partition served by 1 and by 2 replicas (cores split).
     replicas_rows: int = 4000
+    # One embed shard materialized, then 10% appended and 1% edited: re-run vs full recompute.
+    incremental_rows: int = 10_000
 
 
 FULL = Sizes(
@@ -85,6 +87,7 @@ SMOKE = Sizes(
     longtail_stop_tokens=2000,
     longtail_chunk_sizes=(8,),  # one platform contestant: the full run has three
     replicas_rows=48,
+    incremental_rows=40,
 )
 
 
