@@ -10,8 +10,13 @@ The formula (docs/observability.md, "Estimating a backfill"):
   JSONL file gets its share of the file's bytes). A `@bytes=` or `@rows=` range counts
   only its part.
 - speed: the work of the committed partitions over their `wall_seconds` (from their
-  manifests: read, infer, write; one worker pod), i.e. work units per pod-second. Before
+  manifests: read, infer, write; one worker pod), i.e. work units per pod-second, leaving
+  out partitions that resumed or copied rows (their time covers part of their work). Before
   any partition is committed: `DEFAULT_ROWS_PER_SECOND` or `DEFAULT_BYTES_PER_SECOND`.
+- row reuse: a pending partition whose earlier output is still there (its shard changed)
+  computes only its changed rows, which only reading and tokenizing every row would tell;
+  the estimate counts its whole work (an upper bound) and says how many such partitions
+  there are (`partitions_reusable`).
 - runs: the pending partitions in groups of the backfill policy's `max_partitions_per_run`
   (K); each run pays one model load (mean `model_load_seconds` of the committed
   partitions, else `DEFAULT_MODEL_LOAD_SECONDS`) and a worker start
