@@ -257,3 +257,30 @@ def test_score_pairs_are_keyed_by_their_texts(tmp_path):
     assert one == keys.key(None, [], None, pairs=ScorePairs(["q"], ["d1"]))
     assert one != keys.key(None, [], None, pairs=ScorePairs(["q"], ["d2"]))
     assert one != keys.key(None, [], None, pairs=ScorePairs(["q"], ["d1"], rerank=True))
+
+
+def test_a_re_run_that_dies_mid_window_resumes_and_commits_each_row_once(tmp_path):
+    import threading
+
+    rows = [(f"r{i}", 1000 + i) for i in range(10)]
+    _write(tmp_path, rows)
+    spec = _spec(tmp_path)
+    _, done, error = _serve(spec, FakeEngine())
+    assert error is None and done
+    rows[3] = ("r3", 2003)
+    rows += [(f"r{i}", 1000 + i) for i in range(10, 13)]
+    _write(tmp_path, rows)
+
+    committed = threading.Event()
+    failing = FakeEngine(window=1, steps_per_request=2, fail_at_step=5, before_failing=committed)
+    manifests, done, error = _serve(spec, failing, after_commit=committed)
+    assert error is not None and manifests == [] and not done
+    retry = FakeEngine()
+    manifests, done, error = _serve(spec, retry)
+    assert error is None and done
+    assert set(retry.submitted) <= {1010, 1011, 1012, 2003}
+    ((manifest, _),) = manifests
+    assert manifest.rows_out == 13 and manifest.rows_resumed > 0
+    table = read_partition(spec.output, "s0")
+    assert table.column("id").to_pylist() == [i for i, _ in rows]  # each once, in order
+    assert _numbers(table) == [n for _, n in rows]
