@@ -284,3 +284,30 @@ def test_a_re_run_that_dies_mid_window_resumes_and_commits_each_row_once(tmp_pat
     table = read_partition(spec.output, "s0")
     assert table.column("id").to_pylist() == [i for i, _ in rows]  # each once, in order
     assert _numbers(table) == [n for _, n in rows]
+
+
+def test_chunks_mostly_copied_never_leave_the_loop_waiting_for_a_window(tmp_path):
+    """A window (16 requests) larger than the rows to compute in all the chunks the run may
+    have outstanding (6 chunks of 4, one row of each to compute): the loop submits what it
+    has instead of waiting for rows that cannot come (it used to wait for ever)."""
+    import threading
+
+    rows = [(f"r{i}", 1000 + i) for i in range(40)]
+    _write(tmp_path, rows)
+    spec = _spec(tmp_path)
+    _, done, error = _serve(spec, FakeEngine(window=16))
+    assert error is None and done
+    for i in range(1, 40, CHUNK):  # one row edited in each chunk: every chunk outstanding
+        rows[i] = (f"r{i}", 2000 + i)
+    _write(tmp_path, rows)
+    engine = FakeEngine(window=16)
+    outcome: list = []
+    runner = threading.Thread(target=lambda: outcome.append(_serve(spec, engine)), daemon=True)
+    runner.start()
+    runner.join(60)
+    assert not runner.is_alive(), "the loop waited for a window of rows that never came"
+    ((manifests, done, error),) = outcome
+    assert error is None and done
+    assert sorted(engine.submitted) == [2000 + i for i in range(1, 40, CHUNK)]
+    assert manifests[0][0].rows_reused == 30
+    assert _numbers(read_partition(spec.output, "s0")) == [n for _, n in rows]

@@ -467,6 +467,11 @@ class _RequestWindow:
         self.incoming: deque[tuple[_ChunkInFlight, int]] = deque()  # read ahead, not ordered
         self.current: deque[tuple[_ChunkInFlight, int]] = deque()  # ordered, being submitted
         self.prepared_all = False
+        # Rows of the chunks read ahead that need no request (copied by row reuse, or
+        # quarantined): they count toward the window being read ahead, so chunks whose
+        # rows are mostly copied do not keep the loop reading for a window of requests the
+        # run's bound on outstanding chunks never lets in (the loop would wait for ever).
+        self.settled_ahead = 0
         self.sequence = 0
         self.rows = 0
         self.done = False
@@ -476,7 +481,10 @@ class _RequestWindow:
     ) -> None:
         """Up to a window's worth of rows waits beside the window in flight."""
         engine = self.engine
-        while not self.prepared_all and len(self.incoming) + len(self.current) < self.window:
+        while (
+            not self.prepared_all
+            and len(self.incoming) + len(self.current) + self.settled_ahead < self.window
+        ):
             idle = engine.in_flight == 0 and not self.current
             try:
                 item = prepared.get(timeout=POLL_SECONDS) if idle else prepared.get_nowait()
@@ -487,6 +495,7 @@ class _RequestWindow:
             if item is None:
                 self.prepared_all = True
                 break
+            self.settled_ahead += max(0, item.work.chunk.rows_in - item.remaining)
             if item.remaining == 0:  # every row quarantined or reused: nothing to compute
                 self._finish(item)
                 continue
@@ -504,10 +513,12 @@ class _RequestWindow:
         while engine.in_flight < self.window:
             if not self.current:
                 batch_ready = (
-                    len(self.incoming) >= self.window
+                    len(self.incoming) + self.settled_ahead >= self.window
                     or self.prepared_all
                     or (self.sequence > 0 and engine.in_flight < engine.max_num_seqs)
                 )
+                if batch_ready:
+                    self.settled_ahead = 0  # counted toward this batch; reading goes on
                 if not self.incoming or not batch_ready:
                     break
                 batch = list(self.incoming)
