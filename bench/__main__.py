@@ -10,9 +10,10 @@ batch`), replicas (one embed partition, 1 vs 2 engines), prefix (prefix-cache or
 amortization (partitions per run), memory (worker RSS over a large shard), control-plane
 (Dagster-side work at dataset sizes, no model), pools (engine pools against per-run launch:
 arrivals, batch API batches, a skewed backfill, a killed worker, scale to zero) and, only
-when asked for (`--only knobs`), knobs (embedding engine settings one by one) and images
-(image embeddings: platform vs raw `LLM.embed` vs transformers, decode rate alone;
-`--only images`).
+when asked for, knobs (embedding engine settings one by one; `--only knobs`), images (image
+embeddings: platform vs raw `LLM.embed` vs transformers, decode rate alone; `--only images`)
+and incremental (row reuse: a shard re-run after 10% appended and 1% edited rows vs its full
+recompute, paired; `--only incremental`).
 
 Each section is a function of the `BenchContext` returning a dict, stored as is in
 results.json under its key (`RESULT_KEYS`) and rendered by `bench/report.py`.
@@ -55,9 +56,11 @@ SECTIONS = (
     "knobs",
     "images",
     "pools",
+    "incremental",
 )
-# `knobs` (engine settings, one start each) and `images` (image embeddings) only on request
-DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in ("knobs", "images"))
+# `knobs` (engine settings, one start each), `images` (image embeddings) and `incremental`
+# (row reuse: three engine starts a round) only on request
+DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in ("knobs", "images", "incremental"))
 RESULT_KEYS = {
     "throughput": "throughput",
     "longtail": "longtail",
@@ -69,6 +72,7 @@ RESULT_KEYS = {
     "knobs": "knobs",
     "images": "images",
     "pools": "pools",
+    "incremental": "incremental",
 }
 # section -> the function that runs it (throughput runs once per task, apart)
 RUNNERS = {
@@ -79,6 +83,7 @@ RUNNERS = {
     "memory": "bench.memory:run_memory",
     "knobs": "bench.knobs:run_knobs",
     "images": "bench.images:run_images",
+    "incremental": "bench.incremental:run_incremental",
     "control-plane": "bench.control_plane:run_control_plane",
     "pools": "bench.pools:run_pools",
 }

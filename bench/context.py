@@ -60,6 +60,8 @@ class Sizes:
     pools_batches: int = 20
     pools_batch_lines: int = 50
     pools_lease_ttl_s: float = 6.0
+    # One embed shard materialized, then 10% appended and 1% edited: re-run vs full recompute.
+    incremental_rows: int = 10_000
 
 
 FULL = Sizes(
@@ -116,6 +118,7 @@ SMOKE = Sizes(
     pools_lease_ttl_s=4.0,
     pools_batches=0,  # a daemon, a service and a run per batch: the full run only
     pools_skew_per_run=False,  # two more engine builds: the full run only
+    incremental_rows=40,
 )
 
 

@@ -10,8 +10,13 @@ The formula (docs/observability.md, "Estimating a backfill"):
   JSONL file gets its share of the file's bytes). A `@bytes=` or `@rows=` range counts
   only its part.
 - speed: the work of the committed partitions over their `wall_seconds` (from their
-  manifests: read, infer, write; one worker pod), i.e. work units per pod-second. Before
+  manifests: read, infer, write; one worker pod), i.e. work units per pod-second, leaving
+  out partitions that resumed or copied rows (their time covers part of their work). Before
   any partition is committed: `DEFAULT_ROWS_PER_SECOND` or `DEFAULT_BYTES_PER_SECOND`.
+- row reuse: a pending partition whose earlier output is still there (its shard changed)
+  computes only its changed rows, which only reading and tokenizing every row would tell;
+  the estimate counts its whole work (an upper bound) and says how many such partitions
+  there are (`partitions_reusable`).
 - runs: the pending partitions in groups of the backfill policy's `max_partitions_per_run`
   (K); each run pays one model load (mean `model_load_seconds` of the committed
   partitions, else `DEFAULT_MODEL_LOAD_SECONDS`) and a worker start
@@ -50,7 +55,12 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from dagster_gpuinfer.spec import InferenceSpec, split_partition_key
-from dagster_gpuinfer.storage import committed_manifests, filesystem_for
+from dagster_gpuinfer.storage import (
+    committed_manifests,
+    filesystem_for,
+    partition_dir,
+    read_manifest,
+)
 
 DEFAULT_ROWS_PER_SECOND = 100.0
 DEFAULT_BYTES_PER_SECOND = 20_000.0
@@ -84,6 +94,11 @@ class BackfillEstimate:
     wall_seconds: float
     run_seconds: list[float] = field(default_factory=list)
     launch: str = "run"
+    # Pending partitions whose earlier output is still there (their shard changed since):
+    # with row reuse on, only their changed rows are computed, which the estimate cannot
+    # tell without reading and tokenizing every row: it counts all their work (an upper
+    # bound) and says so.
+    partitions_reusable: int = 0
     engine_builds: int = 0  # model loads the estimate counts (runs, or cold pool workers)
     warm_workers: int = 0  # pool workers found warm (launch="pool")
 
@@ -104,6 +119,11 @@ class BackfillEstimate:
             shape = (
                 f"{self.runs} run(s) of up to {self.partitions_per_run} partitions, each "
                 f"loading the model ({self.model_load_seconds:.0f} s)"
+            )
+        if self.partitions_reusable:
+            missing += (
+                f"; {self.partitions_reusable} of them have an earlier output whose unchanged "
+                "rows row reuse copies: counted in full, an upper bound"
             )
         return (
             f"{self.asset}: {self.partitions_pending} of {self.partitions} partitions pending, "
@@ -130,6 +150,7 @@ class BackfillEstimate:
             "estimate_launch": self.launch,
             "estimate_engine_builds": self.engine_builds,
             "estimate_missing_inputs": len(self.missing_inputs),
+            "estimate_partitions_reusable": self.partitions_reusable,
             "estimate_summary": self.summary(),
         }
 
@@ -215,6 +236,21 @@ def input_work(spec: InferenceSpec, partition_keys: Sequence[str]) -> dict[str, 
 # --------------------------------------------------------------------------- the estimate
 
 
+def reusable_partitions(spec: InferenceSpec, pending: Sequence[str]) -> int:
+    """How many of the `pending` partitions have an earlier committed output that row
+    reuse can copy rows from (Parquet output, `row_reuse` not off): one manifest read each."""
+    if spec.row_reuse == "off" or spec.output.format != "parquet":
+        return 0
+    found = 0
+    for key in pending:
+        fs, path = filesystem_for(partition_dir(spec.output, key), spec.storage)
+        try:
+            found += read_manifest(fs, path) is not None
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 def makespan(durations: Sequence[float], slots: int) -> float:
     """Wall time of `durations` on `slots` parallel slots: in backfill order (as the daemon
     launches runs), each to the slot that frees first."""
@@ -261,8 +297,9 @@ def estimate_backfill(
         amount = work.get(key)
         if amount is None and unit == "rows":
             amount = float(manifest.rows_in)
-        if amount is None or manifest.wall_seconds <= 0 or manifest.rows_resumed:
-            continue  # input gone (bytes unknown) or a resumed partition (its time is partial)
+        copied = manifest.rows_resumed or manifest.rows_reused or manifest.rows_deduplicated
+        if amount is None or manifest.wall_seconds <= 0 or copied:
+            continue  # input gone (bytes unknown), or resumed or reused rows (partial time)
         measured_work += amount
         measured_seconds += manifest.wall_seconds
     if speed_per_pod_second is not None:
@@ -291,6 +328,7 @@ def estimate_backfill(
         builds, wall, gpu_seconds = pool.cost(seconds, run_start_seconds + model_load_seconds)
         pool_slots = pool.max_workers
     return BackfillEstimate(
+        partitions_reusable=reusable_partitions(spec, pending),
         asset=asset,
         work_unit=unit,
         partitions=len(partition_keys),

@@ -9,7 +9,7 @@ import dagster as dg
 from dagster_gpuinfer.resource import InferenceRunResult
 from dagster_gpuinfer.run_metrics import NOT_AVAILABLE, run_timing_metadata, telemetry_metadata
 from dagster_gpuinfer.spec import InferenceSpec
-from dagster_gpuinfer.storage import Manifest, partition_dir
+from dagster_gpuinfer.storage import Manifest, RowCounts, partition_dir
 from dagster_gpuinfer.task_table import task_facts
 
 # What the partition figures mean, said once: the output asset's description carries it
@@ -26,6 +26,10 @@ PARTITION_FIGURES = """\
 - `active_seconds`: first row submitted to last row done (partitions streamed together
   overlap). `inference_seconds`: the union of the chunks' inference intervals, within
   `wall_seconds` (reading began to commit).
+- `rows_reused`, `rows_computed`, `rows_deduplicated`: output rows copied from the
+  partition's earlier output (same reuse key: model, settings, request, parameters and
+  seed), computed by the engine, and copied from an identical request computed once in
+  this run (`row_reuse`; unseeded sampling is computed unless the pipeline asks).
 - `input_version`, `model_files_version`: the shard and local model files the outputs were
   computed from; when either changes, the next materialization computes the partition again.
   `engine_versions`: the vLLM and torch versions that computed them (a spec's
@@ -40,6 +44,17 @@ PARTITION_FIGURES = """\
 """
 
 
+def rows_computed(counts: RowCounts) -> int:
+    """Rows the engine computed: the rows out less those copied (reused or deduplicated)
+    and those quarantined."""
+    return counts.rows_out - counts.rows_reused - counts.rows_deduplicated
+
+
+def rows_engine_took(counts: RowCounts) -> int:
+    """Rows read for the engine (computed or quarantined), less those copied."""
+    return counts.rows_in - counts.rows_reused - counts.rows_deduplicated
+
+
 def partition_rates(manifest: Manifest) -> dict[str, Any]:
     """rows/s and tokens/s over the partition's share of engine time; `n/a` without one
     (every chunk resumed or quarantined, or a manifest of an older worker)."""
@@ -47,7 +62,7 @@ def partition_rates(manifest: Manifest) -> dict[str, Any]:
     if seconds <= 0:
         return {"rows_per_second": NOT_AVAILABLE, "tokens_per_second": NOT_AVAILABLE}
     return {
-        "rows_per_second": round(manifest.computed.rows_in / seconds, 2),
+        "rows_per_second": round(rows_engine_took(manifest.computed) / seconds, 2),
         "tokens_per_second": round(manifest.computed.tokens / seconds, 2),
     }
 
@@ -76,6 +91,9 @@ def partition_metadata(
         "rows_out": manifest.rows_out,
         "rows_errored": manifest.rows_errored,
         "rows_resumed": manifest.rows_resumed,
+        "rows_reused": manifest.rows_reused,
+        "rows_computed": rows_computed(manifest),
+        "rows_deduplicated": manifest.rows_deduplicated,
         "rows_invalid_output": manifest.rows_invalid_output,
         "prompt_tokens": manifest.prompt_tokens,
         "generated_tokens": manifest.generated_tokens,

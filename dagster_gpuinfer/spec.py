@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -28,6 +29,16 @@ from dagster_gpuinfer.task_table import Task, task_facts
 
 InputFormat = Literal["parquet", "jsonl", "openai_batch", "delta"]
 OutputFormat = Literal["parquet", "openai_batch"]
+
+
+class RowReuse(StrEnum):
+    """`row_reuse`: which rows are copied from earlier outputs (an enum: Dagster run
+    config takes enums, not literals)."""
+
+    auto = "auto"
+    sampled = "sampled"
+    off = "off"
+
 
 PARTITION_KEY_PLACEHOLDER = "{partition_key}"
 
@@ -591,6 +602,16 @@ class InferenceSpec(_Strict):
         "('>=0.32,<0.33'). A worker whose vLLM does not match refuses before loading weights. "
         "Part of the spec hash and code version when set.",
     )
+    row_reuse: RowReuse = Field(
+        RowReuse.auto,
+        description="Row-level reuse: a row whose reuse key (model and its files' version, "
+        "output-shaping settings, the request as rendered, its parameters and seed) is "
+        "already in the partition's earlier output is copied from it, and identical requests "
+        "of a run are computed once. auto: rows whose output is a function of their key "
+        "(embed, score, classify, greedy or seeded sampling); sampled: unseeded sampling "
+        "rows too (a new sample is then never drawn for them); off: every row is computed. "
+        "Part of the spec hash and code version when not auto.",
+    )
 
     # Fields that are not a pipeline's own settings: the models the pipeline passes whole,
     # where its output goes (named by the pipeline, placed by the resource) and the run's
@@ -806,6 +827,8 @@ class InferenceSpec(_Strict):
         for name in ("enable_lora", "max_lora_rank"):  # unset: likewise
             if payload["engine"].get(name) is None:
                 payload["engine"].pop(name)
+        if self.row_reuse == "auto":  # the default: likewise
+            payload.pop("row_reuse")
         # image fields and the table's partition column at their defaults: likewise
         for name in ("image_column", "images", "partition_column"):
             if getattr(self.input, name) == InputSpec.model_fields[name].get_default(
@@ -816,6 +839,20 @@ class InferenceSpec(_Strict):
             payload["engine"].pop(name, None)
         payload["model"] = os.path.normpath(self.model) if _looks_local(self.model) else self.model
         return payload
+
+    def reuse_scope(self) -> str:
+        """The part of every row's reuse key that the spec decides: what the spec hash
+        covers, less where rows come from and go to (`input.uri`, the output's root and
+        asset), how they are committed (`chunk_size`) and the reuse setting itself. Two
+        partitions, or two runs, whose scopes are equal compute equal outputs for equal
+        requests (with equal model files: `SourceVersion.model`, added per row)."""
+        payload = self._results_payload()
+        for name in ("chunk_size", "row_reuse", "partition_keys"):
+            payload.pop(name, None)
+        payload["input"].pop("uri", None)
+        payload["output"] = {"format": payload["output"]["format"]}
+        blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
     @property
     def served_model(self) -> str:

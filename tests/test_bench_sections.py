@@ -115,3 +115,14 @@ def test_cpu_steal_is_the_stolen_share_of_all_cpu_time_between_two_reads(tmp_pat
     assert CpuSteal(str(stat)).start().share() is None  # not a stat file
     assert _steal([0.011, None, 0.14]) == "1% 14%"
     assert _steal(None) == "n/a" and _steal([None]) == "n/a"
+
+
+def test_the_incremental_shard_gains_ten_percent_and_edits_one_percent_in_place() -> None:
+    from bench.incremental import changed_texts
+    from bench.workloads import embed_texts
+
+    texts = embed_texts(1000, seed=29)
+    new, edited, appended = changed_texts(texts, seed=3)
+    assert (edited, appended, len(new)) == (10, 100, 1100)
+    assert sum(a != b for a, b in zip(texts, new, strict=False)) == 10
+    assert len(set(new)) == len(new)  # no appended or edited text repeats an earlier one

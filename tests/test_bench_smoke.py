@@ -23,6 +23,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 HEADLINE_SECTIONS = "throughput,longtail,prefix,control-plane"
 OTHER_SECTIONS = "replicas,amortization,memory,images"
 POOLS_SECTION = "pools"  # engine pools: its own case, in `make test`
+# Row reuse on its own (three engine starts), in `make test`'s engine tests.
+INCREMENTAL_SECTION = "incremental"
 
 
 def run_smoke(tmp_path: Path, only: str, tasks: str = "embed,generate") -> tuple[dict, Path]:
@@ -182,6 +184,18 @@ def test_bench_smoke_runs_the_pools_section(tmp_path: Path) -> None:
     assert zero["worker_ids_seen"], "the watch saw the pool's workers"
     report = (results / "RESULTS.md").read_text()
     assert "## Engine pools" in report and "one run / pool runs" in report
+def test_bench_smoke_incremental_re_run_computes_only_the_changed_rows(tmp_path: Path) -> None:
+    data, results = run_smoke(tmp_path, INCREMENTAL_SECTION, tasks="embed")
+    inc = data["incremental"]
+    assert inc["rows"] == data["sizes"]["incremental_rows"]
+    for r in inc["rounds"]:
+        assert r["first"]["rows_computed"] == inc["rows"]
+        changed = r["edited"] + r["appended"]
+        assert r["rerun"]["rows_computed"] == changed
+        assert r["rerun"]["rows_reused"] == inc["rows"] - r["edited"]
+        assert r["full"]["rows_computed"] == r["full"]["rows_out"] == inc["rows"] + r["appended"]
+        assert r["outputs"]["same_ids"] and r["outputs"]["max_abs_difference"] < 1e-4
+    assert "## Incremental re-run (row reuse)" in (results / "RESULTS.md").read_text()
 
 
 def test_every_section_is_in_one_smoke_case() -> None:
@@ -189,6 +203,8 @@ def test_every_section_is_in_one_smoke_case() -> None:
     from bench.__main__ import SECTIONS
 
     covered = set(HEADLINE_SECTIONS.split(",")) | set(OTHER_SECTIONS.split(",")) | {POOLS_SECTION}
+    covered = set(HEADLINE_SECTIONS.split(",")) | set(OTHER_SECTIONS.split(","))
+    covered.add(INCREMENTAL_SECTION)
     assert covered == set(SECTIONS) - {"knobs"}  # knobs: engine settings, by hand
 
 

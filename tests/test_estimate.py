@@ -121,6 +121,28 @@ def test_estimate_uses_the_speed_and_load_measured_on_committed_partitions(tmp_p
     assert "4 of 6 partitions pending" in estimate.summary()
 
 
+def test_partitions_that_will_copy_rows_are_counted_in_full_and_named(tmp_path):
+    pipeline = parquet_pipeline(tmp_path, per_run=2)
+    spec = spec_of(pipeline)
+    commit(spec, "s0", rows=100, wall_seconds=10.0, load=50.0)
+    commit(spec, "s1", rows=300, wall_seconds=30.0, load=70.0)
+    write_parquet(tmp_path / "in" / "s1.parquet", {"id": ["a", "b"], "text": ["x", "y"]})
+    estimate = estimate_backfill(spec, list(ROWS), asset="docs", partitions_per_run=2)
+    assert (estimate.partitions_pending, estimate.partitions_reusable) == (5, 1)
+    assert estimate.pending_work == 2 + 200 + 400 + 50 + 250  # s1's new rows, all counted
+    assert "1 of them have an earlier output" in estimate.summary()
+    assert estimate.metadata()["estimate_partitions_reusable"] == 1
+    # A partition that copied rows is left out of the speed: its time covers part of it.
+    commit_by_hand(spec, "s2", rows_in=200, rows_out=200, rows_reused=190, wall_seconds=1.0)
+    again = estimate_backfill(spec, list(ROWS), asset="docs", partitions_per_run=2)
+    assert again.speed_per_pod_second == pytest.approx(10.0)
+    off = InferenceSpec.model_validate({**spec.model_dump(), "row_reuse": "off"})
+    assert (
+        estimate_backfill(off, list(ROWS), asset="docs", partitions_per_run=2).partitions_reusable
+        == 0
+    )
+
+
 def test_makespan_spreads_runs_in_order_over_the_slot_free_first():
     assert makespan([5, 4, 3, 3, 3], 2) == 10  # 5+3 | 4+3+3
     assert makespan([5, 4, 3], 10) == 5

@@ -4,6 +4,7 @@ to the spec is settable in all three. These tests walk the spec and fail when th
 
 from __future__ import annotations
 
+import enum
 import typing
 from typing import Any, get_args
 
@@ -52,6 +53,9 @@ def _other_value(info: Any) -> Any:
         return "0.32.0"
     if info.annotation == dict[str, str]:  # lora_adapters: a name and its folder
         return {"support": "/models/adapters/support"}
+    enums = [k for k in kinds if isinstance(k, type) and issubclass(k, enum.Enum)]
+    if enums:  # row_reuse: another member, by value (YAML and run config give text)
+        return next(m.value for m in enums[0] if m != default)
     raise AssertionError(f"no test value for {info.annotation}: teach _other_value the type")
 
 

@@ -93,6 +93,11 @@ class RowCounts(BaseModel):
     rows_errored: int = 0
     # Rows whose output fails its structured-output constraint (kept in the output, flagged).
     rows_invalid_output: int = 0
+    # Row reuse (worker/loop/reuse.py): output rows copied from the partition's earlier
+    # output, and rows copied from an identical request this run computed (dedup). Token
+    # counts are of the rows the engine computed.
+    rows_reused: int = 0
+    rows_deduplicated: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
     # Image tasks: images the rows carried and their encoded bytes (quarantined rows' too).

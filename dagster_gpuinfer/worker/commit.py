@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import pyarrow as pa
+
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import (
     ERRORS_NAME,
@@ -75,19 +77,25 @@ def write_chunk(
     attempt: str,
     *,
     engine_seconds: float | None = None,
+    table: pa.Table | None = None,
+    rows_reused: int = 0,
+    rows_deduplicated: int = 0,
 ) -> ChunkMarker:
     """Write one chunk's outputs and quarantined rows; its marker, written last, commits it.
 
     The writer takes a chunk the moment its last row is done, and `result.seconds` runs from
     its first row submitted to then: so the chunk's inference interval ends now.
     `engine_seconds` is its rows' share of the engine's time (default: `result.seconds`).
+    `table`: the chunk's output rows already built (row reuse: computed and copied rows
+    together, `rows_reused` and `rows_deduplicated` of them copied); default: `result`'s.
     """
     finished_at = time.time()
     started = time.perf_counter()
     part = None
     invalid_outputs = 0
     if valid.ids:
-        table = output_table(spec, valid, result)
+        if table is None:
+            table = output_table(spec, valid, result)
         invalid_outputs = rows_invalid_output(table)
         if spec.output.format == "openai_batch":
             data = encode_openai_batch(spec.task, spec.served_model, where.spec_hash, table, valid)
@@ -106,6 +114,8 @@ def write_chunk(
         rows_out=len(valid.ids),
         rows_errored=len(valid.errors),
         rows_invalid_output=invalid_outputs,
+        rows_reused=rows_reused,
+        rows_deduplicated=rows_deduplicated,
         prompt_tokens=sum(result.prompt_tokens or ()),
         generated_tokens=sum(result.generated_tokens or ()),
         images=valid.image_count,

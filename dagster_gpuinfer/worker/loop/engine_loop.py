@@ -50,8 +50,10 @@ from dagster_gpuinfer.task_table import task_facts
 from dagster_gpuinfer.worker.commit import write_chunk
 from dagster_gpuinfer.worker.loop.engine import InferenceEngine
 from dagster_gpuinfer.worker.loop.engine_time import EngineTimeShares
+from dagster_gpuinfer.worker.loop.reuse import ChunkPlan, RowReuse
 from dagster_gpuinfer.worker.metrics import current_metrics
 from dagster_gpuinfer.worker.rows.validate import RowValidator, ValidChunk
+from dagster_gpuinfer.worker.rows.writers import output_table
 from dagster_gpuinfer.worker.stage_messages import (
     POLL_SECONDS,
     ChunkCommitted,
@@ -93,10 +95,16 @@ class _ChunkInFlight:
     rendered_count: int = 0
     render_failed: BaseException | None = None  # what the render thread died of
     whole: bool = False  # score/classify: the chunk is one request (`WholeChunks`)
+    # Row reuse (`reuse.ChunkPlan`): where each row of the chunk gets its output; `valid`
+    # then holds only the rows the engine computes.
+    plan: ChunkPlan | None = None
 
     def __post_init__(self) -> None:
         self.outputs = [None] * len(self.valid.token_ids)
-        self.remaining = 1 if self.whole else len(self.valid.token_ids)
+        if self.whole:
+            self.remaining = 1 if self.valid.ids else 0
+        else:
+            self.remaining = len(self.valid.token_ids)
 
     def prompt(self, position: int) -> Any:
         """What the engine is given for the request at `position` (`WholeChunks`: the chunk)."""
@@ -205,6 +213,7 @@ class EngineLoop:
         self.finished: queue.Queue[_ChunkInFlight | None] = queue.Queue()
         self.stopping = threading.Event()
         self.window = _RequestWindow(engine, spec, self.finished, self.stopping)
+        self.reuse = RowReuse(spec)
         threads = [
             _Worker("gpuinfer-prepare", self._prepare),
             _Worker("gpuinfer-write", self._write),
@@ -268,7 +277,12 @@ class EngineLoop:
             if work is None:
                 break
             whole = isinstance(self.window.engine, WholeChunks)
-            item = _ChunkInFlight(work, self.validator.validate(work.chunk), whole=whole)
+            valid = self.validator.validate(work.chunk)
+            plan = None
+            if self.reuse.keys.keyed:  # the engine gets the rows no earlier output holds
+                plan = self.reuse.plan(work.partition_key, work.source, valid)
+                valid = valid.subset(plan.compute)
+            item = _ChunkInFlight(work, valid, whole=whole, plan=plan)
             if not _put_until(ahead, item, self.stopping):
                 return
         _put_until(ahead, None, self.stopping)  # after a stop nobody reads it
@@ -307,12 +321,16 @@ class EngineLoop:
             where = locations.get(place) or locations.setdefault(
                 place, PartitionOutput.of(self.spec, key, source=item.work.source)
             )
-            marker = _write_chunk(self.spec, where, item)
+            marker = _write_chunk(self.spec, where, item, self.reuse)
             self.committed(ChunkCommitted(partition_key=key, marker=marker, replica=self.replica))
 
 
-def _write_chunk(spec: InferenceSpec, where: PartitionOutput, item: _ChunkInFlight) -> ChunkMarker:
-    """Write one finished chunk (part file, errors, then its marker); returns the marker."""
+def _write_chunk(
+    spec: InferenceSpec, where: PartitionOutput, item: _ChunkInFlight, reuse: RowReuse
+) -> ChunkMarker:
+    """Write one finished chunk (part file, errors, then its marker); returns the marker.
+    With a reuse plan, the computed rows and the copied ones go into one part file, in
+    input order (`RowReuse.assemble`)."""
     result, valid = item.result, item.valid
     if result is None:
         outputs = item.outputs
@@ -320,7 +338,13 @@ def _write_chunk(spec: InferenceSpec, where: PartitionOutput, item: _ChunkInFlig
             valid, outputs = valid.without_prompts(item.rejected, outputs, item.work.chunk.source)
         seconds = time.perf_counter() - (item.first_submitted or time.perf_counter())
         result = ChunkResult.from_outputs(spec.task, outputs, seconds, requests=valid.requests)
-    return write_chunk(
+    table, reused, deduplicated = None, 0, 0
+    if item.plan is not None:
+        computed = output_table(spec, valid, result) if valid.ids else None
+        valid, table, reused, deduplicated = reuse.assemble(
+            item.plan, valid, computed, item.work.chunk.source
+        )
+    marker = write_chunk(
         spec,
         where,
         item.work.chunk,
@@ -328,7 +352,13 @@ def _write_chunk(spec: InferenceSpec, where: PartitionOutput, item: _ChunkInFlig
         result,
         item.work.attempt,
         engine_seconds=result.seconds if item.result is not None else item.engine_seconds,
+        table=table,
+        rows_reused=reused,
+        rows_deduplicated=deduplicated,
     )
+    if item.plan is not None:
+        reuse.written(item.plan, where, marker)
+    return marker
 
 
 def render_images(engine: Any, item: _ChunkInFlight, stopping: threading.Event) -> None:
@@ -437,6 +467,9 @@ class _RequestWindow:
             pooling=task_facts(spec.task).pooling, max_running=engine.max_num_seqs
         )
         self.requests: dict[str, tuple[_ChunkInFlight, int]] = {}
+        # Finished chunks whose copied rows wait for an earlier chunk of the run (dedup):
+        # handed to the writer once every chunk they copy from is (`_finish`).
+        self.parked: list[_ChunkInFlight] = []
         self.incoming: deque[tuple[_ChunkInFlight, int]] = deque()  # read ahead, not ordered
         self.current: deque[tuple[_ChunkInFlight, int]] = deque()  # ordered, being submitted
         self.prepared_all = False
@@ -444,6 +477,11 @@ class _RequestWindow:
         # held back (the run caps chunks handed out, and small partitions make small chunks),
         # so the first batch goes without waiting for a full window.
         self.starved = False
+        # Rows of the chunks read ahead that need no request (copied by row reuse, or
+        # quarantined): they count toward the window being read ahead, so chunks whose
+        # rows are mostly copied do not keep the loop reading for a window of requests the
+        # run's bound on outstanding chunks never lets in (the loop would wait for ever).
+        self.settled_ahead = 0
         self.sequence = 0
         self.rows = 0
         self.done = False
@@ -453,7 +491,10 @@ class _RequestWindow:
     ) -> None:
         """Up to a window's worth of rows waits beside the window in flight."""
         engine = self.engine
-        while not self.prepared_all and len(self.incoming) + len(self.current) < self.window:
+        while (
+            not self.prepared_all
+            and len(self.incoming) + len(self.current) + self.settled_ahead < self.window
+        ):
             idle = engine.in_flight == 0 and not self.current
             try:
                 item = prepared.get(timeout=POLL_SECONDS) if idle else prepared.get_nowait()
@@ -468,8 +509,9 @@ class _RequestWindow:
             if item is None:
                 self.prepared_all = True
                 break
-            if item.remaining == 0:  # every row quarantined: nothing for the engine
-                self.finished.put(item)
+            self.settled_ahead += max(0, item.work.chunk.rows_in - item.remaining)
+            if item.remaining == 0:  # every row quarantined or reused: nothing to compute
+                self._finish(item)
                 continue
             self.incoming.extend((item, position) for position in range(item.remaining))
 
@@ -487,11 +529,13 @@ class _RequestWindow:
         while engine.in_flight < self.window:
             if not self.current:
                 batch_ready = (
-                    len(self.incoming) >= self.window
+                    len(self.incoming) + self.settled_ahead >= self.window
                     or self.prepared_all
                     or self.starved
                     or (self.sequence > 0 and engine.in_flight < engine.max_num_seqs)
                 )
+                if batch_ready:
+                    self.settled_ahead = 0  # counted toward this batch; reading goes on
                 if not self.incoming or not batch_ready:
                     break
                 batch = list(self.incoming)
@@ -534,12 +578,31 @@ class _RequestWindow:
     def _settled(self, item: _ChunkInFlight) -> None:
         item.remaining -= 1
         if item.remaining == 0:
-            self.finished.put(item)
+            self._finish(item)
+
+    def _finish(self, item: _ChunkInFlight) -> None:
+        """Hand `item` to the writer once every chunk it copies rows from was handed over
+        (the writer writes in turn, so those are written first), and any parked chunk
+        that was waiting only on it."""
+        self.parked.append(item)
+        moved = True
+        while moved:
+            moved = False
+            for waiting in list(self.parked):
+                plan = waiting.plan
+                if plan is None or all(twin.queued for twin in plan.waits_on):
+                    self.parked.remove(waiting)
+                    if plan is not None:
+                        plan.queued = True
+                    self.finished.put(waiting)
+                    moved = True
 
     def step(self) -> None:
         """One engine step, its finished requests put in place; `done` once all are in."""
         if self.engine.in_flight == 0:
-            self.done = self.prepared_all and not self.incoming and not self.current
+            self.done = (
+                self.prepared_all and not self.incoming and not self.current and not self.parked
+            )
             return
         step_started = time.perf_counter()
         finished = self.engine.step()

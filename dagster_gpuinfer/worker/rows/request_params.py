@@ -34,6 +34,7 @@ OpenAI names map to vLLM's: `max_completion_tokens` -> `max_tokens`; chat `logpr
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -228,6 +229,7 @@ class RequestBuilder:
             constraint = _constraint_of(typed.response_format, default=constraint)
         if constraint is not None:
             _check_patterns(constraint, given)
+        reuse_params = _reuse_params(kwargs, constraint)
         # vLLM judges the rest (imported only now: the bounds above need no vLLM).
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.exceptions import VLLMError
@@ -255,6 +257,8 @@ class RequestBuilder:
             sampling=sampling,
             top_logprobs=logprobs_k if logprobs_k is not None else None,
             constraint=constraint,
+            reuse_params=reuse_params,
+            deterministic=sampling.temperature == 0 or sampling.seed is not None,
         )
 
     def _check_fan_out(self, n: int, logprobs: int | None, given: set[str]) -> None:
@@ -405,3 +409,12 @@ def _rejected(exc: Exception, given: set[str]) -> ParameterError:
     return ParameterError(
         "invalid_parameter", key, f"parameter {key!r} was rejected by vLLM: {message}"
     )
+
+
+def _reuse_params(kwargs: dict[str, Any], constraint: StructuredOutputs | None) -> str:
+    """A generating row's sampling parameters (the pipeline's defaults with the row's
+    overrides) and its output constraint as canonical JSON: the part of its reuse key its
+    parameters decide. Values JSON cannot hold are keyed by their `repr`."""
+    values = {k: v for k, v in kwargs.items() if k != "structured_outputs"}
+    values["constraint"] = constraint.model_dump(mode="json") if constraint is not None else None
+    return json.dumps(values, sort_keys=True, separators=(",", ":"), default=repr)

@@ -54,6 +54,29 @@ class ValidChunk:
     image_count: int = 0
     image_bytes: int = 0
 
+    def subset(self, keep: list[int]) -> ValidChunk:
+        """The rows at positions `keep` (in that order) with their prompts, requests, pairs
+        and images, and no errors: the rows of a chunk that go to the engine when the
+        others are reused (`worker/loop/reuse.py`)."""
+        spans = self.spans or [1] * len(self.ids)
+        starts = [0]
+        for span in spans:
+            starts.append(starts[-1] + span)
+        part = ValidChunk(index=self.index)
+        for i in keep:
+            part.rows.append(self.rows[i])
+            part.ids.append(self.ids[i])
+            for name in ("requests", "spans", "pairs", "pair_tokens"):
+                values = getattr(self, name)
+                if values:
+                    getattr(part, name).append(values[i])
+            positions = range(starts[i], starts[i + 1])
+            if self.token_ids:
+                part.token_ids.extend(self.token_ids[p] for p in positions)
+            if self.images:
+                part.images.extend(self.images[p] for p in positions)
+        return part
+
     def without_prompts(
         self, failed: dict[int, str], outputs: list[Any], source: str
     ) -> tuple[ValidChunk, list[Any]]:

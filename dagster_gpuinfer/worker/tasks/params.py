@@ -142,6 +142,12 @@ class RowRequest:
     top_n: int | None = None
     return_documents: bool = True
     adapter: str | None = None
+    # The row's parameters as they shape its output, canonical JSON (part of its reuse key,
+    # `worker/loop/reuse.py`); None: the pipeline's defaults, which the spec's scope covers.
+    reuse_params: str | None = None
+    # Whether the output is a function of the prompt and `reuse_params`: pooling, greedy or
+    # seeded sampling. An unseeded sample is a new draw each time (reused only when asked).
+    deterministic: bool = True
 
 
 def parse_params_value(value: Any) -> dict[str, Any]:

@@ -1,0 +1,335 @@
+"""Row-level reuse (`worker/loop/reuse.py`) on the fake engine of `test_engine_loop`: rows
+whose reuse key is in the partition's earlier output are copied, identical requests of a
+run are computed once, unseeded sampling is computed unless asked; and the key itself, on
+random inputs. Shards, part files, markers and commits are real (local storage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_engine_loop import FakeEngine, _serve
+
+from dagster_gpuinfer import InferenceSpec, read_partition
+from dagster_gpuinfer.storage import SourceVersion
+from dagster_gpuinfer.worker.loop.reuse import REUSE_KEY_COLUMN, RowKeys, RowReuse
+from dagster_gpuinfer.worker.rows.validate import ValidChunk
+from dagster_gpuinfer.worker.tasks.params import RowRequest
+from dagster_gpuinfer.worker.tasks.pooling import ScorePairs
+
+CHUNK = 4
+
+
+def _spec(root: Path, out: str = "out", **fields) -> InferenceSpec:
+    return InferenceSpec.model_validate(
+        {
+            "model": "/m",
+            "task": "embed",
+            "input": {"uri": str(root / "in" / "{partition_key}.parquet")},
+            "output": {"root": str(root / out), "asset_name": "emb"},
+            "chunk_size": CHUNK,
+            "partition_keys": ["s0"],
+            **fields,
+        }
+    )
+
+
+def _write(root: Path, rows: list[tuple[str, int]]) -> None:
+    """The shard `s0`: (id, number) rows; the fake engine's embedding of a row is
+    [number, prompt length]."""
+    (root / "in").mkdir(parents=True, exist_ok=True)
+    table = pa.table({"id": [i for i, _ in rows], "text": [f"row {n}" for _, n in rows]})
+    pq.write_table(table, root / "in" / "s0.parquet")
+
+
+def _numbers(table: pa.Table) -> list[int]:
+    return [int(v[0]) for v in table.column("embedding").to_pylist()]
+
+
+def test_a_re_run_computes_only_appended_and_edited_rows_and_equals_a_full_recompute(tmp_path):
+    rows = [(f"r{i}", 1000 + i) for i in range(10)]
+    _write(tmp_path, rows)
+    spec = _spec(tmp_path)
+    first, done, error = _serve(spec, FakeEngine())
+    assert error is None and done and first[0][0].rows_reused == 0
+
+    rows[3] = ("r3", 2003)  # one row edited
+    rows += [(f"r{i}", 1000 + i) for i in range(10, 13)]  # three appended
+    _write(tmp_path, rows)
+    engine = FakeEngine()
+    again, done, error = _serve(spec, engine)
+    assert error is None and done
+    assert sorted(engine.submitted) == [1010, 1011, 1012, 2003]
+    ((manifest, computed),) = again
+    assert computed
+    assert (manifest.rows_out, manifest.rows_reused, manifest.rows_deduplicated) == (13, 9, 0)
+    table = read_partition(spec.output, "s0")
+    assert table.column("id").to_pylist() == [i for i, _ in rows]
+    assert _numbers(table) == [n for _, n in rows]
+
+    full = _spec(tmp_path, out="full")
+    _, done, error = _serve(full, FakeEngine())
+    assert error is None and done
+    assert read_partition(full.output, "s0").equals(table)  # keys and outputs alike
+
+
+def test_identical_requests_of_a_run_are_computed_once_across_chunks(tmp_path):
+    numbers = [7, 8, 7, 9, 8, 7, 10, 7, 9]  # chunks of 4: twins within and across chunks
+    _write(tmp_path, [(f"r{i}", n) for i, n in enumerate(numbers)])
+    spec = _spec(tmp_path)
+    engine = FakeEngine(window=2)
+    manifests, done, error = _serve(spec, engine)
+    assert error is None and done
+    assert sorted(engine.submitted) == [7, 8, 9, 10]
+    ((manifest, _),) = manifests
+    assert (manifest.rows_out, manifest.rows_reused, manifest.rows_deduplicated) == (9, 0, 5)
+    table = read_partition(spec.output, "s0")
+    assert table.column("id").to_pylist() == [f"r{i}" for i in range(len(numbers))]
+    assert _numbers(table) == numbers
+    keys = table.column(REUSE_KEY_COLUMN).to_pylist()
+    assert keys[0] == keys[2] == keys[5] and keys[0] != keys[1] and None not in keys
+
+
+def test_row_reuse_off_computes_every_row_but_still_keys_them(tmp_path):
+    rows = [(f"r{i}", 1 + i % 2) for i in range(6)]
+    _write(tmp_path, rows)
+    spec = _spec(tmp_path, row_reuse="off")
+    assert spec.spec_hash() != _spec(tmp_path).spec_hash()  # not the default: hashed
+    engine = FakeEngine()
+    _, done, error = _serve(spec, engine)
+    assert error is None and done and len(engine.submitted) == 6
+    _write(tmp_path, [*rows, ("r6", 1)])
+    engine = FakeEngine()
+    again, done, error = _serve(spec, engine)
+    assert error is None and done and len(engine.submitted) == 7
+    assert again[0][0].rows_reused == again[0][0].rows_deduplicated == 0
+    assert None not in read_partition(spec.output, "s0").column(REUSE_KEY_COLUMN).to_pylist()
+
+
+def test_the_default_keeps_the_spec_hash_of_specs_written_before_row_reuse(tmp_path):
+    spec = _spec(tmp_path)
+    payload = spec._results_payload()
+    assert "row_reuse" not in payload and "row_reuse" in spec.model_dump()
+    assert _spec(tmp_path, row_reuse="auto").spec_hash() == spec.spec_hash()
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _generation_spec(tmp_path: Path, **sampling) -> InferenceSpec:
+    spec = _spec(tmp_path).model_dump()
+    spec.update(task="generate", sampling=sampling)
+    return InferenceSpec.model_validate(spec)
+
+
+def _request(spec: InferenceSpec, params: dict) -> RowRequest:
+    from dagster_gpuinfer.worker.rows.request_params import RequestBuilder
+
+    builder = RequestBuilder(task="generate", defaults=spec.sampling.to_vllm_kwargs())
+    return builder.build(params)
+
+
+def test_unseeded_sampling_is_computed_unless_the_pipeline_asks(tmp_path):
+    sampled = _generation_spec(tmp_path, temperature=0.8)
+    prompt = [[5, 6, 7]]
+    unseeded = _request(sampled, {})
+    assert not unseeded.deterministic
+    assert RowKeys(sampled).key(None, prompt, unseeded) is None
+    assert RowKeys(sampled).key(None, prompt, None) is None  # the pipeline's defaults
+    seeded = _request(sampled, {"seed": 3})
+    assert seeded.deterministic and RowKeys(sampled).key(None, prompt, seeded) is not None
+    greedy_spec = _generation_spec(tmp_path, temperature=0.0)
+    greedy = _request(greedy_spec, {})
+    assert RowKeys(greedy_spec).key(None, prompt, greedy) is not None
+    asked = InferenceSpec.model_validate({**sampled.model_dump(), "row_reuse": "sampled"})
+    assert RowKeys(asked).key(None, prompt, unseeded) is not None
+    # Seeds and other values are in the key: another seed, another output.
+    other_seed = _request(sampled, {"seed": 4})
+    keys = RowKeys(sampled)
+    assert keys.key(None, prompt, seeded) != keys.key(None, prompt, other_seed)
+
+
+def test_unseeded_rows_of_a_partition_go_to_the_engine_even_beside_an_earlier_output(tmp_path):
+    spec = _generation_spec(tmp_path, temperature=0.8)
+    reuse = RowReuse(spec)
+    request = _request(spec, {})
+    seeded = _request(spec, {"seed": 1})
+    valid = ValidChunk(
+        index=0,
+        rows=[0, 1, 2],
+        ids=["a", "b", "c"],
+        token_ids=[[1, 2], [1, 2], [1, 2]],
+        requests=[request, seeded, seeded],
+        spans=[1, 1, 1],
+    )
+    plan = reuse.plan("s0", SourceVersion(input="v1"), valid)
+    assert [kind for kind, _ in plan.sources] == ["compute", "compute", "dup"]
+    assert plan.compute == [0, 1] and plan.keys[0] is None
+
+
+# --------------------------------------------------------------------------- the key
+
+PROMPTS = st.lists(st.lists(st.integers(0, 50_000), min_size=1, max_size=8), min_size=1, max_size=3)
+TEXT = st.text(max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompts=PROMPTS,
+    params=st.one_of(st.none(), TEXT),
+    model=st.one_of(st.none(), TEXT),
+    adapter=st.one_of(st.none(), TEXT),
+    change=st.sampled_from(["prompt", "params", "model", "adapter", "seed_top", "split"]),
+)
+def test_equal_requests_have_equal_keys_and_any_change_another(
+    tmp_path_factory, prompts, params, model, adapter, change
+):
+    keys = RowKeys(_spec(Path("/k")))
+    request = RowRequest(reuse_params=params)
+    same = RowRequest(reuse_params=params)
+    key = keys.key(model, prompts, request, adapter=adapter)
+    assert key is not None
+    assert key == keys.key(model, [list(p) for p in prompts], same, adapter=adapter)
+    other_prompts, other_request, other_model, other_adapter = prompts, request, model, adapter
+    if change == "prompt":
+        other_prompts = [*prompts[:-1], [*prompts[-1], 1]]
+    elif change == "params":
+        other_request = RowRequest(reuse_params=(params or "") + "x")
+    elif change == "model":
+        other_model = (model or "") + "x"
+    elif change == "adapter":
+        other_adapter = (adapter or "") + "x"
+    elif change == "seed_top":
+        other_request = dataclasses.replace(request, top_logprobs=2)
+    else:  # the same tokens split into other prompts
+        flat = [t for p in prompts for t in p]
+        other_prompts = [flat] if len(prompts) > 1 else [flat[:1], flat[1:]]
+    assert key != keys.key(other_model, other_prompts, other_request, adapter=other_adapter)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"model": "/other"},
+        {"engine": {"dtype": "float16"}},
+        {"engine": {"max_model_len": 99}},
+        {"input": {"uri": "x/{partition_key}.parquet", "text_column": "body"}},
+    ],
+)
+def test_a_change_to_an_output_shaping_setting_changes_every_key(tmp_path, field):
+    base = _spec(tmp_path)
+    changed = InferenceSpec.model_validate({**base.model_dump(), **field})
+    assert RowKeys(base).key(None, [[1]], None) != RowKeys(changed).key(None, [[1]], None)
+
+
+def test_where_rows_come_from_and_go_to_does_not_change_the_keys(tmp_path):
+    base = _spec(tmp_path)
+    moved = InferenceSpec.model_validate(
+        {
+            **base.model_dump(),
+            "input": {"uri": "elsewhere/{partition_key}.parquet"},
+            "output": {"root": "/elsewhere", "asset_name": "other"},
+            "chunk_size": 99,
+            "partition_keys": ["zz"],
+            "engine": {"max_num_seqs": 8, "gpu_memory_utilization": 0.3},
+            "replicas": 2,
+        }
+    )
+    assert RowKeys(base).key("m", [[1]], None) == RowKeys(moved).key("m", [[1]], None)
+
+
+def test_score_pairs_are_keyed_by_their_texts(tmp_path):
+    spec = InferenceSpec.model_validate(
+        {
+            **_spec(tmp_path).model_dump(),
+            "task": "score",
+            "input": {"uri": "x/{partition_key}.jsonl"},
+        }
+    )
+    keys = RowKeys(spec)
+    one = keys.key(None, [], None, pairs=ScorePairs(["q"], ["d1"]))
+    assert one == keys.key(None, [], None, pairs=ScorePairs(["q"], ["d1"]))
+    assert one != keys.key(None, [], None, pairs=ScorePairs(["q"], ["d2"]))
+    assert one != keys.key(None, [], None, pairs=ScorePairs(["q"], ["d1"], rerank=True))
+
+
+def test_a_re_run_that_dies_mid_window_resumes_and_commits_each_row_once(tmp_path):
+    import threading
+
+    rows = [(f"r{i}", 1000 + i) for i in range(10)]
+    _write(tmp_path, rows)
+    spec = _spec(tmp_path)
+    _, done, error = _serve(spec, FakeEngine())
+    assert error is None and done
+    rows[3] = ("r3", 2003)
+    rows += [(f"r{i}", 1000 + i) for i in range(10, 13)]
+    _write(tmp_path, rows)
+
+    committed = threading.Event()
+    failing = FakeEngine(window=1, steps_per_request=2, fail_at_step=5, before_failing=committed)
+    manifests, done, error = _serve(spec, failing, after_commit=committed)
+    assert error is not None and manifests == [] and not done
+    retry = FakeEngine()
+    manifests, done, error = _serve(spec, retry)
+    assert error is None and done
+    assert set(retry.submitted) <= {1010, 1011, 1012, 2003}
+    ((manifest, _),) = manifests
+    assert manifest.rows_out == 13 and manifest.rows_resumed > 0
+    table = read_partition(spec.output, "s0")
+    assert table.column("id").to_pylist() == [i for i, _ in rows]  # each once, in order
+    assert _numbers(table) == [n for _, n in rows]
+
+
+def test_chunks_mostly_copied_never_leave_the_loop_waiting_for_a_window(tmp_path):
+    """A window (16 requests) larger than the rows to compute in all the chunks the run may
+    have outstanding (6 chunks of 4, one row of each to compute): the loop submits what it
+    has instead of waiting for rows that cannot come (it used to wait for ever)."""
+    import threading
+
+    rows = [(f"r{i}", 1000 + i) for i in range(40)]
+    _write(tmp_path, rows)
+    spec = _spec(tmp_path)
+    _, done, error = _serve(spec, FakeEngine(window=16))
+    assert error is None and done
+    for i in range(1, 40, CHUNK):  # one row edited in each chunk: every chunk outstanding
+        rows[i] = (f"r{i}", 2000 + i)
+    _write(tmp_path, rows)
+    engine = FakeEngine(window=16)
+    outcome: list = []
+    runner = threading.Thread(target=lambda: outcome.append(_serve(spec, engine)), daemon=True)
+    runner.start()
+    runner.join(60)
+    assert not runner.is_alive(), "the loop waited for a window of rows that never came"
+    ((manifests, done, error),) = outcome
+    assert error is None and done
+    assert sorted(engine.submitted) == [2000 + i for i in range(1, 40, CHUNK)]
+    assert manifests[0][0].rows_reused == 30
+    assert _numbers(read_partition(spec.output, "s0")) == [n for _, n in rows]
+
+
+def test_a_rows_adapter_and_its_version_are_in_its_key(tmp_path):
+    """Rows naming a LoRA adapter are keyed by its name and files' version: new files for
+    one adapter recompute its rows only; a name the source does not list gets no key."""
+    spec = _generation_spec(tmp_path, temperature=0.0)
+    keys = RowKeys(spec)
+    base, support, legal = (
+        dataclasses.replace(_request(spec, {}), adapter=name) for name in (None, "support", "legal")
+    )
+    chunk = ValidChunk(
+        index=0,
+        rows=[0, 1, 2],
+        ids=["a", "b", "c"],
+        token_ids=[[5, 6], [5, 6], [5, 6]],
+        requests=[base, support, legal],
+    )
+    before = keys.chunk_keys(chunk, "m", "legal=v1;support=v1")
+    assert len(set(before)) == 3 and None not in before  # same prompt, three models
+    after = keys.chunk_keys(chunk, "m", "legal=v1;support=v2")
+    assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
+    assert keys.chunk_keys(chunk, "m", "legal=v1")[1] is None  # unknown: computed
