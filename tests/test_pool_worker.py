@@ -38,7 +38,7 @@ from dagster_gpuinfer.storage import (
 from dagster_gpuinfer.worker import lifecycle
 from dagster_gpuinfer.worker.errors import EngineDied
 from dagster_gpuinfer.worker.loop.engine import same_engine
-from dagster_gpuinfer.worker.pool.loop import PoolWorkerLoop
+from dagster_gpuinfer.worker.pool.loop import EXIT_BUILD_FAILED, PoolWorkerLoop
 
 HERE = Path(__file__).parent
 
@@ -224,6 +224,28 @@ def test_an_engine_death_fails_the_lease_and_exits_75(tmp_path, queue, monkeypat
     assert (item.state, item.failures) == ("queued", 1)
     assert "the engine died" in item.last_error and "EngineCore" in item.last_error
     assert told and "exit code 75" in told[0]
+
+
+def test_a_worker_whose_engine_cannot_be_built_leaves_without_failing_the_other_items(
+    tmp_path, queue
+):
+    """A build that fails (memory, a bad device, a startup timeout) fails the one lease and
+    the worker exits 1: it does not fail every item of the pool in turn."""
+    write_shards(tmp_path, ["p0", "p1", "p2"], rows=4)
+    queue.submit(submission("run-1", spec_dict(tmp_path, ["p0", "p1", "p2"])))
+    builds: list[str] = []
+
+    def cannot_build(spec, on_death):
+        builds.append(spec.model)
+        raise RuntimeError("Engine core initialization failed. See root cause above.")
+
+    loop = worker(queue, cannot_build)
+    assert loop.run() == EXIT_BUILD_FAILED == 1
+    assert len(builds) == 1
+    items = {item.key: item for item in queue.job_items("run-1")}
+    assert [(i.state, i.failures) for i in items.values()] == [("queued", 1)] + [("queued", 0)] * 2
+    assert "Engine core initialization failed" in items["p0"].last_error
+    assert queue.pool_workers(POOL) == []
 
 
 class Unreachable:
@@ -434,6 +456,7 @@ def test_the_worker_command_serves_two_jobs_on_one_real_engine(tmp_path, tiny_ll
     _, alive = psutil.wait_procs(family, timeout=10)
     assert not [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
+    assert load_log.exists(), f"no engine was built:\n{output[-5000:]}"
     assert len(load_log.read_text().splitlines()) == 1  # one engine for three leases
     with SqliteLeaseQueue(location) as queue:
         events = [e for job in ("run-short", "run-long") for e in queue.job_events(job)]

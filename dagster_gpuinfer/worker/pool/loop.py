@@ -252,6 +252,12 @@ class PoolWorkerLoop:
         else:
             log.exception("serving item %s failed; the lease is failed", lease.item_key)
             self._give_back(lease, reason, fail=True)
+        if self.engine is None:
+            # The engine could not be built here (out of memory, a bad device, a startup
+            # timeout): this worker leaves rather than fail every item of the pool in turn;
+            # the reconciler starts another, and each item keeps its other attempts.
+            log.error("the engine could not be built on this worker; it exits: %s", reason)
+            return EXIT_BUILD_FAILED
         self._abort_in_flight()
         return None
 
@@ -280,6 +286,10 @@ class PoolWorkerLoop:
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
         lifecycle.engine_died(message)
+
+
+# A pool worker whose engine could not be built exits with this (a crash, as a pod sees it).
+EXIT_BUILD_FAILED = 1
 
 
 def default_queue_location() -> str:
