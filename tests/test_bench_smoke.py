@@ -184,6 +184,8 @@ def test_bench_smoke_runs_the_pools_section(tmp_path: Path) -> None:
     assert zero["worker_ids_seen"], "the watch saw the pool's workers"
     report = (results / "RESULTS.md").read_text()
     assert "## Engine pools" in report and "one run / pool runs" in report
+
+
 def test_bench_smoke_incremental_re_run_computes_only_the_changed_rows(tmp_path: Path) -> None:
     data, results = run_smoke(tmp_path, INCREMENTAL_SECTION, tasks="embed")
     inc = data["incremental"]
