@@ -255,9 +255,10 @@ def generate_runs(tmp_path_factory, tiny_llama_dir):
         )
 
     # Two replicas with small chunks and a small window, so that both engines hold few rows
-    # and must share the chunks of the one wide shard.
+    # and must share the chunks of the one wide shard. Row reuse off: the wide shard repeats
+    # g0's prompts, and the engines (not copies of g0's rows) must compute it.
     one = pipeline("out1", 1)
-    two = pipeline("out2", 2, chunk_size=4, max_requests_in_flight=4)
+    two = pipeline("out2", 2, chunk_size=4, max_requests_in_flight=4, row_reuse="off")
     logs = {name: root / f"{name}.log" for name in ("one", "two", "changed")}
     with dg.instance_for_test() as instance:
         result_one = materialize_partitions(
