@@ -46,12 +46,11 @@ from dagster_gpuinfer.k8s.config import (
 from dagster_gpuinfer.k8s.names import LABEL_NAME, _short_hash, dns_label
 from dagster_gpuinfer.k8s.pod import _container_env, _pod_spec, _volumes, _worker_container
 from dagster_gpuinfer.k8s.validation import validate_launcher_config
+from dagster_gpuinfer.pools import QUEUE_ENV
 
 POOL_LABEL = "gpuinfer/pool"
 """The label that selects a pool's worker pods; its value is the pool key."""
 POOL_COMPONENT = "pool-worker"
-LEASE_QUEUE_ENV = "GPUINFER_LEASE_QUEUE"
-"""The pool worker reads the lease queue's location from it (`--queue` is its fallback)."""
 POD_NAME_ENV = "GPUINFER_POD_NAME"
 _POD_NAME_PREFIX = "gpuinfer-pool-"
 
@@ -214,7 +213,7 @@ def _pool_env(config: K8sLauncherConfig) -> list[dict[str, Any]]:
         "optional": False,
     }
     return [
-        {"name": LEASE_QUEUE_ENV, "valueFrom": {"secretKeyRef": secret}},
+        {"name": QUEUE_ENV, "valueFrom": {"secretKeyRef": secret}},
         {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
 

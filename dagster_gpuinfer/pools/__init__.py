@@ -32,4 +32,5 @@ from dagster_gpuinfer.pools.lease_queue import UnknownJobError as UnknownJobErro
 from dagster_gpuinfer.pools.lease_queue import WorkItem as WorkItem
 from dagster_gpuinfer.pools.postgres_queue import PostgresLeaseQueue as PostgresLeaseQueue
 from dagster_gpuinfer.pools.sqlite_queue import SqliteLeaseQueue as SqliteLeaseQueue
+from dagster_gpuinfer.pools.stores import QUEUE_ENV as QUEUE_ENV
 from dagster_gpuinfer.pools.stores import open_lease_queue as open_lease_queue

@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from dagster_gpuinfer.pools.stores import QUEUE_ENV
+
 if TYPE_CHECKING:
     from dagster_gpuinfer.pools.lease_queue import LeaseQueue, PoolStats, PoolWorker
 
-QUEUE_ENV = "GPUINFER_LEASE_QUEUE"
 # `dagster_gpuinfer.worker.WORKER_MODULE`, named here: a shared module imports no worker.
 WORKER_MODULE = "dagster_gpuinfer.worker"
 # A worker that stops counting toward its pool: it is going away.

@@ -1,4 +1,5 @@
-"""`open_lease_queue`: the lease queue store a location names (PostgreSQL or SQLite).
+"""`open_lease_queue`: the lease queue store a location names (PostgreSQL or SQLite), and
+the variable a pool worker reads that location from (`QUEUE_ENV`).
 
 Apart from lease_queue.py, which the stores build on, so that neither imports the other.
 """
@@ -8,6 +9,10 @@ from __future__ import annotations
 from dagster_gpuinfer.pools.lease_queue import Clock, LeaseQueue
 from dagster_gpuinfer.pools.postgres_queue import PostgresLeaseQueue
 from dagster_gpuinfer.pools.sqlite_queue import SqliteLeaseQueue
+
+# Where a pool worker finds the lease queue: a PostgreSQL URL holds a password, so pods take
+# it from a Secret through this variable, never from the command line (`--queue`).
+QUEUE_ENV = "GPUINFER_LEASE_QUEUE"
 
 
 def open_lease_queue(location: str, *, clock: Clock | None = None) -> LeaseQueue:

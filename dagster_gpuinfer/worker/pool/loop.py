@@ -10,7 +10,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dagster_gpuinfer.pools import Lease, LeaseLostError, LeaseQueue, open_lease_queue
+from dagster_gpuinfer.pools import (
+    QUEUE_ENV,
+    Lease,
+    LeaseLostError,
+    LeaseQueue,
+    open_lease_queue,
+)
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.worker import lifecycle
 from dagster_gpuinfer.worker.errors import WorkerError, cap_message, engine_death_in
@@ -25,9 +31,6 @@ log = logging.getLogger("dagster_gpuinfer.worker")
 DEFAULT_IDLE_TTL_S = 300.0
 DEFAULT_LEASE_TTL_S = 30.0
 DEFAULT_POLL_S = 0.5
-# Where the lease queue is, when `--queue` is not given: a PostgreSQL URL holds a password,
-# so pods take it from a Secret through this variable, never from the command line.
-QUEUE_ENV = "GPUINFER_LEASE_QUEUE"
 
 # Builds the engine for a spec; the callable it is given is called (from a watch thread)
 # when an engine process dies.
