@@ -28,6 +28,7 @@ from dagster_gpuinfer.messages import (
     RunFinished,
     parse_message,
 )
+from dagster_gpuinfer.pools import default_pools_home, default_queue_location
 from dagster_gpuinfer.run_metrics import metrics_env, push_run_metrics
 from dagster_gpuinfer.secrets import ENV_REFERENCES_VARIABLE, validation_problems
 from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
@@ -119,21 +120,18 @@ class PoolSettings(dg.Config):
         """The queue's location, a default SQLite file made absolute (workers run elsewhere)."""
         if self.queue:
             return self.queue
-        home = os.environ.get("DAGSTER_HOME")
-        default = os.path.join(home, "gpuinfer", "pools.db") if home else ".data/pools.db"
-        os.makedirs(os.path.dirname(os.path.abspath(default)), exist_ok=True)
-        return os.path.abspath(default)
+        os.makedirs(default_pools_home(), exist_ok=True)
+        return default_queue_location()
 
     def log_dir(self) -> str:
         """Where local pool workers write their logs: beside a SQLite queue, else under
         $DAGSTER_HOME/gpuinfer (or .data)."""
         location = self.location()
         if location.startswith(("postgresql://", "postgres://")):
-            home = os.environ.get("DAGSTER_HOME")
-            base = os.path.join(home, "gpuinfer") if home else ".data"
+            base = default_pools_home()
         else:
             base = os.path.dirname(os.path.abspath(location.removeprefix("sqlite:///")))
-        return os.path.join(os.path.abspath(base), "pool-workers")
+        return os.path.join(base, "pool-workers")
 
 
 class InvalidInferenceSpec(ValueError):

@@ -15,6 +15,7 @@ from dagster_gpuinfer.pools import (
     Lease,
     LeaseLostError,
     LeaseQueue,
+    default_queue_location,
     open_lease_queue,
 )
 from dagster_gpuinfer.spec import InferenceSpec
@@ -293,15 +294,6 @@ class PoolWorkerLoop:
 
 # A pool worker whose engine could not be built exits with this (a crash, as a pod sees it).
 EXIT_BUILD_FAILED = 1
-
-
-def default_queue_location() -> str:
-    """The queue the control plane uses by default: `$DAGSTER_HOME/gpuinfer/pools.db`, or
-    `.data/pools.db` without DAGSTER_HOME (`GpuInferenceResource.pool.queue`)."""
-    home = os.environ.get("DAGSTER_HOME")
-    if home:
-        return os.path.join(home, "gpuinfer", "pools.db")
-    return os.path.join(".data", "pools.db")
 
 
 def run_pool_worker(
