@@ -416,11 +416,11 @@ class GpuInferenceResource(dg.ConfigurableResource):
         """
         if self.launcher == "local":
             from dagster_gpuinfer.pools.reconciler import LocalPoolBackend
+            from dagster_gpuinfer.worker import WORKER_MODULE
 
+            python = self.python_executable or sys.executable
             return LocalPoolBackend(
-                self.pool.location(),
-                self.pool.log_dir(),
-                python_executable=self.python_executable or sys.executable,
+                self.pool.location(), self.pool.log_dir(), command=[python, "-m", WORKER_MODULE]
             )
         try:
             from dagster_gpuinfer.k8s.pool_backend import K8sPoolBackend  # type: ignore

@@ -47,6 +47,7 @@ from dagster_gpuinfer.k8s.names import LABEL_NAME, _short_hash, dns_label
 from dagster_gpuinfer.k8s.pod import _container_env, _pod_spec, _volumes, _worker_container
 from dagster_gpuinfer.k8s.validation import validate_launcher_config
 from dagster_gpuinfer.pools import QUEUE_ENV
+from dagster_gpuinfer.pools.reconciler import pool_worker_args
 
 POOL_LABEL = "gpuinfer/pool"
 """The label that selects a pool's worker pods; its value is the pool key."""
@@ -69,22 +70,6 @@ def pool_pod_name(worker_id: str) -> str:
 def pool_selector(pool_key: str) -> str:
     """The label selector of `pool_key`'s worker pods."""
     return f"{POOL_LABEL}={pool_key}"
-
-
-def pool_worker_args(
-    pool_key: str, worker_id: str, *, idle_ttl_s: float, lease_ttl_s: float
-) -> list[str]:
-    """The worker's arguments in pool mode (after `k8s.command`)."""
-    return [
-        "--pool",
-        pool_key,
-        "--worker-id",
-        worker_id,
-        "--idle-ttl",
-        f"{idle_ttl_s:g}",
-        "--lease-ttl",
-        f"{lease_ttl_s:g}",
-    ]
 
 
 def build_pool_pod(
