@@ -28,7 +28,12 @@ from dagster_gpuinfer.messages import (
     RunFinished,
     parse_message,
 )
-from dagster_gpuinfer.pools import default_pools_home, default_queue_location
+from dagster_gpuinfer.pools import (
+    DEFAULT_IDLE_TTL_S,
+    DEFAULT_LEASE_TTL_S,
+    default_pools_home,
+    default_queue_location,
+)
 from dagster_gpuinfer.run_metrics import metrics_env, push_run_metrics
 from dagster_gpuinfer.secrets import ENV_REFERENCES_VARIABLE, validation_problems
 from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
@@ -71,10 +76,12 @@ class PoolSettings(dg.Config):
         "per queued or leased partition up to this.",
     )
     idle_ttl_s: float = Field(
-        300.0, gt=0, description="A pool worker exits after this many seconds without a lease."
+        DEFAULT_IDLE_TTL_S,
+        gt=0,
+        description="A pool worker exits after this many seconds without a lease.",
     )
     lease_ttl_s: float = Field(
-        30.0,
+        DEFAULT_LEASE_TTL_S,
         gt=0,
         description="A lease lapses this long after its last heartbeat (a killed "
         "worker's partition is leased again after it).",

@@ -46,7 +46,7 @@ from dagster_gpuinfer.k8s.config import (
 from dagster_gpuinfer.k8s.names import LABEL_NAME, _short_hash, dns_label
 from dagster_gpuinfer.k8s.pod import _container_env, _pod_spec, _volumes, _worker_container
 from dagster_gpuinfer.k8s.validation import validate_launcher_config
-from dagster_gpuinfer.pools import QUEUE_ENV
+from dagster_gpuinfer.pools import DEFAULT_IDLE_TTL_S, DEFAULT_LEASE_TTL_S, QUEUE_ENV
 from dagster_gpuinfer.pools.reconciler import pool_worker_args
 
 POOL_LABEL = "gpuinfer/pool"
@@ -77,8 +77,8 @@ def build_pool_pod(
     worker_id: str,
     config: K8sLauncherConfig,
     *,
-    idle_ttl_s: float = 300.0,
-    lease_ttl_s: float = 30.0,
+    idle_ttl_s: float = DEFAULT_IDLE_TTL_S,
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
     gpus: int = 1,
     extra_env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
@@ -129,8 +129,8 @@ def pool_pod_template(
     pool_key: str,
     config: K8sLauncherConfig,
     *,
-    idle_ttl_s: float = 300.0,
-    lease_ttl_s: float = 30.0,
+    idle_ttl_s: float = DEFAULT_IDLE_TTL_S,
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
     gpus: int = 1,
     extra_env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:

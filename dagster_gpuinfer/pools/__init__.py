@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dagster_gpuinfer.pools.keys import pool_identity as pool_identity
 from dagster_gpuinfer.pools.keys import pool_key as pool_key
+from dagster_gpuinfer.pools.lease_queue import DEFAULT_IDLE_TTL_S as DEFAULT_IDLE_TTL_S
+from dagster_gpuinfer.pools.lease_queue import DEFAULT_LEASE_TTL_S as DEFAULT_LEASE_TTL_S
 from dagster_gpuinfer.pools.lease_queue import DEFAULT_MAX_ATTEMPTS as DEFAULT_MAX_ATTEMPTS
 from dagster_gpuinfer.pools.lease_queue import EVENT_KINDS as EVENT_KINDS
 from dagster_gpuinfer.pools.lease_queue import WORKER_STATES as WORKER_STATES

@@ -52,6 +52,10 @@ WORKER_STATES: tuple[str, ...] = ("starting", "loading", "idle", "busy", "draini
 JobState = Literal["running", "done", "failed", "cancelled"]
 
 DEFAULT_MAX_ATTEMPTS = 3
+# A lease lapses this long after its last heartbeat (the worker beats every third of it).
+DEFAULT_LEASE_TTL_S = 30.0
+# A pool worker exits after this long without a lease: how a pool scales back to zero.
+DEFAULT_IDLE_TTL_S = 300.0
 
 
 class LeaseQueueError(Exception):

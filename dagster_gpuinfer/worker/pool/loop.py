@@ -11,6 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from dagster_gpuinfer.pools import (
+    DEFAULT_IDLE_TTL_S,
+    DEFAULT_LEASE_TTL_S,
     QUEUE_ENV,
     Lease,
     LeaseLostError,
@@ -29,8 +31,6 @@ from dagster_gpuinfer.worker.run.engine_version import check_engine_version
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 
-DEFAULT_IDLE_TTL_S = 300.0
-DEFAULT_LEASE_TTL_S = 30.0
 DEFAULT_POLL_S = 0.5
 
 # Builds the engine for a spec; the callable it is given is called (from a watch thread)
