@@ -47,7 +47,6 @@ LIMITS_ENV = "GPUINFER_BATCH_LIMITS"
 # What a quota's 429 tells the client to wait before it tries again: freeing a quota takes
 # a batch finishing or the tenant deleting files, nothing a client's fast retry can do.
 QUOTA_RETRY_SECONDS = 30
-IN_FLIGHT = ("validating", "in_progress", "finalizing", "cancelling")
 
 
 class TenantLimits(BaseModel):
