@@ -39,8 +39,6 @@ from dagster_gpuinfer.sinks.pgvector_write import SinkError
 from dagster_gpuinfer.spec import StorageOptions
 from dagster_gpuinfer.storage.delta import open_table, storage_options
 
-pytest.importorskip("deltalake")
-
 KEYS = ["p0", "p1"]
 DIM = 8
 
