@@ -228,17 +228,24 @@ def commit_by_hand(spec: Any, key: str, parts: Sequence[pa.Table] = (), **fields
     return commit_partition(fs, path, manifest, [])
 
 
-@contextlib.contextmanager
-def fresh_postgres_database(prefix: str) -> Iterator[str]:
-    """A new database on the suite's PostgreSQL server (GPUINFER_TEST_POSTGRES_URL, which
-    `make test` starts), dropped afterwards; yields its URL. Fails, saying how to start a
-    server, when none is given: a skip would hide that the store went untested."""
+def postgres_server_url() -> str:
+    """The suite's PostgreSQL server (GPUINFER_TEST_POSTGRES_URL, which `make test`
+    starts). Fails, saying how to start one, when none is given: a skip would hide that
+    the store went untested."""
     url = os.environ.get("GPUINFER_TEST_POSTGRES_URL")
     if not url:
         pytest.fail(
             "GPUINFER_TEST_POSTGRES_URL is not set: run the suite with `make test`, or start a "
             "server with `bash deploy/local/test-postgres.sh` and export the URL it prints"
         )
+    return url
+
+
+@contextlib.contextmanager
+def fresh_postgres_database(prefix: str) -> Iterator[str]:
+    """A new database on the suite's PostgreSQL server (`postgres_server_url`), dropped
+    afterwards; yields its URL."""
+    url = postgres_server_url()
     import psycopg2
 
     database = f"{prefix}_{uuid.uuid4().hex[:10]}"
