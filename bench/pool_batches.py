@@ -120,11 +120,10 @@ class BatchStack:
         self.daemon = self._spawn(
             [str(daemon), "run", "-w", str(self.root / "workspace.yaml")], "daemon.log"
         )
+        serve = ["serve", "--port", str(self.port), "--reconcile-interval", "0.25"]
         self.api = self._spawn(
-            [sys.executable, "-m", "dagster_gpuinfer.batch_api", "serve", "--port",
-             str(self.port), "--reconcile-interval", "0.25"],
-            "api.log",
-        )  # fmt: skip
+            [sys.executable, "-m", "dagster_gpuinfer.batch_api", *serve], "api.log"
+        )
         self._wait_for_api()
 
     def _spawn(self, command: list[str], log_name: str) -> subprocess.Popen[bytes]:

@@ -45,7 +45,7 @@ import dagster as dg
 from bench.context import KV_CACHE_BYTES, BenchContext
 from bench.platform_run import PlatformPipeline, RunTiming, local_resource
 from bench.workloads import embed_texts, write_shard
-from dagster_gpuinfer import EngineArgs
+from dagster_gpuinfer import EngineArgs, PoolSettings
 from dagster_gpuinfer.pools import open_lease_queue
 from dagster_gpuinfer.storage import filesystem_for, partition_dir, read_manifest
 from dagster_gpuinfer.storage.layout import Manifest
@@ -89,14 +89,14 @@ class PoolBench:
         """The local resource, its pool on this section's queue with short TTLs (the bench
         waits out the idle TTL; a killed worker's lease lapses after the lease TTL)."""
         sizes = self.ctx.sizes
-        settings = {
-            "queue": str(self.queue),
-            "max_workers": max_workers,
-            "idle_ttl_s": sizes.pools_idle_ttl_s,
-            "lease_ttl_s": sizes.pools_lease_ttl_s,
-        }
+        settings = PoolSettings(
+            queue=str(self.queue),
+            max_workers=max_workers,
+            idle_ttl_s=sizes.pools_idle_ttl_s,
+            lease_ttl_s=sizes.pools_lease_ttl_s,
+        )
         env = {**self.ctx.engine_env(), LOAD_LOG_ENV: str(self.load_log)}
-        return local_resource(env=env, pool=_pool_settings(settings))
+        return local_resource(env=env, pool=settings)
 
     def pipeline(
         self,
@@ -143,15 +143,6 @@ class PoolBench:
             return []
         lines = self.load_log.read_text().splitlines()
         return [(int(pid), model) for pid, _, model in (ln.partition("\t") for ln in lines)]
-
-
-def _pool_settings(settings: dict[str, Any]) -> Any:
-    """`PoolSettings(**settings)` where the resource has it, else the plain dict."""
-    for module in ("dagster_gpuinfer", "dagster_gpuinfer.resource", "dagster_gpuinfer.pools"):
-        found = getattr(__import__(module, fromlist=["PoolSettings"]), "PoolSettings", None)
-        if found is not None:
-            return found(**settings)
-    return settings
 
 
 class PoolWatch(threading.Thread):

@@ -438,11 +438,15 @@ def inference_assets(
     spec = validate_spec(raw_spec, where=f"asset {name!r}")
     sink = validate_sink(sink, spec, where=f"asset {name!r}")
     prefix = [key_prefix] if isinstance(key_prefix, str) else list(key_prefix or [])
-    shared = {"partitions_def": partitions_def, "group_name": group_name}
+    shared = dict(partitions_def=partitions_def, group_name=group_name, resource_key=resource_key)
     input_spec = _input_asset(
-        raw_spec, name=name, prefix=prefix, input_asset_key=input_asset_key,
-        resource_key=resource_key, observe_cron=observe_cron, **shared,
-    )  # fmt: skip
+        raw_spec,
+        name=name,
+        prefix=prefix,
+        input_asset_key=input_asset_key,
+        observe_cron=observe_cron,
+        **shared,
+    )
     output_asset = _output_asset(
         raw_spec,
         code_version=asset_code_version(spec),
@@ -453,7 +457,6 @@ def inference_assets(
         pool=pool,
         op_tags=op_tags,
         automation_condition=automation_condition,
-        resource_key=resource_key,
         description=description,
         max_error_rate=max_error_rate,
         max_invalid_output_rate=max_invalid_output_rate,

@@ -28,6 +28,12 @@ from dagster_gpuinfer.messages import (
     RunFinished,
     parse_message,
 )
+from dagster_gpuinfer.pools import (
+    DEFAULT_IDLE_TTL_S,
+    DEFAULT_LEASE_TTL_S,
+    default_pools_home,
+    default_queue_location,
+)
 from dagster_gpuinfer.run_metrics import metrics_env, push_run_metrics
 from dagster_gpuinfer.secrets import ENV_REFERENCES_VARIABLE, validation_problems
 from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
@@ -70,10 +76,12 @@ class PoolSettings(dg.Config):
         "per queued or leased partition up to this.",
     )
     idle_ttl_s: float = Field(
-        300.0, gt=0, description="A pool worker exits after this many seconds without a lease."
+        DEFAULT_IDLE_TTL_S,
+        gt=0,
+        description="A pool worker exits after this many seconds without a lease.",
     )
     lease_ttl_s: float = Field(
-        30.0,
+        DEFAULT_LEASE_TTL_S,
         gt=0,
         description="A lease lapses this long after its last heartbeat (a killed "
         "worker's partition is leased again after it).",
@@ -119,21 +127,18 @@ class PoolSettings(dg.Config):
         """The queue's location, a default SQLite file made absolute (workers run elsewhere)."""
         if self.queue:
             return self.queue
-        home = os.environ.get("DAGSTER_HOME")
-        default = os.path.join(home, "gpuinfer", "pools.db") if home else ".data/pools.db"
-        os.makedirs(os.path.dirname(os.path.abspath(default)), exist_ok=True)
-        return os.path.abspath(default)
+        os.makedirs(default_pools_home(), exist_ok=True)
+        return default_queue_location()
 
     def log_dir(self) -> str:
         """Where local pool workers write their logs: beside a SQLite queue, else under
         $DAGSTER_HOME/gpuinfer (or .data)."""
         location = self.location()
         if location.startswith(("postgresql://", "postgres://")):
-            home = os.environ.get("DAGSTER_HOME")
-            base = os.path.join(home, "gpuinfer") if home else ".data"
+            base = default_pools_home()
         else:
             base = os.path.dirname(os.path.abspath(location.removeprefix("sqlite:///")))
-        return os.path.join(os.path.abspath(base), "pool-workers")
+        return os.path.join(base, "pool-workers")
 
 
 class InvalidInferenceSpec(ValueError):
@@ -418,11 +423,11 @@ class GpuInferenceResource(dg.ConfigurableResource):
         """
         if self.launcher == "local":
             from dagster_gpuinfer.pools.reconciler import LocalPoolBackend
+            from dagster_gpuinfer.worker import WORKER_MODULE
 
+            python = self.python_executable or sys.executable
             return LocalPoolBackend(
-                self.pool.location(),
-                self.pool.log_dir(),
-                python_executable=self.python_executable or sys.executable,
+                self.pool.location(), self.pool.log_dir(), command=[python, "-m", WORKER_MODULE]
             )
         try:
             from dagster_gpuinfer.k8s.pool_backend import K8sPoolBackend  # type: ignore

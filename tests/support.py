@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dagster_gpuinfer import GpuInferenceResource, InputSpec, inference_assets
+from dagster_gpuinfer import GpuInferenceResource, InferenceSpec, InputSpec, inference_assets
 
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
@@ -131,6 +132,53 @@ def write_prompts(path: Path, rows: int) -> None:
     )
 
 
+def embed_pipeline(root: Path, keys: Sequence[str], **changes: Any):
+    """An embed pipeline over `root/in/{partition_key}.parquet` (model folder
+    `root/model`, output under `root/out`) with static partitions `keys`; `changes` set or
+    override any other argument of `inference_assets`."""
+    settings = {
+        "name": "emb",
+        "model": str(root / "model"),
+        "task": "embed",
+        "input": InputSpec(uri=str(root / "in" / "{partition_key}.parquet")),
+        "output_root": str(root / "out"),
+        "partitions_def": dg.StaticPartitionsDefinition(list(keys)),
+        **changes,
+    }
+    return inference_assets(**settings)
+
+
+def write_text_shard(root: Path, key: str, rows: int) -> None:
+    """The input shard of `key` for `embed_pipeline`: ids `<key>-<i>`, a text each."""
+    write_parquet(
+        root / "in" / f"{key}.parquet",
+        {"id": [f"{key}-{i}" for i in range(rows)], "text": [f"{key} {i}" for i in range(rows)]},
+    )
+
+
+def embedding_rows(
+    key: str, rows: int, dim: int, *, seed: int = 0, nan_at: int | None = None
+) -> pa.Table:
+    """Output rows as the embed task writes them: id, embedding (fixed-size float32 of
+    `dim`, random by key and seed; NaN in the first value of row `nan_at`), prompt_tokens."""
+    rng = np.random.default_rng(abs(hash((key, seed))) % (2**32))
+    vectors = rng.standard_normal((rows, dim)).astype(np.float32)
+    if nan_at is not None:
+        vectors[nan_at, 0] = np.nan
+    return pa.table(
+        {
+            "id": pa.array([f"{key}-{i}" for i in range(rows)], pa.string()),
+            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), dim),
+            "prompt_tokens": pa.array([3] * rows, pa.int32()),
+        }
+    )
+
+
+def commit_rows(pipeline: Any, key: str, *parts: pa.Table) -> Any:
+    """`commit_by_hand` of the pipeline's spec: `key` committed with `parts` as part files."""
+    return commit_by_hand(InferenceSpec.model_validate(pipeline.spec), key, parts=list(parts))
+
+
 def commit_by_hand(spec: Any, key: str, parts: Sequence[pa.Table] = (), **fields: Any) -> Any:
     """A partition committed as a worker leaves it: the manifest names the spec hash and the
     versions of the shard and model folder as they are now, and one part file per table of
@@ -180,17 +228,24 @@ def commit_by_hand(spec: Any, key: str, parts: Sequence[pa.Table] = (), **fields
     return commit_partition(fs, path, manifest, [])
 
 
-@contextlib.contextmanager
-def fresh_postgres_database(prefix: str) -> Iterator[str]:
-    """A new database on the suite's PostgreSQL server (GPUINFER_TEST_POSTGRES_URL, which
-    `make test` starts), dropped afterwards; yields its URL. Fails, saying how to start a
-    server, when none is given: a skip would hide that the store went untested."""
+def postgres_server_url() -> str:
+    """The suite's PostgreSQL server (GPUINFER_TEST_POSTGRES_URL, which `make test`
+    starts). Fails, saying how to start one, when none is given: a skip would hide that
+    the store went untested."""
     url = os.environ.get("GPUINFER_TEST_POSTGRES_URL")
     if not url:
         pytest.fail(
             "GPUINFER_TEST_POSTGRES_URL is not set: run the suite with `make test`, or start a "
             "server with `bash deploy/local/test-postgres.sh` and export the URL it prints"
         )
+    return url
+
+
+@contextlib.contextmanager
+def fresh_postgres_database(prefix: str) -> Iterator[str]:
+    """A new database on the suite's PostgreSQL server (`postgres_server_url`), dropped
+    afterwards; yields its URL."""
+    url = postgres_server_url()
     import psycopg2
 
     database = f"{prefix}_{uuid.uuid4().hex[:10]}"

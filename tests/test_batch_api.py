@@ -16,6 +16,7 @@ import dagster as dg
 import openai
 import pytest
 from batch_api_support import client, jsonl_ids, live_service, request_lines, write_chunk
+from support import fresh_postgres_database
 
 from dagster_gpuinfer import GpuInferenceResource
 from dagster_gpuinfer.batch_api.__main__ import main as cli_main
@@ -500,20 +501,8 @@ def test_a_route_serves_chat_lines_with_images_through_the_vision_chat_task(tmp_
 
 
 def test_postgres_as_the_store(tmp_path, instance):
-    url = os.environ.get("GPUINFER_TEST_POSTGRES_URL")
-    if not url:
-        pytest.fail(
-            "GPUINFER_TEST_POSTGRES_URL is not set: run the suite with `make test`, or start a "
-            "server with `bash deploy/local/test-postgres.sh` and export the URL it prints"
-        )
-    import psycopg2
-
-    database = f"batch_{uuid.uuid4().hex[:10]}"
-    admin = psycopg2.connect(url)
-    admin.autocommit = True
-    admin.cursor().execute(f"CREATE DATABASE {database}")
-    try:
-        svc = make_service(tmp_path, instance, store_url=url.rsplit("/", 1)[0] + f"/{database}")
+    with fresh_postgres_database("batch") as url:
+        svc = make_service(tmp_path, instance, store_url=url)
         with live_service(svc) as base_url:
             sdk = client(base_url, svc.store.create_key("acme").token)
             uploaded = upload(sdk, request_lines(3, model="mini"))
@@ -531,9 +520,6 @@ def test_postgres_as_the_store(tmp_path, instance):
             assert sdk.batches.cancel(ids[0]).status == "cancelled"
         _finalizers_race_to_publish_one_file(svc.store)
         svc.store.close()
-    finally:
-        admin.cursor().execute(f"DROP DATABASE {database} WITH (FORCE)")
-        admin.close()
 
 
 def _finalizers_race_to_publish_one_file(store) -> None:

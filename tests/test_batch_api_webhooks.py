@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import time
-import uuid
 from collections import Counter
 
 import openai
@@ -31,6 +29,7 @@ from openai.types.webhooks import (
     BatchExpiredWebhookEvent,
     BatchFailedWebhookEvent,
 )
+from support import fresh_postgres_database
 from test_batch_api import ROUTES, make_service, upload
 
 from dagster_gpuinfer.batch_api.__main__ import build_service
@@ -99,23 +98,8 @@ def store_url(request, tmp_path):
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path}/store.sqlite"
         return
-    url = os.environ.get("GPUINFER_TEST_POSTGRES_URL")
-    if not url:
-        pytest.fail(
-            "GPUINFER_TEST_POSTGRES_URL is not set: run the suite with `make test`, or start a "
-            "server with `bash deploy/local/test-postgres.sh` and export the URL it prints"
-        )
-    import psycopg2
-
-    database = f"webhooks_{uuid.uuid4().hex[:10]}"
-    admin = psycopg2.connect(url)
-    admin.autocommit = True
-    admin.cursor().execute(f"CREATE DATABASE {database}")
-    try:
-        yield url.rsplit("/", 1)[0] + f"/{database}"
-    finally:
-        admin.cursor().execute(f"DROP DATABASE {database} WITH (FORCE)")
-        admin.close()
+    with fresh_postgres_database("webhooks") as url:
+        yield url
 
 
 def test_each_finished_batch_sends_one_signed_event_delivered_after_a_failed_try(

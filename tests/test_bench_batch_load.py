@@ -6,20 +6,14 @@ output matching its input); it asserts no timing."""
 from __future__ import annotations
 
 import json
-import os
 
-import pytest
+from support import postgres_server_url
 
 from bench.batch_load import LoadConfig, percentile, run
 
 
 def test_a_short_load_run_on_two_replicas_loses_nothing_and_ends_every_batch(tmp_path):
-    server = os.environ.get("GPUINFER_TEST_POSTGRES_URL")
-    if not server:
-        pytest.fail(
-            "GPUINFER_TEST_POSTGRES_URL is not set: run the suite with `make test`, or start a "
-            "server with `bash deploy/local/test-postgres.sh` and export the URL it prints"
-        )
+    server = postgres_server_url()
     config = LoadConfig(
         clients=6,
         seconds=4,

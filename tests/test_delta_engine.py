@@ -7,6 +7,7 @@ that rewrites one day recomputes that day only, and the sink holds every row onc
 from __future__ import annotations
 
 import dagster as dg
+import deltalake
 import numpy as np
 import polars as pl
 import pyarrow as pa
@@ -23,7 +24,6 @@ from dagster_gpuinfer import (
 )
 
 pytestmark = pytest.mark.engine
-deltalake = pytest.importorskip("deltalake")
 
 DAYS = ["2026-12-01", "2026-12-02"]
 ROWS = 12

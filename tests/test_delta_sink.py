@@ -17,28 +17,27 @@ import threading
 import time
 from pathlib import Path
 
-import dagster as dg
-import numpy as np
 import polars as pl
 import pyarrow as pa
 import pytest
 from support import (
     commit_by_hand,
+    commit_rows,
+    embed_pipeline,
+    embedding_rows,
     failure_message,
     materialize_partitions,
     partition_metadata,
-    write_parquet,
+    write_text_shard,
 )
 
-from dagster_gpuinfer import GpuInferenceResource, InferenceSpec, InputSpec, inference_assets
+from dagster_gpuinfer import GpuInferenceResource, InferenceSpec
 from dagster_gpuinfer.resource import InvalidInferenceSpec
 from dagster_gpuinfer.sinks import DeltaSink
 from dagster_gpuinfer.sinks.materialize import write_delta_partitions
 from dagster_gpuinfer.sinks.pgvector_write import SinkError
 from dagster_gpuinfer.spec import StorageOptions
 from dagster_gpuinfer.storage.delta import open_table, storage_options
-
-pytest.importorskip("deltalake")
 
 KEYS = ["p0", "p1"]
 DIM = 8
@@ -52,41 +51,11 @@ def root(tmp_path) -> Path:
 
 
 def _pipeline(root: Path, sink: DeltaSink, keys=KEYS, **changes):
-    settings = {
-        "name": "emb",
-        "model": str(root / "model"),
-        "task": "embed",
-        "input": InputSpec(uri=str(root / "in" / "{partition_key}.parquet")),
-        "output_root": str(root / "out"),
-        "partitions_def": dg.StaticPartitionsDefinition(list(keys)),
-        "sink": sink,
-        **changes,
-    }
-    return inference_assets(**settings)
-
-
-def _write_shard(root: Path, key: str, rows: int) -> None:
-    write_parquet(
-        root / "in" / f"{key}.parquet",
-        {"id": [f"{key}-{i}" for i in range(rows)], "text": [f"{key} {i}" for i in range(rows)]},
-    )
+    return embed_pipeline(root, keys, sink=sink, **changes)
 
 
 def _embeddings(key: str, rows: int, *, seed: int = 0) -> pa.Table:
-    """Output rows as the embed task writes them: id, embedding (fixed-size float32)."""
-    rng = np.random.default_rng(abs(hash((key, seed))) % (2**32))
-    vectors = rng.standard_normal((rows, DIM)).astype(np.float32)
-    return pa.table(
-        {
-            "id": pa.array([f"{key}-{i}" for i in range(rows)], pa.string()),
-            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), DIM),
-            "prompt_tokens": pa.array([3] * rows, pa.int32()),
-        }
-    )
-
-
-def _commit(pipeline, key: str, *parts: pa.Table):
-    return commit_by_hand(InferenceSpec.model_validate(pipeline.spec), key, parts=list(parts))
+    return embedding_rows(key, rows, DIM, seed=seed)
 
 
 def _read(uri: str, storage: StorageOptions | None = None) -> pl.DataFrame:
@@ -108,9 +77,9 @@ def test_a_materialization_writes_exactly_the_committed_rows(root, instance):
     pipeline = _pipeline(root, DeltaSink(uri=uri))
     parts = {}
     for key in KEYS:
-        _write_shard(root, key, 7)
+        write_text_shard(root, key, 7)
         parts[key] = (_embeddings(key, 4), _embeddings(key, 7).slice(4))
-        _commit(pipeline, key, *parts[key])
+        commit_rows(pipeline, key, *parts[key])
 
     result = materialize_partitions(
         pipeline, KEYS, resource=GpuInferenceResource(), instance=instance
@@ -135,9 +104,9 @@ def test_a_failure_after_a_commit_and_the_retry_leave_each_row_once(root, instan
     uri = str(root / "lake" / "emb")
     pipeline = _pipeline(root, DeltaSink(uri=uri))
     for key in KEYS:
-        _write_shard(root, key, 5)
-    _commit(pipeline, "p0", _embeddings("p0", 5))
-    broken = _commit(pipeline, "p1", _embeddings("p1", 5))
+        write_text_shard(root, key, 5)
+    commit_rows(pipeline, "p0", _embeddings("p0", 5))
+    broken = commit_rows(pipeline, "p1", _embeddings("p1", 5))
     (root / "out" / "emb" / "p1" / broken.parts[0].name).unlink()
 
     failed = materialize_partitions(
@@ -150,9 +119,9 @@ def test_a_failure_after_a_commit_and_the_retry_leave_each_row_once(root, instan
     assert sorted(after_failure["id"].to_list()) == [f"p0-{i}" for i in range(5)]
 
     time.sleep(0.01)
-    _write_shard(root, "p1", 5)  # recomputed from a rewritten shard, as a retry would
+    write_text_shard(root, "p1", 5)  # recomputed from a rewritten shard, as a retry would
     p1 = _embeddings("p1", 5, seed=1)
-    _commit(pipeline, "p1", p1)
+    commit_rows(pipeline, "p1", p1)
     retried = materialize_partitions(
         pipeline, KEYS, resource=GpuInferenceResource(), instance=instance
     )
@@ -168,16 +137,16 @@ def test_a_rematerialization_replaces_the_partition_without_leftovers(root, inst
     uri = str(root / "lake" / "emb")
     pipeline = _pipeline(root, DeltaSink(uri=uri))
     for key in KEYS:
-        _write_shard(root, key, 6)
-        _commit(pipeline, key, _embeddings(key, 6))
+        write_text_shard(root, key, 6)
+        commit_rows(pipeline, key, _embeddings(key, 6))
     assert materialize_partitions(
         pipeline, KEYS, resource=GpuInferenceResource(), instance=instance
     ).success
 
     time.sleep(0.01)  # a new mtime for the rewritten shard
-    _write_shard(root, "p0", 3)  # the shard shrank: rows p0-3..p0-5 are gone
+    write_text_shard(root, "p0", 3)  # the shard shrank: rows p0-3..p0-5 are gone
     fresh = _embeddings("p0", 3, seed=1)
-    _commit(pipeline, "p0", fresh)
+    commit_rows(pipeline, "p0", fresh)
     assert materialize_partitions(
         pipeline, ["p0"], resource=GpuInferenceResource(), instance=instance
     ).success
@@ -193,11 +162,11 @@ def test_an_older_commit_never_replaces_a_newer_one(root):
     sink = DeltaSink(uri=uri)
     pipeline = _pipeline(root, sink)
     spec = InferenceSpec.model_validate(pipeline.spec)
-    _write_shard(root, "p0", 3)
-    older = _commit(pipeline, "p0", _embeddings("p0", 3))
+    write_text_shard(root, "p0", 3)
+    older = commit_rows(pipeline, "p0", _embeddings("p0", 3))
     time.sleep(0.01)
-    _write_shard(root, "p0", 2)
-    newer = _commit(pipeline, "p0", _embeddings("p0", 2, seed=5))
+    write_text_shard(root, "p0", 2)
+    newer = commit_rows(pipeline, "p0", _embeddings("p0", 2, seed=5))
     assert write_delta_partitions(sink, spec, {"p0": newer})["p0"].rows == 2
 
     late = write_delta_partitions(sink, spec, {"p0": older})["p0"]
@@ -211,8 +180,8 @@ def test_rows_that_disagree_with_the_manifest_commit_nothing(root):
     sink = DeltaSink(uri=uri)
     pipeline = _pipeline(root, sink)
     spec = InferenceSpec.model_validate(pipeline.spec)
-    _write_shard(root, "p0", 4)
-    manifest = _commit(pipeline, "p0", _embeddings("p0", 4))
+    write_text_shard(root, "p0", 4)
+    manifest = commit_rows(pipeline, "p0", _embeddings("p0", 4))
     write_delta_partitions(sink, spec, {"p0": manifest})
     version = open_table(uri, None).version()
 
@@ -233,8 +202,8 @@ def test_two_concurrent_writers_of_one_partition_end_with_one_copy(root):
     uri = str(root / "lake" / "emb")
     sink = DeltaSink(uri=uri)
     pipeline = _pipeline(root, sink)
-    _write_shard(root, "p0", 60)
-    manifest = _commit(pipeline, "p0", _embeddings("p0", 60))
+    write_text_shard(root, "p0", 60)
+    manifest = commit_rows(pipeline, "p0", _embeddings("p0", 60))
     start = threading.Barrier(2)
     outcomes: list[object] = []
 
@@ -270,7 +239,7 @@ def test_generated_text_goes_to_a_text_column(root):
     sink = DeltaSink(uri=uri)
     pipeline = _pipeline(root, sink, task="generate")
     spec = InferenceSpec.model_validate(pipeline.spec)
-    _write_shard(root, "p0", 2)
+    write_text_shard(root, "p0", 2)
     outputs = pa.table({"id": ["p0-0", "p0-1"], "text": ['it\'s "quoted"', "line\nbreak"]})
     manifest = commit_by_hand(spec, "p0", parts=[outputs])
 
@@ -288,16 +257,16 @@ def test_the_table_on_the_loopback_s3_is_replaced_whole(root, s3_server, instanc
     uri = f"s3://{bucket}/tables/emb"
     pipeline = _pipeline(root, DeltaSink(uri=uri, storage=storage))
     for key in KEYS:
-        _write_shard(root, key, 5)
-        _commit(pipeline, key, _embeddings(key, 5))
+        write_text_shard(root, key, 5)
+        commit_rows(pipeline, key, _embeddings(key, 5))
     assert materialize_partitions(
         pipeline, KEYS, resource=GpuInferenceResource(), instance=instance
     ).success
 
     time.sleep(0.01)
-    _write_shard(root, "p1", 3)
+    write_text_shard(root, "p1", 3)
     fresh = _embeddings("p1", 3, seed=2)
-    _commit(pipeline, "p1", fresh)
+    commit_rows(pipeline, "p1", fresh)
     assert materialize_partitions(
         pipeline, KEYS, resource=GpuInferenceResource(), instance=instance
     ).success
@@ -347,9 +316,11 @@ def test_a_writer_killed_mid_way_and_rerun_leaves_every_partition_whole_and_once
     spec = InferenceSpec.model_validate(pipeline.spec)
     manifests = []
     for key in keys:
-        _write_shard(root, key, rows)
+        write_text_shard(root, key, rows)
         table = _embeddings(key, rows)
-        manifests.append(_commit(pipeline, key, table.slice(0, rows // 2), table.slice(rows // 2)))
+        manifests.append(
+            commit_rows(pipeline, key, table.slice(0, rows // 2), table.slice(rows // 2))
+        )
     (root / "spec.json").write_text(spec.model_dump_json())
     (root / "manifests.json").write_text(
         "[" + ",".join(m.model_dump_json() for m in manifests) + "]"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import dagster as dg
+import deltalake
 import pyarrow as pa
 import pytest
 from support import commit_by_hand
@@ -21,8 +22,6 @@ from dagster_gpuinfer.storage import committed_manifest, input_version, model_ve
 from dagster_gpuinfer.storage.delta import partition_values
 from dagster_gpuinfer.worker.errors import ShardError
 from dagster_gpuinfer.worker.rows.readers import ShardReader
-
-deltalake = pytest.importorskip("deltalake")
 
 
 def _rows(day: str, start: int, count: int, prefix: str = "t") -> pa.Table:

@@ -25,11 +25,11 @@ from dagster_gpuinfer.k8s.names import RunIdentity
 from dagster_gpuinfer.k8s.pod import build_worker_pod
 from dagster_gpuinfer.k8s.pool_backend import K8sPoolBackend
 from dagster_gpuinfer.k8s.pool_pod import (
-    LEASE_QUEUE_ENV,
     POOL_LABEL,
     build_pool_pod,
     pool_pod_name,
 )
+from dagster_gpuinfer.pools import QUEUE_ENV
 from dagster_gpuinfer.spec import InferenceSpec
 from resources.k8s import k8s_launcher_config
 
@@ -64,10 +64,10 @@ def test_pool_pod_validates_strictly_and_runs_the_worker_in_pool_mode():
         "15",
     ]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    queue = [e for e in container["env"] if e["name"] == LEASE_QUEUE_ENV]
+    queue = [e for e in container["env"] if e["name"] == QUEUE_ENV]
     assert queue == [
         {
-            "name": LEASE_QUEUE_ENV,
+            "name": QUEUE_ENV,
             "valueFrom": {
                 "secretKeyRef": {"name": "gpuinfer-lease-queue", "key": "url", "optional": False}
             },

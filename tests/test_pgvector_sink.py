@@ -19,19 +19,21 @@ import time
 import uuid
 from pathlib import Path
 
-import dagster as dg
 import numpy as np
 import pyarrow as pa
 import pytest
 from support import (
     commit_by_hand,
+    commit_rows,
+    embed_pipeline,
+    embedding_rows,
     failure_message,
     materialize_partitions,
     partition_metadata,
-    write_parquet,
+    write_text_shard,
 )
 
-from dagster_gpuinfer import GpuInferenceResource, InferenceSpec, InputSpec, inference_assets
+from dagster_gpuinfer import GpuInferenceResource, InferenceSpec, InputSpec
 from dagster_gpuinfer.resource import InvalidInferenceSpec
 from dagster_gpuinfer.sinks import PgVectorSink
 from dagster_gpuinfer.sinks.materialize import write_partitions
@@ -86,43 +88,11 @@ def _sink(**changes) -> PgVectorSink:
 
 
 def _pipeline(root: Path, sink: PgVectorSink | None = None, **changes):
-    settings = {
-        "name": "emb",
-        "model": str(root / "model"),
-        "task": "embed",
-        "input": InputSpec(uri=str(root / "in" / "{partition_key}.parquet")),
-        "output_root": str(root / "out"),
-        "partitions_def": dg.StaticPartitionsDefinition(KEYS),
-        "sink": sink or _sink(),
-        **changes,
-    }
-    return inference_assets(**settings)
-
-
-def _write_shard(root: Path, key: str, rows: int) -> None:
-    write_parquet(
-        root / "in" / f"{key}.parquet",
-        {"id": [f"{key}-{i}" for i in range(rows)], "text": [f"{key} {i}" for i in range(rows)]},
-    )
+    return embed_pipeline(root, KEYS, sink=sink or _sink(), **changes)
 
 
 def _embeddings(key: str, rows: int, *, seed: int = 0, nan_at: int | None = None) -> pa.Table:
-    """Output rows as the embed task writes them: id, embedding (fixed-size float32)."""
-    rng = np.random.default_rng(abs(hash((key, seed))) % (2**32))
-    vectors = rng.standard_normal((rows, DIM)).astype(np.float32)
-    if nan_at is not None:
-        vectors[nan_at, 0] = np.nan
-    return pa.table(
-        {
-            "id": pa.array([f"{key}-{i}" for i in range(rows)], pa.string()),
-            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), DIM),
-            "prompt_tokens": pa.array([3] * rows, pa.int32()),
-        }
-    )
-
-
-def _commit(pipeline, key: str, *parts: pa.Table):
-    return commit_by_hand(InferenceSpec.model_validate(pipeline.spec), key, parts=list(parts))
+    return embedding_rows(key, rows, DIM, seed=seed, nan_at=nan_at)
 
 
 @pytest.fixture
@@ -153,9 +123,9 @@ def test_a_materialization_writes_exactly_the_committed_rows(root, database, ins
     pipeline = _pipeline(root)
     parts = {}
     for key in KEYS:
-        _write_shard(root, key, 7)
+        write_text_shard(root, key, 7)
         parts[key] = (_embeddings(key, 4), _embeddings(key, 7).slice(4))
-        _commit(pipeline, key, *parts[key])
+        commit_rows(pipeline, key, *parts[key])
 
     result = materialize_partitions(
         pipeline, KEYS, resource=GpuInferenceResource(), instance=instance
@@ -188,16 +158,16 @@ def test_a_rematerialization_after_the_shard_changed_replaces_the_partition(
 ):
     pipeline = _pipeline(root)
     for key in KEYS:
-        _write_shard(root, key, 6)
-        _commit(pipeline, key, _embeddings(key, 6))
+        write_text_shard(root, key, 6)
+        commit_rows(pipeline, key, _embeddings(key, 6))
     assert materialize_partitions(
         pipeline, KEYS, resource=GpuInferenceResource(), instance=instance
     ).success
 
     time.sleep(0.01)  # a new mtime for the rewritten shard
-    _write_shard(root, "p0", 3)  # the shard shrank: rows p0-3..p0-5 are gone
+    write_text_shard(root, "p0", 3)  # the shard shrank: rows p0-3..p0-5 are gone
     fresh = _embeddings("p0", 3, seed=1)
-    _commit(pipeline, "p0", fresh)
+    commit_rows(pipeline, "p0", fresh)
     result = materialize_partitions(
         pipeline, ["p0"], resource=GpuInferenceResource(), instance=instance
     )
@@ -213,17 +183,17 @@ def test_a_rematerialization_after_the_shard_changed_replaces_the_partition(
 
 def test_a_bad_row_in_the_middle_of_the_write_leaves_the_previous_state(root, database, instance):
     pipeline = _pipeline(root, sink=_sink(batch_rows=2))
-    _write_shard(root, "p0", 5)
-    _commit(pipeline, "p0", _embeddings("p0", 5))
+    write_text_shard(root, "p0", 5)
+    commit_rows(pipeline, "p0", _embeddings("p0", 5))
     assert materialize_partitions(
         pipeline, ["p0"], resource=GpuInferenceResource(), instance=instance
     ).success
     before = _sink_rows(database, "p0")
 
     time.sleep(0.01)
-    _write_shard(root, "p0", 6)
+    write_text_shard(root, "p0", 6)
     # Batches of two rows: the first two are sent before the server refuses a NaN.
-    _commit(pipeline, "p0", _embeddings("p0", 6, seed=2, nan_at=3))
+    commit_rows(pipeline, "p0", _embeddings("p0", 6, seed=2, nan_at=3))
     result = materialize_partitions(
         pipeline,
         ["p0"],
@@ -242,8 +212,8 @@ def test_a_bad_row_in_the_middle_of_the_write_leaves_the_previous_state(root, da
 
 def _manifest_and_spec(root: Path, rows: int, **changes):
     pipeline = _pipeline(root, **changes)
-    _write_shard(root, "p0", rows)
-    manifest = _commit(pipeline, "p0", _embeddings("p0", rows))
+    write_text_shard(root, "p0", rows)
+    manifest = commit_rows(pipeline, "p0", _embeddings("p0", rows))
     return InferenceSpec.model_validate(pipeline.spec), manifest
 
 
@@ -313,7 +283,7 @@ def test_an_older_commit_never_replaces_a_newer_one_in_the_sink(root, database):
     sink = _sink()
     spec, older = _manifest_and_spec(root, 3)
     time.sleep(0.01)
-    _write_shard(root, "p0", 2)
+    write_text_shard(root, "p0", 2)
     newer = commit_by_hand(spec, "p0", parts=[_embeddings("p0", 2, seed=5)])
     assert write_partitions(sink, spec, {"p0": newer})["p0"].rows == 2
 
@@ -355,11 +325,11 @@ def test_a_nearest_neighbour_query_finds_each_rows_own_embedding_first(root, dat
 
 def test_generated_text_goes_to_a_text_column(root, database):
     pipeline = _pipeline(root, sink=_sink(table="completions"), task="generate")
-    _write_shard(root, "p0", 2)
+    write_text_shard(root, "p0", 2)
     output = pa.table(
         {"id": ["p0-0", "p0-1"], "text": ['say "hi",\nthen go', ""], "finish_reason": ["stop"] * 2}
     )
-    manifest = _commit(pipeline, "p0", output)
+    manifest = commit_rows(pipeline, "p0", output)
     spec = InferenceSpec.model_validate(pipeline.spec)
 
     assert write_partitions(_sink(table="completions"), spec, {"p0": manifest})["p0"].rows == 2

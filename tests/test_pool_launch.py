@@ -385,10 +385,11 @@ def test_the_asset_estimate_counts_a_live_idle_pool_worker_as_warm(tmp_path):
     assert (per_run.launch, per_run.engine_builds) == ("run", per_run.runs)
 
 
-def test_the_reconciler_starts_the_worker_module():
-    from dagster_gpuinfer.pools.reconciler import WORKER_MODULE as started
+def test_the_reconciler_starts_the_worker_module(tmp_path):
     from dagster_gpuinfer.worker import WORKER_MODULE
 
+    backend = GpuInferenceResource(pool={"queue": str(tmp_path / "q.db")}).pool_backend()
+    started = backend.command[2]
     assert started == WORKER_MODULE
 
 

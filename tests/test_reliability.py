@@ -283,11 +283,26 @@ def test_killed_worker_resumes_without_recomputing_committed_chunks(tmp_path, ti
 def test_two_concurrent_runs_of_one_partition_commit_it_exactly_once(tmp_path, tiny_llama_dir):
     write_prompts(tmp_path / "in" / "p0.jsonl", 400)
     script = Path(__file__).with_name("concurrent_run.py")
-    runs = [
-        subprocess.Popen([sys.executable, str(script), str(tmp_path), tiny_llama_dir])
-        for _ in range(2)
-    ]
-    assert [run.wait(timeout=900) for run in runs] == [0, 0], "both runs must succeed"
+    # Each run's output (its worker's and engine's with it) goes to a file, so a failed run
+    # shows why in the assertion: the head holds an engine process's traceback.
+    logs = [tmp_path / f"run-{index}.log" for index in range(2)]
+    runs = []
+    for log in logs:
+        with open(log, "w") as out:
+            runs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), str(tmp_path), tiny_llama_dir],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    codes = [run.wait(timeout=900) for run in runs]
+    outputs = [log.read_text(errors="replace") for log in logs]
+    assert codes == [0, 0], "both runs must succeed; " + "\n".join(
+        f"run {index} exited {code}:\n{text[:5000]}\n...\n{text[-3000:]}"
+        for index, (code, text) in enumerate(zip(codes, outputs, strict=True))
+        if code != 0
+    )
 
     fs, path = storage.filesystem_for(str(tmp_path / "out" / "gen" / "p0"))
     manifest = storage.read_manifest(fs, path)

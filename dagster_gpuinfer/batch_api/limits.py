@@ -36,18 +36,16 @@ Settings: a YAML (or JSON) file named by `GPUINFER_BATCH_LIMITS` or `serve --lim
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dagster_gpuinfer.batch_api.settings import load_settings_file
 
 LIMITS_ENV = "GPUINFER_BATCH_LIMITS"
 # What a quota's 429 tells the client to wait before it tries again: freeing a quota takes
 # a batch finishing or the tenant deleting files, nothing a client's fast retry can do.
 QUOTA_RETRY_SECONDS = 30
-IN_FLIGHT = ("validating", "in_progress", "finalizing", "cancelling")
 
 
 class TenantLimits(BaseModel):
@@ -106,14 +104,7 @@ def load_limit_settings(source: str | None = None) -> LimitSettings:
     Raises:
         ValueError: the file is not valid limit settings (the message names the field).
     """
-    path = source or os.environ.get(LIMITS_ENV)
-    if not path:
-        return LimitSettings()
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    try:
-        return LimitSettings.model_validate(data)
-    except ValueError as exc:
-        raise ValueError(f"limit settings {path}: {exc}") from None
+    return load_settings_file(LimitSettings, source, LIMITS_ENV, "limit settings")
 
 
 def retry_seconds(seconds: float) -> int:

@@ -43,7 +43,6 @@ from dagster_gpuinfer.batch_api.webhooks import WebhookSettings, deliver_due
 from dagster_gpuinfer.storage import RowCounts, partition_progress
 
 ACTIVE = ("in_progress", "cancelling", "finalizing")
-TERMINAL = ("failed", "completed", "expired", "cancelled")
 log = logging.getLogger(__name__)
 _WINDOW = re.compile(r"(\d{1,5})([smh])")
 # OpenAI's one window; shorter ones are accepted (tests, small jobs), longer ones are not.

@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel
 
 from dagster_gpuinfer.spec import StorageOptions
+
+Settings = TypeVar("Settings", bound=BaseModel)
 
 STORE_URL_ENV = "GPUINFER_BATCH_STORE_URL"
 FILES_ROOT_ENV = "GPUINFER_BATCH_FILES_ROOT"
@@ -45,3 +50,25 @@ def storage_options() -> StorageOptions:
         region=os.environ.get("GPUINFER_S3_REGION") or None,
         allow_http=bool(endpoint and endpoint.startswith("http://")),
     )
+
+
+def load_settings_file(
+    model: type[Settings], source: str | os.PathLike | None, env: str, what: str
+) -> Settings:
+    """`model` read from the YAML (or JSON) file `source`, else the file `$env` names;
+    `model()`, its defaults, without either.
+
+    Raises:
+        ValueError: the file does not hold valid settings; the message starts with `what`
+            and the file, and names the field.
+    """
+    import yaml
+
+    path = source or os.environ.get(env)
+    if not path:
+        return model()
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        return model.model_validate(data)
+    except ValueError as exc:
+        raise ValueError(f"{what} {path}: {exc}") from None

@@ -42,10 +42,11 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from dagster_gpuinfer.batch_api.settings import load_settings_file
 
 log = logging.getLogger(__name__)
 
@@ -163,16 +164,7 @@ def load_webhook_settings(path: str | os.PathLike | None = None) -> WebhookSetti
         ValueError: the file is not valid settings (a plain `secret:` key among them: the
             settings name variables, never secrets).
     """
-    import yaml
-
-    source = path or os.environ.get(WEBHOOKS_ENV)
-    if not source:
-        return WebhookSettings()
-    data = yaml.safe_load(Path(source).read_text()) or {}
-    try:
-        return WebhookSettings.model_validate(data)
-    except ValueError as exc:
-        raise ValueError(f"webhook settings {source}: {exc}") from None
+    return load_settings_file(WebhookSettings, path, WEBHOOKS_ENV, "webhook settings")
 
 
 def check_secret(secret: str, *, where: str) -> None:

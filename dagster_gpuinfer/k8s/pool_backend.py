@@ -28,7 +28,8 @@ import kubernetes
 from dagster_k8s.client import DagsterKubernetesClient
 
 from dagster_gpuinfer.k8s.config import LABEL_PREFIX, K8sLauncherConfig
-from dagster_gpuinfer.k8s.pool_pod import LEASE_QUEUE_ENV, build_pool_pod, pool_selector
+from dagster_gpuinfer.k8s.pool_pod import build_pool_pod, pool_selector
+from dagster_gpuinfer.pools import QUEUE_ENV
 
 log = logging.getLogger("dagster_gpuinfer.k8s")
 
@@ -109,7 +110,7 @@ class K8sPoolBackend:
             idle_ttl_s=float(settings.idle_ttl_s),
             lease_ttl_s=float(settings.lease_ttl_s),
             gpus=gpus,
-            extra_env={k: v for k, v in env.items() if k != LEASE_QUEUE_ENV},
+            extra_env={k: v for k, v in env.items() if k != QUEUE_ENV},
         )
 
     def start(self, pool_key: str, worker_id: str, settings: Any, env: Mapping[str, str]) -> str:

@@ -26,11 +26,11 @@ from typing import Any
 from dagster_gpuinfer.k8s.config import KUEUE_QUEUE_LABEL, K8sLauncherConfig
 from dagster_gpuinfer.k8s.names import dns_label
 from dagster_gpuinfer.k8s.pool_pod import (
-    LEASE_QUEUE_ENV,
     POOL_COMPONENT,
     POOL_LABEL,
     pool_pod_template,
 )
+from dagster_gpuinfer.pools import DEFAULT_IDLE_TTL_S, DEFAULT_LEASE_TTL_S, QUEUE_ENV
 from dagster_gpuinfer.pools.backlog import backlog_query
 
 KEDA_API_VERSION = "keda.sh/v1alpha1"
@@ -42,8 +42,8 @@ def build_pool_scaled_job(
     *,
     max_workers: int = 1,
     items_per_worker: int = 1,
-    idle_ttl_s: float = 300.0,
-    lease_ttl_s: float = 30.0,
+    idle_ttl_s: float = DEFAULT_IDLE_TTL_S,
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
     gpus: int = 1,
     polling_interval_s: int = 15,
     extra_env: Mapping[str, str] | None = None,
@@ -119,7 +119,7 @@ def build_pool_scaled_job(
                         "query": backlog_query(pool_key),
                         "targetQueryValue": str(items_per_worker),
                         "activationTargetQueryValue": "0",
-                        "connectionFromEnv": LEASE_QUEUE_ENV,
+                        "connectionFromEnv": QUEUE_ENV,
                     },
                 }
             ],

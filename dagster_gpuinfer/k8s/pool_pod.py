@@ -46,12 +46,12 @@ from dagster_gpuinfer.k8s.config import (
 from dagster_gpuinfer.k8s.names import LABEL_NAME, _short_hash, dns_label
 from dagster_gpuinfer.k8s.pod import _container_env, _pod_spec, _volumes, _worker_container
 from dagster_gpuinfer.k8s.validation import validate_launcher_config
+from dagster_gpuinfer.pools import DEFAULT_IDLE_TTL_S, DEFAULT_LEASE_TTL_S, QUEUE_ENV
+from dagster_gpuinfer.pools.reconciler import pool_worker_args
 
 POOL_LABEL = "gpuinfer/pool"
 """The label that selects a pool's worker pods; its value is the pool key."""
 POOL_COMPONENT = "pool-worker"
-LEASE_QUEUE_ENV = "GPUINFER_LEASE_QUEUE"
-"""The pool worker reads the lease queue's location from it (`--queue` is its fallback)."""
 POD_NAME_ENV = "GPUINFER_POD_NAME"
 _POD_NAME_PREFIX = "gpuinfer-pool-"
 
@@ -72,29 +72,13 @@ def pool_selector(pool_key: str) -> str:
     return f"{POOL_LABEL}={pool_key}"
 
 
-def pool_worker_args(
-    pool_key: str, worker_id: str, *, idle_ttl_s: float, lease_ttl_s: float
-) -> list[str]:
-    """The worker's arguments in pool mode (after `k8s.command`)."""
-    return [
-        "--pool",
-        pool_key,
-        "--worker-id",
-        worker_id,
-        "--idle-ttl",
-        f"{idle_ttl_s:g}",
-        "--lease-ttl",
-        f"{lease_ttl_s:g}",
-    ]
-
-
 def build_pool_pod(
     pool_key: str,
     worker_id: str,
     config: K8sLauncherConfig,
     *,
-    idle_ttl_s: float = 300.0,
-    lease_ttl_s: float = 30.0,
+    idle_ttl_s: float = DEFAULT_IDLE_TTL_S,
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
     gpus: int = 1,
     extra_env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
@@ -145,8 +129,8 @@ def pool_pod_template(
     pool_key: str,
     config: K8sLauncherConfig,
     *,
-    idle_ttl_s: float = 300.0,
-    lease_ttl_s: float = 30.0,
+    idle_ttl_s: float = DEFAULT_IDLE_TTL_S,
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
     gpus: int = 1,
     extra_env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
@@ -214,7 +198,7 @@ def _pool_env(config: K8sLauncherConfig) -> list[dict[str, Any]]:
         "optional": False,
     }
     return [
-        {"name": LEASE_QUEUE_ENV, "valueFrom": {"secretKeyRef": secret}},
+        {"name": QUEUE_ENV, "valueFrom": {"secretKeyRef": secret}},
         {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
 

@@ -41,17 +41,21 @@ import abc
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Clock = Callable[[], float]
 ItemState = Literal["queued", "leased", "done", "failed", "cancelled"]
 EventKind = Literal["log", "progress", "result"]
 WorkerState = Literal["starting", "loading", "idle", "busy", "draining"]
-EVENT_KINDS: tuple[str, ...] = ("log", "progress", "result")
-WORKER_STATES: tuple[str, ...] = ("starting", "loading", "idle", "busy", "draining")
+EVENT_KINDS: tuple[str, ...] = get_args(EventKind)
+WORKER_STATES: tuple[str, ...] = get_args(WorkerState)
 JobState = Literal["running", "done", "failed", "cancelled"]
 
 DEFAULT_MAX_ATTEMPTS = 3
+# A lease lapses this long after its last heartbeat (the worker beats every third of it).
+DEFAULT_LEASE_TTL_S = 30.0
+# A pool worker exits after this long without a lease: how a pool scales back to zero.
+DEFAULT_IDLE_TTL_S = 300.0
 
 
 class LeaseQueueError(Exception):

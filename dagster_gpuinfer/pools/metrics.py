@@ -32,12 +32,11 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from dagster_gpuinfer.pools.lease_queue import LeaseQueue
+from dagster_gpuinfer.pools.lease_queue import WORKER_STATES, LeaseQueue
 
 log = logging.getLogger("dagster_gpuinfer")
 
 PUSH_JOB = "gpuinfer_pools"
-WORKER_STATES = ("starting", "loading", "idle", "busy", "draining")
 # Every metric of the pools' collector (the dashboard and rule tests check queries with it).
 POOL_METRICS = (
     "gpuinfer_pool_workers",

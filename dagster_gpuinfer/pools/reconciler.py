@@ -10,7 +10,8 @@ job in the meantime).
 Backends start one worker of a pool:
 
 - `LocalPoolBackend` (here): a detached `python -m dagster_gpuinfer.worker --pool KEY`
-  subprocess on this host, its output in a log file beside the queue.
+  subprocess on this host, its output in a log file beside the queue; the control plane
+  gives it the worker's command, as it gives a pool pod its `k8s.command`.
 - `K8sPoolBackend` (`dagster_gpuinfer.k8s`): a pool pod.
 
 A started worker is reported to the queue as `starting` *before* it is started, so a
@@ -28,19 +29,17 @@ import fcntl
 import os
 import socket
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from dagster_gpuinfer.pools.stores import QUEUE_ENV
+
 if TYPE_CHECKING:
     from dagster_gpuinfer.pools.lease_queue import LeaseQueue, PoolStats, PoolWorker
 
-QUEUE_ENV = "GPUINFER_LEASE_QUEUE"
-# `dagster_gpuinfer.worker.WORKER_MODULE`, named here: a shared module imports no worker.
-WORKER_MODULE = "dagster_gpuinfer.worker"
 # A worker that stops counting toward its pool: it is going away.
 LEAVING_STATES = frozenset({"draining"})
 
@@ -145,22 +144,20 @@ def new_worker_id() -> str:
     return f"w-{uuid.uuid4().hex[:10]}"
 
 
-def worker_command(
-    python_executable: str, pool_key: str, worker_id: str, settings: WorkerSettings
+def pool_worker_args(
+    pool_key: str, worker_id: str, *, idle_ttl_s: float, lease_ttl_s: float
 ) -> list[str]:
-    """The pool worker's command line (the queue location travels in the environment)."""
+    """The worker's arguments in pool mode, after its command (`python -m
+    dagster_gpuinfer.worker`); the queue location travels in the environment."""
     return [
-        python_executable,
-        "-m",
-        WORKER_MODULE,
         "--pool",
         pool_key,
         "--worker-id",
         worker_id,
         "--idle-ttl",
-        str(settings.idle_ttl_s),
+        f"{idle_ttl_s:g}",
         "--lease-ttl",
-        str(settings.lease_ttl_s),
+        f"{lease_ttl_s:g}",
     ]
 
 
@@ -174,15 +171,14 @@ class LocalPoolBackend:
     Args:
         queue_location: The lease queue, passed to the worker as `GPUINFER_LEASE_QUEUE`.
         log_dir: Where worker logs and the reconcile lock live (beside the queue file).
-        python_executable: The Python that runs the worker (a venv with vllm).
+        command: The worker's command (`[python, "-m", WORKER_MODULE]`, a Python with
+            vllm), before `pool_worker_args`.
     """
 
-    def __init__(
-        self, queue_location: str, log_dir: str | Path, *, python_executable: str | None = None
-    ) -> None:
+    def __init__(self, queue_location: str, log_dir: str | Path, *, command: Sequence[str]) -> None:
         self.queue_location = queue_location
         self.log_dir = Path(log_dir)
-        self.python_executable = python_executable or sys.executable
+        self.command = list(command)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
     def log_path(self, pool_key: str, worker_id: str) -> Path:
@@ -203,7 +199,9 @@ class LocalPoolBackend:
         self, pool_key: str, worker_id: str, settings: WorkerSettings, env: Mapping[str, str]
     ) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        command = worker_command(self.python_executable, pool_key, worker_id, settings)
+        command = self.command + pool_worker_args(
+            pool_key, worker_id, idle_ttl_s=settings.idle_ttl_s, lease_ttl_s=settings.lease_ttl_s
+        )
         with open(self.log_path(pool_key, worker_id), "ab") as log:
             self.processes[worker_id] = subprocess.Popen(
                 command,

@@ -28,6 +28,7 @@ from dagster_gpuinfer.sinks.pgvector_write import (
     SinkWrite,
     connect,
     ensure_table,
+    first_line,
     replace_partition,
 )
 from dagster_gpuinfer.spec import InferenceSpec
@@ -112,17 +113,12 @@ def write_delta_partitions(
         except Exception as exc:  # delta-rs: storage, a conflicting commit, the schema
             raise SinkError(
                 f"partition {key!r}: writing to {sink.describe()} failed "
-                f"({type(exc).__name__}: {_first_line(exc)}); the table holds the partition "
+                f"({type(exc).__name__}: {first_line(exc)[:500]}); the table holds the partition "
                 "as it was",
                 retryable=_retryable_delta_error(exc),
             ) from None
         writes[key] = SinkWrite(partition_key=key, rows=rows, superseded=superseded)
     return writes
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:500] if text else type(exc).__name__
 
 
 def _retryable_delta_error(exc: Exception) -> bool:

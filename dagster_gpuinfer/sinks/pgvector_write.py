@@ -94,9 +94,9 @@ def connect(sink: PgVectorSink) -> Any:
             url, connect_timeout=sink.connect_timeout, application_name="dagster-gpuinfer sink"
         )
     except psycopg2.OperationalError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SinkError(
-            f"cannot connect to the {sink.describe()} sink's database ({sink.url_env}): {first}",
+            f"cannot connect to the {sink.describe()} sink's database ({sink.url_env}): "
+            f"{first_line(exc)}",
             retryable=True,
         ) from None
 
@@ -260,19 +260,20 @@ def replace_partition(
     except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
         raise SinkError(
             f"partition {key!r}: the connection to {sink.describe()} failed mid-write "
-            f"({_first_line(exc)}); the transaction was rolled back, the table holds the "
+            f"({first_line(exc)}); the transaction was rolled back, the table holds the "
             "partition as it was",
             retryable=True,
         ) from None
     except psycopg2.Error as exc:
         raise SinkError(
-            f"partition {key!r}: {sink.describe()} refused the rows ({_first_line(exc)}); the "
+            f"partition {key!r}: {sink.describe()} refused the rows ({first_line(exc)}); the "
             "transaction was rolled back, the table holds the partition as it was",
             retryable=False,
         ) from None
     return SinkWrite(partition_key=key, rows=rows)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of the error's message; its type's name when it has none."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

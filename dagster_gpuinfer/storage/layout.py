@@ -24,7 +24,12 @@ from dagster_gpuinfer.storage.files import (
     read_bytes,
     write_bytes_atomic,
 )
-from dagster_gpuinfer.storage.versions import SourceVersion, model_version, source_version
+from dagster_gpuinfer.storage.versions import (
+    SourceVersion,
+    adapter_versions,
+    model_version,
+    source_version,
+)
 
 MANIFEST_NAME = "_SUCCESS"
 
@@ -245,7 +250,11 @@ MODEL_AS_RECORDED = "as recorded"
 
 
 def committed_manifest(
-    spec: InferenceSpec, partition_key: str, *, model: str | None
+    spec: InferenceSpec,
+    partition_key: str,
+    *,
+    model: str | None,
+    adapters: str | None | bool = True,
 ) -> Manifest | None:
     """The manifest of `partition_key` if it was committed for this exact spec from the
     shard and model files as they are now, else None (recompute it).
@@ -254,12 +263,13 @@ def committed_manifest(
         model: `model_version(spec)`, computed once by the caller for all its partitions;
             `MODEL_AS_RECORDED` where the folder cannot be read (the control plane of pods
             whose model cache it does not mount): the manifest's own record counts.
+        adapters: `adapter_versions(spec)`, computed once by the caller; True (the
+            default): read them now. With `MODEL_AS_RECORDED`, the manifest's record.
     """
     fs, path = filesystem_for(partition_dir(spec.output, partition_key), spec.storage)
     manifest = read_manifest(fs, path)
     if manifest is None or manifest.spec_hash != spec.spec_hash() or manifest.source is None:
         return None
-    adapters: str | None | bool = True  # read now
     if model == MODEL_AS_RECORDED:  # the pods' model cache: adapters live there too
         model, adapters = manifest.source.model, manifest.source.adapters
     try:
@@ -270,7 +280,8 @@ def committed_manifest(
 
 
 def committed_manifests(spec: InferenceSpec, partition_keys: Iterable[str]) -> dict[str, Manifest]:
-    """`committed_manifest` of each key that has one, the model folder's version read once.
+    """`committed_manifest` of each key that has one, the versions of the model folder and
+    the LoRA adapters read once.
 
     A model folder this process cannot see (a pod's model cache, mounted only in the pods)
     is taken as each manifest recorded it: the shard and the spec are still checked, and
@@ -278,13 +289,19 @@ def committed_manifests(spec: InferenceSpec, partition_keys: Iterable[str]) -> d
     under the same path there go unnoticed for partitions skipped here, so give each model
     revision its own folder in the cache (as the Hugging Face cache's snapshots do).
     """
+    adapters: str | None | bool = True  # as recorded, with the model
     try:
         model = model_version(spec)
     except FileNotFoundError:
         model = MODEL_AS_RECORDED
+    else:
+        try:  # once, not per partition: an S3 adapter is a listing and a HEAD a file
+            adapters = adapter_versions(spec)
+        except FileNotFoundError:
+            return {}  # an adapter is gone: nothing proves any output is its
     found = {}
     for key in partition_keys:
-        manifest = committed_manifest(spec, key, model=model)
+        manifest = committed_manifest(spec, key, model=model, adapters=adapters)
         if manifest is not None:
             found[key] = manifest
     return found

@@ -42,6 +42,7 @@ import os
 import sys
 from typing import Any
 
+from dagster_gpuinfer.pools import QUEUE_ENV
 from dagster_gpuinfer.worker import lifecycle
 from dagster_gpuinfer.worker.errors import (
     Drained,
@@ -55,7 +56,6 @@ from dagster_gpuinfer.worker.pool.loop import (
     DEFAULT_IDLE_TTL_S,
     DEFAULT_LEASE_TTL_S,
     DEFAULT_POLL_S,
-    QUEUE_ENV,
     run_pool_worker,
 )
 from dagster_gpuinfer.worker.run.env_references import apply_env_references

@@ -10,7 +10,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dagster_gpuinfer.pools import Lease, LeaseLostError, LeaseQueue, open_lease_queue
+from dagster_gpuinfer.pools import (
+    DEFAULT_IDLE_TTL_S,
+    DEFAULT_LEASE_TTL_S,
+    QUEUE_ENV,
+    Lease,
+    LeaseLostError,
+    LeaseQueue,
+    default_queue_location,
+    open_lease_queue,
+)
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.worker import lifecycle
 from dagster_gpuinfer.worker.errors import WorkerError, cap_message, engine_death_in
@@ -22,12 +31,7 @@ from dagster_gpuinfer.worker.run.engine_version import check_engine_version
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 
-DEFAULT_IDLE_TTL_S = 300.0
-DEFAULT_LEASE_TTL_S = 30.0
 DEFAULT_POLL_S = 0.5
-# Where the lease queue is, when `--queue` is not given: a PostgreSQL URL holds a password,
-# so pods take it from a Secret through this variable, never from the command line.
-QUEUE_ENV = "GPUINFER_LEASE_QUEUE"
 
 # Builds the engine for a spec; the callable it is given is called (from a watch thread)
 # when an engine process dies.
@@ -290,15 +294,6 @@ class PoolWorkerLoop:
 
 # A pool worker whose engine could not be built exits with this (a crash, as a pod sees it).
 EXIT_BUILD_FAILED = 1
-
-
-def default_queue_location() -> str:
-    """The queue the control plane uses by default: `$DAGSTER_HOME/gpuinfer/pools.db`, or
-    `.data/pools.db` without DAGSTER_HOME (`GpuInferenceResource.pool.queue`)."""
-    home = os.environ.get("DAGSTER_HOME")
-    if home:
-        return os.path.join(home, "gpuinfer", "pools.db")
-    return os.path.join(".data", "pools.db")
 
 
 def run_pool_worker(
