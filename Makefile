@@ -13,7 +13,7 @@ export VLLM_LOGGING_LEVEL ?= WARNING
 CHECKOV_VENV := .venv-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
 
-.PHONY: install prepare demo lint test test-all test-fast test-cluster dev bench lock lock-gpu security clean
+.PHONY: install prepare demo lint test test-all test-fast test-cluster dev bench fuzz lock lock-gpu security clean
 
 install: $(STAMP)
 
@@ -97,6 +97,15 @@ bench: prepare
 	$(PY) -m pip install -q -c $(LOCK) -e ".[$(EXTRAS),bench]"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m bench
+
+# Row fuzzing at volume (not in `make test`, which keeps a 150-line run of it): FUZZ_LINES
+# generated lines through the worker's reader, validator and chunk commit in FUZZ_WORKERS
+# child processes; exits 1 and prints hypothesis's shrunk shard if any line breaks the path.
+FUZZ_LINES ?= 100000
+FUZZ_WORKERS ?= 2
+FUZZ_SEED ?= 1
+fuzz: prepare
+	nice -n 10 $(PY) -m bench.fuzz_rows --lines $(FUZZ_LINES) --workers $(FUZZ_WORKERS) --seed $(FUZZ_SEED)
 
 # Regenerate the lock after changing dependencies: pins every package of a fresh install.
 lock:

@@ -157,3 +157,95 @@ def test_every_line_is_answered_exactly_once_whatever_it_holds(batch, tokenizer,
     assert rows_in == len(batch)
     assert kept + errored == rows_in
     assert len(kept_ids) == len(set(kept_ids))  # an id reaches the engine once at most
+
+
+# --------------------------------------------------------------------------- found by the
+# volume run (`make fuzz`, bench/fuzz_rows.py): each broke a chunk's commit or read, which
+# fails the partition on every retry.
+
+
+@pytest.fixture
+def runner(tokenizer, tmp_path):
+    from bench.fuzz_rows import ShardRunner
+
+    return ShardRunner(tmp_path / "shard", tokenizer)
+
+
+def _errors_written(folder) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    found = sorted(folder.glob("out/**/errors-*.parquet"))
+    return [row for path in found for row in pq.read_table(path).to_pylist()]
+
+
+def _chat_line(custom_id: str, content: str) -> bytes:
+    # JSON escapes as the bytes say: `\ud800` alone is half a surrogate pair.
+    return (
+        b'{"custom_id": "' + custom_id.encode() + b'", "url": "/v1/chat/completions", '
+        b'"body": {"messages": [{"role": "user", "content": "' + content.encode() + b'"}]}}'
+    )
+
+
+@pytest.mark.parametrize("output_format", ["parquet", "openai_batch"])
+def test_a_lone_surrogate_escape_is_quarantined_and_the_chunk_commits(runner, output_format):
+    """`"\\ud800"` is valid JSON that decodes to no Unicode text: it reached the errors
+    table (UTF-8) and failed the commit with UnicodeEncodeError."""
+    shard = {
+        "format": "openai_batch",
+        "task": "chat",
+        "output_format": output_format,
+        "engine_text": "x",
+        "chunk_size": 8,
+        "bad_utf8": False,
+        "rows": [
+            _chat_line("\\ud800", "hi"),  # in the id
+            _chat_line("a", "hi \\udc00 there"),  # in the text
+            _chat_line("b", "hi \\ud83d\\ude00"),  # a whole pair: an emoji, kept
+        ],
+    }
+    runner.run(shard)
+    assert runner.counts["rows for the engine"] == 1
+    errors = _errors_written(runner.folder)
+    assert [(e["id"], e["error_type"]) for e in errors] == [
+        (None, "invalid_unicode"),
+        ("a", "invalid_unicode"),
+    ]
+    assert "surrogate" in errors[0]["message"] and "line 1" in errors[0]["message"]
+
+
+def test_parquet_text_bytes_that_are_not_utf8_quarantine_their_row_only(runner):
+    """A string column holding bytes that are not UTF-8 (a writer that skipped validation)
+    raised UnicodeDecodeError out of the reader: the whole shard failed."""
+    shard = {
+        "format": "parquet",
+        "task": "generate",
+        "output_format": "parquet",
+        "engine_text": "x",
+        "chunk_size": 16,
+        "bad_utf8": True,  # the first row's values get a stray 0xff byte
+        "rows": [{"id": f"r{i}", "text": f"hello {i}", "params": None} for i in range(3)],
+    }
+    runner.run(shard)
+    assert runner.counts["rows for the engine"] == 2
+    errors = _errors_written(runner.folder)
+    assert [(e["id"], e["row"], e["error_type"]) for e in errors] == [(None, 0, "invalid_utf8")]
+    assert "column 'text'" in errors[0]["message"] and "not UTF-8" in errors[0]["message"]
+
+
+def test_the_volume_fuzzer_runs_a_small_budget_in_a_child_process(tmp_path):
+    """`make fuzz`'s driver, small: its child process runs lines through the whole row path
+    and exits 0; the summary counts what it ran."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "fuzz.json"
+    command = [sys.executable, "-m", "bench.fuzz_rows", "--lines", "150", "--workers", "1"]
+    done = subprocess.run([*command, "--json", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["worker_deaths"] == 0 and summary["lines"] >= 150
+    assert (
+        summary["counts"]["rows for the engine"]
+        + sum(v for k, v in summary["counts"].items() if k.startswith("quarantined"))
+        == summary["lines"]
+    )

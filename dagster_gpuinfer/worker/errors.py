@@ -9,7 +9,9 @@ killed process, a storage hiccup) is treated as transient and left to Dagster's 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Any
 
 # The most characters of a message kept in an error file, a Pipes message or a log line: a
 # row's own text (a 100k-entry `logit_bias`, a megabyte of `max_tokens`) never makes a
@@ -23,6 +25,37 @@ def cap_message(message: str, limit: int = MESSAGE_LIMIT) -> str:
         return message
     rest = len(message[limit:].encode("utf-8", "replace"))
     return f"{message[:limit]}... {rest} more bytes"
+
+
+# A UTF-16 surrogate code point: JSON may escape one ("\ud800") without its pair, and Python
+# decodes it into a str that no UTF-8 writer (Parquet, the errors table) can encode.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+# The only way a line of valid UTF-8 bytes can carry one: a \uD800-\uDFFF escape.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate_in(value: Any) -> bool:
+    """Whether parsed JSON holds a lone surrogate in any string or key; iterative, so any
+    depth is safe to ask about. (A pair escaped in JSON decodes to one code point.)"""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if LONE_SURROGATE.search(node):
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
+def utf8_safe(text: str | None) -> str | None:
+    """`text` as it can be written as UTF-8: any lone surrogate as its `\\udXXX` escape."""
+    if text is None or not LONE_SURROGATE.search(text):
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class WorkerError(Exception):
@@ -110,11 +143,13 @@ class RowError:
         object.__setattr__(self, "message", cap_message(self.message))
 
     def as_record(self) -> dict[str, object]:
+        # The errors table is UTF-8: a lone surrogate that reached an id or a message (a
+        # line's own text) is written as its escape, never fails the chunk's commit.
         return {
-            "id": self.id,
-            "source": self.source,
+            "id": utf8_safe(self.id),
+            "source": utf8_safe(self.source),
             "row": self.row,
             "error_type": self.error_type,
-            "message": self.message,
+            "message": utf8_safe(self.message),
             "prompt_tokens": self.prompt_tokens,
         }

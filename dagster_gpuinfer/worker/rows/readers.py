@@ -38,7 +38,13 @@ from pydantic import ValidationError
 from dagster_gpuinfer.spec import InferenceSpec, split_partition_key
 from dagster_gpuinfer.storage import display_uri, filesystem_for
 from dagster_gpuinfer.storage.delta import DeltaUnavailable, table_partition
-from dagster_gpuinfer.worker.errors import RowError, ShardError, cap_message
+from dagster_gpuinfer.worker.errors import (
+    SURROGATE_ESCAPE,
+    RowError,
+    ShardError,
+    cap_message,
+    lone_surrogate_in,
+)
 from dagster_gpuinfer.worker.tasks.openai_batch import ENDPOINTS as OPENAI_ENDPOINTS
 from dagster_gpuinfer.worker.tasks.openai_batch import BatchRequestLine
 from dagster_gpuinfer.worker.tasks.table import worker_task
@@ -69,6 +75,24 @@ def json_depth_exceeds(value: Any, limit: int) -> bool:
             return True
         stack.extend((child, depth + 1) for child in children)
     return False
+
+
+def column_values(table: pa.Table, name: str, broken: dict[int, str]) -> list[Any]:
+    """The column's values; a value whose string bytes are not UTF-8 (a writer that skipped
+    validation) is None, its row added to `broken` with the column's name."""
+    column = table.column(name)
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    values: list[Any] = []
+    for i in range(len(column)):
+        try:
+            values.append(column[i].as_py())
+        except UnicodeDecodeError:
+            values.append(None)
+            broken.setdefault(i, name)
+    return values
 
 
 @dataclass
@@ -337,27 +361,42 @@ class ShardReader:
     def _parquet_chunk(
         self, index: int, first_row: int, table: pa.Table, id_column: str | None
     ) -> RawChunk:
+        broken: dict[int, str] = {}  # row in chunk -> a column whose bytes are not UTF-8
         columns = [
-            table.column(name).to_pylist() if name in table.column_names else [None] * len(table)
+            column_values(table, name, broken)
+            if name in table.column_names
+            else [None] * len(table)
             for name in self.payload_columns
         ]
         payloads = columns[0] if len(columns) == 1 else list(zip(*columns, strict=True))
         if id_column:
-            ids = [None if v is None else str(v) for v in table.column(id_column).to_pylist()]
+            ids = [None if v is None else str(v) for v in column_values(table, id_column, broken)]
         else:
             ids = [self._default_id(first_row + i) for i in range(table.num_rows)]
-        rows = [(first_row + i, ids[i], payloads[i]) for i in range(table.num_rows)]
-        chunk = RawChunk(
-            index=index, source=self.source, rows=rows, rows_in=len(rows), shard_uri=self.uri
-        )
+        chunk = RawChunk(index=index, source=self.source, rows_in=len(table), shard_uri=self.uri)
         for column, by_row in (
             (self.spec.input.params_column, chunk.params),
             (self.spec.input.adapter_column, chunk.adapters),
         ):
             if column:
-                for i, value in enumerate(table.column(column).to_pylist()):
-                    if value is not None:
+                for i, value in enumerate(column_values(table, column, broken)):
+                    if value is not None and i not in broken:
                         by_row[first_row + i] = value
+        for i in range(table.num_rows):
+            if i not in broken:
+                chunk.rows.append((first_row + i, ids[i], payloads[i]))
+                continue
+            chunk.errors.append(
+                RowError.quarantined(
+                    None if broken[i] == id_column else ids[i],
+                    self.source,
+                    first_row + i,
+                    "invalid_utf8",
+                    f"{self.source} row {first_row + i}: column {broken[i]!r} holds bytes "
+                    "that are not UTF-8 in a string column; rewrite the file with valid text "
+                    "(or store the value as binary)",
+                )
+            )
         return chunk
 
     def _default_id(self, row: int) -> str:
@@ -517,6 +556,8 @@ class ShardReader:
                 f"limits.max_json_depth={limits.max_json_depth} levels; flatten it or raise "
                 "the pipeline's limits.max_json_depth",
             )
+        if SURROGATE_ESCAPE.search(line) and lone_surrogate_in(record):
+            return self._lone_surrogate_error(row, record)
         if not isinstance(record, dict):
             return RowError.quarantined(
                 None,
@@ -536,6 +577,32 @@ class ShardReader:
         adapter_column = self.spec.input.adapter_column
         adapter = record.get(adapter_column) if adapter_column else None
         return (row, None if row_id is None else str(row_id), payload, params, adapter)
+
+    def _lone_surrogate_error(self, row: int, record: Any) -> RowError:
+        """A line whose JSON escapes half a UTF-16 surrogate pair (`"\\ud800"`): its text is
+        not Unicode, so no output or error file could hold it. The error keeps the line's id
+        when the id itself is clean."""
+        id_key = "custom_id" if self.format == "openai_batch" else self.spec.input.id_column
+        if id_key is None:
+            return self._surrogate_row_error(row, self._default_id(row))
+        row_id = record.get(id_key) if isinstance(record, dict) else None
+        if row_id is not None and not isinstance(row_id, (dict, list)):
+            row_id = str(row_id)
+            row_id = None if lone_surrogate_in(row_id) else cap_message(row_id, 512) or None
+        else:
+            row_id = None
+        return self._surrogate_row_error(row, row_id)
+
+    def _surrogate_row_error(self, row: int, row_id: str | None) -> RowError:
+        return RowError.quarantined(
+            row_id,
+            self.source,
+            row,
+            "invalid_unicode",
+            f"{self.source} line {row + 1}: escapes half of a UTF-16 surrogate pair (a "
+            "\\uD800-\\uDFFF escape without its partner), which is not Unicode text; write "
+            "the text as UTF-8, or escape both halves of the pair",
+        )
 
     def _custom_id_near_start(self, line: bytes) -> str | None:
         """An OpenAI line's custom_id, found without parsing the line (too long, too deep)."""
