@@ -249,3 +249,31 @@ def test_the_volume_fuzzer_runs_a_small_budget_in_a_child_process(tmp_path):
         + sum(v for k, v in summary["counts"].items() if k.startswith("quarantined"))
         == summary["lines"]
     )
+
+
+def test_params_or_messages_json_escaping_half_a_surrogate_pair_quarantine_the_row(runner):
+    """A Parquet params or messages column holds JSON text: `"\\ud800"` in it would reach
+    the engine's stop strings or chat template as text that is not Unicode."""
+    rows = [
+        {
+            "id": "p",
+            "messages": '[{"role": "user", "content": "hi"}]',
+            "params": '{"stop": ["\\ud800"]}',
+        },
+        {"id": "m", "messages": '[{"role": "user", "content": "\\udfff"}]', "params": None},
+        {"id": "ok", "messages": '[{"role": "user", "content": "\\ud83d\\ude00"}]', "params": None},
+    ]
+    shard = {
+        "format": "parquet",
+        "task": "chat",
+        "output_format": "parquet",
+        "engine_text": "x",
+        "chunk_size": 16,
+        "bad_utf8": False,
+        "rows": rows,
+    }
+    runner.run(shard)
+    errors = {e["id"]: e for e in _errors_written(runner.folder)}
+    assert runner.counts["rows for the engine"] == 1 and set(errors) == {"p", "m"}
+    assert errors["p"]["error_type"] == "invalid_unicode"
+    assert "surrogate" in errors["m"]["message"]

@@ -19,7 +19,7 @@ from typing import Any
 
 from dagster_gpuinfer.image_options import ImageOptions
 from dagster_gpuinfer.spec import RowLimits, StorageOptions
-from dagster_gpuinfer.worker.errors import RowError, cap_message
+from dagster_gpuinfer.worker.errors import RowError, cap_message, lone_surrogate_in
 from dagster_gpuinfer.worker.rows.readers import RawChunk, json_depth_exceeds
 from dagster_gpuinfer.worker.rows.request_params import RequestBuilder
 from dagster_gpuinfer.worker.tasks.params import ParameterError, RowRequest, parse_params_value
@@ -633,6 +633,8 @@ def parse_messages(value: Any) -> tuple[list[dict[str, Any]], str | None]:
             value = json.loads(value)
         except ValueError:
             return [], "not valid JSON"
+        if lone_surrogate_in(value):
+            return [], "the JSON escapes half of a UTF-16 surrogate pair, which is not Unicode text"
     if not isinstance(value, list) or not value:
         return [], "expected a non-empty list of {role, content} objects"
     messages: list[dict[str, Any]] = []

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dagster_gpuinfer.spec import StructuredOutputs
-from dagster_gpuinfer.worker.errors import cap_message
+from dagster_gpuinfer.worker.errors import cap_message, lone_surrogate_in
 
 # Keys accepted on every request and without effect on the result: OpenAI lines name the
 # model (the pipeline's model serves every line) and may carry an end-user id.
@@ -167,6 +167,13 @@ def parse_params_value(value: Any) -> dict[str, Any]:
             raise ParameterError(
                 "invalid_parameter", "params", f"the params value is not valid JSON ({exc})"
             ) from None
+        if lone_surrogate_in(value):
+            raise ParameterError(
+                "invalid_unicode",
+                "params",
+                "the params JSON escapes half of a UTF-16 surrogate pair (a \\uD800-\\uDFFF "
+                "escape without its partner), which is not Unicode text; escape both halves",
+            )
     if not isinstance(value, dict):
         raise ParameterError(
             "invalid_parameter",
