@@ -383,7 +383,24 @@ def main(argv: list[str] | None = None) -> int:
         help="partitions of the backfill whose runs are really submitted (storage bound)",
     )
     parser.add_argument("--json", help="also write the numbers to this JSON file")
+    parser.add_argument(
+        "--scale",
+        help="instead: dynamic partitions at these sizes, e.g. 10000,100000 "
+        "(bench/partition_scale.py: registration, UI backfill, partition page, sensor ticks)",
+    )
     args = parser.parse_args(argv)
+    if args.scale:
+        from bench.partition_scale import measure_scale, scan_pairs
+
+        sizes = [int(size) for size in args.scale.split(",")]
+        rows = measure_scale(sizes)
+        pairs = scan_pairs(sizes, rounds=3)
+        if args.json:
+            command = "python -m bench.control_plane " + " ".join(argv or sys.argv[1:])
+            Path(args.json).write_text(
+                json.dumps({"command": command, "rows": rows, "our_scan_paired": pairs}, indent=2)
+            )
+        return 0
     measured = measure(
         partitions=args.partitions,
         backfill=args.backfill,

@@ -25,6 +25,7 @@ import fnmatch
 import posixpath
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal, Protocol
 
 import pyarrow.parquet as pq
@@ -79,12 +80,12 @@ class WatchedFiles:
                 f"{PARTITION_KEY_PLACEHOLDER}; only the file suffix may follow it"
             )
 
-    @property
+    @cached_property
     def prefix(self) -> str:
         """The uri up to the placeholder: a directory (`s3://bkt/in/`) or a name prefix."""
         return self.uri_template.split(PARTITION_KEY_PLACEHOLDER)[0]
 
-    @property
+    @cached_property
     def suffix(self) -> str:
         return self.uri_template.split(PARTITION_KEY_PLACEHOLDER)[1]
 

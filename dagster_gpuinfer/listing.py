@@ -89,8 +89,10 @@ class PrefixListing:
         for info in pafs.LocalFileSystem().get_file_info(selector):
             if info.type != pafs.FileType.File or not info.path.startswith(self.prefix):
                 continue
-            folders = posixpath.relpath(info.path, self.root).split("/")[:-1]
-            if any(folder.startswith((".", "_")) for folder in folders):
+            # The folders between the root and the file (string slicing: posixpath.relpath
+            # cost more than the rest of the listing together at 100,000 files).
+            folders = info.path[len(self.root) :].lstrip("/").split("/")[:-1]
+            if folders and any(folder.startswith((".", "_")) for folder in folders):
                 continue
             name = info.path[len(self.prefix) :]
             if name > start_after:

@@ -412,3 +412,32 @@ def test_sensor_daemon_registers_partitions_and_creates_one_backfill(tmp_path, m
             subset.get_partitions_subset(dg.AssetKey("doc_vectors")).get_partition_keys()
         ) == {"p1", "p2", "p3"}
         assert backfill.tags["dagster-gpuinfer/arrival_sensor"] == "doc_vectors_arrivals"
+
+
+def test_local_listing_skips_hidden_and_underscore_folders_at_any_depth(tmp_path):
+    """The folder check slices the path after the root (posixpath.relpath cost more than the
+    rest of a 100,000-file listing): folders below the root are still checked, at any
+    depth, for a folder prefix and for a name prefix alike."""
+    from dagster_gpuinfer.listing import PrefixListing
+
+    for name in [
+        "in/a.jsonl",
+        "in/2026/b.jsonl",
+        "in/2026/_temporary/c.jsonl",
+        "in/.staging/d.jsonl",
+        "in/x/y/_SUCCESS_dir/e.jsonl",
+        "in/x/y/f.jsonl",
+        "in-other/g.jsonl",
+    ]:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}\n")
+    folder = PrefixListing(f"{tmp_path}/in/")
+    assert [f.name for f in folder.list_after("")] == ["2026/b.jsonl", "a.jsonl", "x/y/f.jsonl"]
+    name_prefix = PrefixListing(f"{tmp_path}/in")  # the root is tmp_path: "in-other" matches
+    assert [f.name for f in name_prefix.list_after("")] == [
+        "-other/g.jsonl",
+        "/2026/b.jsonl",
+        "/a.jsonl",
+        "/x/y/f.jsonl",
+    ]
