@@ -327,3 +327,57 @@ def measure_scale(sizes: list[int], work_dir: Path | None = None) -> list[dict[s
         with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
             scale_at(n, Path(tmp), rows)
     return rows
+
+
+def sensor_pairs(sizes: list[int], rounds: int, work_dir: Path | None = None) -> list[dict]:
+    """The arrival sensor's whole evaluation (Dagster's read of the registered keys
+    included) with N registered and N + 100 files, one instance per size, sizes alternating
+    within each round; Dagster's `get_dynamic_partitions` alone timed beside it."""
+    import contextlib
+
+    import dagster as dg
+
+    from bench.control_plane import DEFS_SOURCE, load_bench_defs
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(dir=work_dir) as tmp, contextlib.ExitStack() as stack:
+        setups = {}
+        for n in sizes:
+            folder = Path(tmp) / str(n)
+            (folder / "landing").mkdir(parents=True)
+            keys = [f"bf-{i:06d}" for i in range(n)]
+            for name in [*keys, *(f"new-{i:04d}" for i in range(NEW_FILES))]:
+                (folder / "landing" / f"{name}.jsonl").write_bytes(b"{}\n")
+            (folder / "defs.py").write_text(DEFS_SOURCE)
+            os.environ.pop("BENCH_S3_ENDPOINT", None)
+            os.environ.update(
+                BENCH_INPUT_URI=f"{folder}/landing/{{partition_key}}.jsonl",
+                BENCH_FILES="10000",
+                BENCH_DEFS_FILE=str(folder / "defs.py"),
+            )
+            instance = stack.enter_context(dg.instance_for_test(temp_dir=str(folder)))
+            instance.add_dynamic_partitions("bench_arrivals", keys)
+            defs = load_bench_defs()
+            setups[n] = (instance, defs, defs.resolve_sensor_def(f"{ASSET}_arrivals"))
+        for round_index in range(rounds):
+            for n, (instance, defs, sensor) in setups.items():
+                started = time.perf_counter()
+                instance.get_dynamic_partitions("bench_arrivals")
+                read = time.perf_counter() - started
+                context = dg.build_sensor_context(
+                    instance=instance, resources={"gpu": defs.resources["gpu"]}
+                )
+                started = time.perf_counter()
+                result = sensor(context)
+                seconds = time.perf_counter() - started
+                assert len(result.dynamic_partitions_requests[0].partition_keys) == NEW_FILES
+                row = {"round": round_index, "partitions": n, "seconds": round(seconds, 3)}
+                row.update(dagster_read_seconds=round(read, 3), us_per_partition=seconds / n * 1e6)
+                rows.append(row)
+                print(
+                    f"round {round_index} {n:>7,}  sensor evaluation {seconds:6.2f} s "
+                    f"({row['us_per_partition']:.1f} us/partition); Dagster's read of the "
+                    f"registered keys alone {read:.2f} s",
+                    flush=True,
+                )
+    return rows

@@ -38,3 +38,10 @@ def test_the_project_share_excludes_the_dagster_calls_it_makes():
     sorted(range(1000))
     empty.disable()
     assert ours_seconds(empty) == 0
+
+
+def test_paired_sensor_evaluations_find_the_new_files_at_each_size(tmp_path):
+    from bench.partition_scale import sensor_pairs
+
+    rows = sensor_pairs([30, 90], rounds=1, work_dir=tmp_path)
+    assert [r["partitions"] for r in rows] == [30, 90]
