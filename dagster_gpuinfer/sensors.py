@@ -18,7 +18,10 @@ Scale (bench/control_plane.py, 2 CPU cores, moto S3 on loopback; bench/results/R
 evaluating a tick over 10,000 new files takes about 5.4 s, inside Dagster's 60 s sensor
 timeout. The sensor daemon then registers the partitions, checking each key on its own, so
 the whole tick of 10,000 files took about 34.6 s there on SQLite; lower
-`max_new_files_per_tick` on a SQLite instance if ticks must stay short.
+`max_new_files_per_tick` on a SQLite instance if ticks must stay short. With 100,000
+partitions registered, a tick lists the whole prefix and reads every registered key: 2.6 s
+of evaluation for 100 new files among 100,100 on local disk, the same per file as at 10,000
+(`python -m bench.control_plane --scale 10000,100000`, bench/README.md).
 """
 
 from __future__ import annotations
