@@ -369,6 +369,134 @@ class ShardRunner:
         self.counts[f"shards: {shard['format']} {shard['task']}"] += 1
 
 
+# --------------------------------------------------------------------------- image rows
+
+
+def _base_images() -> list[bytes]:
+    """Small real images in the formats Pillow reads, to mutate."""
+    import io
+
+    from PIL import Image
+
+    out = []
+    for fmt, mode in (
+        ("PNG", "RGBA"),
+        ("JPEG", "RGB"),
+        ("GIF", "P"),
+        ("BMP", "RGB"),
+        ("WEBP", "RGB"),
+    ):
+        sink = io.BytesIO()
+        Image.new(mode, (23, 17), 7).save(sink, format=fmt)
+        out.append(sink.getvalue())
+    return out
+
+
+def _mutated(base: bytes, edits: list[tuple[int, int]], cut: int) -> bytes:
+    data = bytearray(base)
+    for position, value in edits:
+        data[position % len(data)] = value
+    return bytes(data[: max(cut, 0) or len(data)])
+
+
+def image_groups(bases: list[bytes]) -> Any:
+    """Rows of image references as an image task reads them: bytes (real images with bytes
+    changed or cut off), data URIs, datasets structs, paths inside and outside the shard's
+    folder, URLs of hosts not allowed, and values that are no image at all."""
+    import base64
+
+    image_bytes = st.builds(
+        _mutated,
+        st.sampled_from(bases),
+        st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 255)), max_size=6),
+        st.integers(-20, 400),
+    )
+    refs = st.one_of(
+        image_bytes,
+        st.builds(lambda b: "data:image/png;base64," + base64.b64encode(b).decode(), image_bytes),
+        st.builds(
+            lambda b, t: f"data:{t};base64," + base64.b64encode(b).decode(),
+            st.binary(max_size=40),
+            texts,
+        ),
+        st.builds(lambda b, p: {"bytes": b, "path": p}, st.one_of(st.none(), image_bytes), texts),
+        st.sampled_from(
+            [
+                "img/a.png",
+                "../secret.png",
+                "/etc/passwd",
+                "file:///etc/passwd",
+                "img/../../x.png",
+                "img/none.png",
+            ]
+        ),
+        st.builds(
+            lambda h, p: f"http://{h}/{p}",
+            st.sampled_from(["169.254.169.254", "localhost", "example.com", "[::1]"]),
+            texts,
+        ),
+        texts,
+        scalars,
+    )
+    return st.lists(st.lists(refs, max_size=4), min_size=1, max_size=8)
+
+
+def fuzz_images(rows: int, seed: int, folder: Path) -> dict[str, Any]:
+    """Hypothesis over rows of image references through `ImageDecoder.load_groups` (no URL
+    host allowed, so nothing leaves the machine) until `rows` rows have run: every row gets
+    its images or one fault with a type and a message; nothing raises."""
+    import hypothesis
+    from hypothesis import HealthCheck, given, settings
+
+    from dagster_gpuinfer.spec import ImageOptions
+    from dagster_gpuinfer.worker.tasks.images import DecodedImage, ImageDecoder, ImageFault
+
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    bases = _base_images()
+    (folder / "img" / "a.png").write_bytes(bases[0])
+    decoder = ImageDecoder(
+        ImageOptions(
+            max_side=64, max_image_pixels=4_000_000, max_images_per_request=4, decode_threads=2
+        )
+    )
+    counts: Counter[str] = Counter()
+
+    def check(groups: list[list[Any]]) -> None:
+        for group, result in zip(
+            groups, decoder.load_groups(groups, str(folder / "s.parquet")), strict=True
+        ):
+            if isinstance(result, ImageFault):
+                assert result.error_type and result.message, result
+                counts[f"refused: {result.error_type}"] += 1
+            else:
+                assert len(result) == len(group) and all(
+                    isinstance(i, DecodedImage) for i in result
+                )
+                counts["rows decoded"] += 1
+            counts["image rows"] += 1
+
+    started, rounds = time.perf_counter(), 0
+    try:
+        while counts["image rows"] < rows:
+            test = settings(
+                max_examples=100,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )(given(groups=image_groups(bases))(check))
+            hypothesis.seed(seed * 1_000_003 + rounds)(test)()
+            rounds += 1
+    finally:
+        decoder.close()
+    seconds = time.perf_counter() - started
+    return {
+        "seed": seed,
+        "seconds": round(seconds, 1),
+        "rows_per_second": round(counts["image rows"] / seconds, 1),
+        "counts": dict(sorted(counts.items())),
+    }
+
+
 # --------------------------------------------------------------------------- processes
 
 
@@ -424,7 +552,12 @@ def child(args: argparse.Namespace) -> int:
     report = Path(args.report)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            result = fuzz(args.lines, args.seed, Path(tmp) / "shard", report.with_suffix(".crash"))
+            if args.images:
+                result = fuzz_images(args.images, args.seed, Path(tmp))
+            else:
+                result = fuzz(
+                    args.lines, args.seed, Path(tmp) / "shard", report.with_suffix(".crash")
+                )
     except BaseException as exc:  # a broken promise: hypothesis's shrunk example, in full
         failure = "".join(traceback.format_exception(exc))
         report.write_text(json.dumps({"seed": args.seed, "failure": failure}, indent=2))
@@ -434,7 +567,7 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_children(lines: int, workers: int, seed: int) -> dict[str, Any]:
+def run_children(lines: int, workers: int, seed: int, images: int = 0) -> dict[str, Any]:
     """`workers` child processes sharing `lines`; their exit statuses and reports."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -444,6 +577,8 @@ def run_children(lines: int, workers: int, seed: int) -> dict[str, Any]:
             share = -(-lines // workers)
             command = [sys.executable, "-m", "bench.fuzz_rows", "--child", "--lines", str(share)]
             command += ["--seed", str(seed + i), "--report", str(report)]
+            if images:
+                command += ["--images", str(-(-images // workers))]
             procs.append((subprocess.Popen(command, env=os.environ.copy()), report))
         children = []
         for proc, report in procs:
@@ -463,6 +598,7 @@ def run_children(lines: int, workers: int, seed: int) -> dict[str, Any]:
         "seconds": round(seconds, 1),
         "lines": total["lines"],
         "lines_per_second": round(total["lines"] / seconds, 1),
+        "image_rows": total["image rows"],
         "worker_deaths": sum(1 for c in children if c["exit_status"] != 0),
         "counts": dict(sorted(total.items())),
         "children": children,
@@ -475,12 +611,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="child processes")
     parser.add_argument("--seed", type=int, default=1, help="worker i runs seed + i")
     parser.add_argument("--json", help="also write the summary to this JSON file")
+    parser.add_argument(
+        "--images",
+        type=int,
+        default=0,
+        help="instead of lines: this many rows of image references through the image decoder",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--report", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
-    summary = run_children(args.lines, args.workers, args.seed)
+    summary = run_children(args.lines, args.workers, args.seed, args.images)
     for child_report in summary["children"]:
         if child_report["exit_status"]:
             print(child_report.get("failure", ""), child_report.get("crash_shard", ""))

@@ -277,3 +277,15 @@ def test_params_or_messages_json_escaping_half_a_surrogate_pair_quarantine_the_r
     assert runner.counts["rows for the engine"] == 1 and set(errors) == {"p", "m"}
     assert errors["p"]["error_type"] == "invalid_unicode"
     assert "surrogate" in errors["m"]["message"]
+
+
+def test_the_image_reference_fuzzer_answers_every_row(tmp_path):
+    """`python -m bench.fuzz_rows --images N`, small: rows of mutated image bytes, data
+    URIs, structs, paths and refused URLs through the image decoder; each row is decoded or
+    refused with a type, none raises."""
+    from bench.fuzz_rows import fuzz_images
+
+    result = fuzz_images(120, seed=3, folder=tmp_path)
+    counts = result["counts"]
+    refused = sum(v for k, v in counts.items() if k.startswith("refused"))
+    assert counts["image rows"] >= 120 and refused + counts["rows decoded"] == counts["image rows"]
