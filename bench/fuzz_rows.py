@@ -1,6 +1,7 @@
 """Row fuzzing at volume: generated input lines through the worker's row path, no engine.
 
     python -m bench.fuzz_rows --lines 100000 --workers 2 --seed 1 --json bench/results/fuzz.json
+    python -m bench.fuzz_rows --images 100000 --workers 2   # image rows' guards instead
 
 Each worker is a child process (as the real worker is one) that runs hypothesis over shards
 of generated rows, each shard through what the worker does with it before and after the
