@@ -17,8 +17,11 @@ step is gone or waiting on another host.
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
@@ -177,21 +180,26 @@ class PoolLauncher:
             priority=self.priority,
             max_workers=self.settings.max_workers,
         )
-        with open_lease_queue(self.queue_location) as queue:
+        with open_lease_queue(self.queue_location) as queue, interrupts_remembered() as seen:
             queue.submit(job)
             try:  # from the submit on, an interruption cancels the job
-                return self._wait(context, queue, job)
+                return self._wait(context, queue, job, seen)
             except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
                 queue.cancel(job.job_id, "the Dagster run was interrupted")
                 context.log.info(f"run interrupted: cancelled pool job {job.job_id}")
                 raise
 
     def _wait(
-        self, context: dg.AssetExecutionContext, queue: LeaseQueue, job: JobSubmission
+        self,
+        context: dg.AssetExecutionContext,
+        queue: LeaseQueue,
+        job: JobSubmission,
+        interrupted: Callable[[], bool],
     ) -> list[Any]:
+        partitions = len({item.payload.get("partition_key", item.key) for item in job.items})
         context.log.info(
-            f"submitted job {job.job_id} ({len(job.items)} partition(s)) to engine pool "
-            f"{job.pool_key} (queue {redact(self.queue_location)})"
+            f"submitted job {job.job_id} ({partitions} partition(s) in {len(job.items)} work "
+            f"item(s)) to engine pool {job.pool_key} (queue {redact(self.queue_location)})"
         )
         watch = JobWatch(
             queue,
@@ -200,7 +208,7 @@ class PoolLauncher:
             reconcile_pool=self._reconciler(queue, job),
             max_workers=self.settings.max_workers,
         )
-        watch.wait(poll_s=self.poll_s)
+        watch.wait(poll_s=self.poll_s, interrupted=interrupted)
         return watch.messages()
 
     def _reconciler(self, queue: LeaseQueue, job: JobSubmission) -> Callable[[], list[str]]:
@@ -237,15 +245,21 @@ class JobWatch:
         self.started_at = clock()
         self.starts_without_news = 0
 
-    def wait(self, *, poll_s: float) -> JobProgress:
+    def wait(
+        self, *, poll_s: float, interrupted: Callable[[], bool] = lambda: False
+    ) -> JobProgress:
         """Until the job is finished (or a partition's spec was refused: the job is
         cancelled, the others would be refused too).
 
         Raises:
             dagster.Failure: retryable, when workers keep exiting without taking a lease.
+            dagster.DagsterExecutionInterruptedError: `interrupted()` says a SIGINT came
+                whose own exception was lost (`interrupts_remembered`).
         """
         last_reconcile = -RECONCILE_SECONDS
         while True:
+            if interrupted():
+                raise dg.DagsterExecutionInterruptedError()
             heard = self.drain_events()
             progress = self.queue.job_progress(self.job.job_id)
             if progress.finished or self.refused:
@@ -389,6 +403,38 @@ def pool_lease(key: str, items: list[tuple[ItemStatus, Mapping[str, Any]]]) -> P
         queue_wait_s=min(waits, default=None),
         leases=sum(item.leases for item, _ in facts),
     )
+
+
+@contextmanager
+def interrupts_remembered() -> Iterator[Callable[[], bool]]:
+    """While a step waits on its pool job: a SIGINT (or a SIGTERM Dagster handles as one)
+    still goes to Dagster's handler, which raises; and it is remembered, for the wait to
+    raise it again. Python drops an exception raised by a signal handler that runs inside
+    a garbage-collector callback (seen: SQLAlchemy's `_collection_gced`), and the step
+    would then wait on. Off the main thread (no signals there) nothing is remembered."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    seen = threading.Event()
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # default or ignored: Dagster handles nothing here
+        yield seen.is_set
+        return
+
+    def remember(signo: int, frame: Any) -> None:
+        seen.set()
+        previous(signo, frame)
+
+    wrapped = [signal.SIGINT]
+    if signal.getsignal(signal.SIGTERM) is previous:
+        wrapped.append(signal.SIGTERM)
+    for signum in wrapped:
+        signal.signal(signum, remember)
+    try:
+        yield seen.is_set
+    finally:
+        for signum in wrapped:
+            signal.signal(signum, previous)
 
 
 LOG_LEVELS = frozenset({"debug", "info", "warning", "error", "critical"})
