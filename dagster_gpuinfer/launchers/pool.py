@@ -1,7 +1,8 @@
 """`PoolLauncher`: a step's partitions run by an engine pool's warm workers.
 
-The step submits its job to the pool's lease queue (one work item per partition, the spec
-in the job's payload: `pools-contract` section 2), makes sure the pool has workers
+The step submits its job to the pool's lease queue (one work item per partition, or per
+chunk range of a big one, `pools/ranges.py`; the spec in the job's payload: `pools-contract`
+section 2), makes sure the pool has workers
 (`pools.reconciler.reconcile`, at submit and every `RECONCILE_SECONDS` while it waits, so a
 worker killed mid-job is replaced once its lease lapses), streams the job's events into the
 run's log, and returns the worker messages found in the items' results, plus one
