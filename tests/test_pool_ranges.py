@@ -156,6 +156,7 @@ def test_a_partition_split_across_two_workers_commits_every_row_once_as_one_work
     assert committed["computed"] is True
     manifest = committed["manifest"]
     assert manifest["worker"]["job"] == "run-split"
+    assert manifest["worker"]["range"] == [14, 15]  # w2's last range found all chunks in
 
     fs, path = where(split)
     assert verify_manifest(fs, path, read_manifest(fs, path)) == []

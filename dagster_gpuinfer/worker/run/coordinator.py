@@ -422,7 +422,7 @@ class RunCoordinator:
             computed=own,
             rows_resumed=RowCounts.total(m for i, m in markers.items() if i not in own).rows_in,
             times=PartitionTimes(min([run.started_at, *started]), self.model_load_seconds),
-            worker={**self._worker_info(run), "job": span.job, "ranges_of": span.total},
+            worker={**self._worker_info(run), "job": span.job, "range": [span.start, span.end - 1]},
         )
 
     def _worker_info(self, run: _PartitionRun) -> dict[str, Any]:
