@@ -1,7 +1,8 @@
 """`PoolLauncher`: a step's partitions run by an engine pool's warm workers.
 
-The step submits its job to the pool's lease queue (one work item per partition, the spec
-in the job's payload: `pools-contract` section 2), makes sure the pool has workers
+The step submits its job to the pool's lease queue (one work item per partition, or per
+chunk range of a big one, `pools/ranges.py`; the spec in the job's payload: `pools-contract`
+section 2), makes sure the pool has workers
 (`pools.reconciler.reconcile`, at submit and every `RECONCILE_SECONDS` while it waits, so a
 worker killed mid-job is replaced once its lease lapses), streams the job's events into the
 run's log, and returns the worker messages found in the items' results, plus one
@@ -17,11 +18,16 @@ step is gone or waiting on another host.
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from dagster_gpuinfer.messages import (
     Fatal,
@@ -32,12 +38,19 @@ from dagster_gpuinfer.messages import (
     parse_message,
 )
 from dagster_gpuinfer.pools.keys import pool_key
-from dagster_gpuinfer.pools.lease_queue import JobProgress, JobSubmission, LeaseQueue, WorkItem
+from dagster_gpuinfer.pools.lease_queue import (
+    ItemStatus,
+    JobProgress,
+    JobSubmission,
+    LeaseQueue,
+    WorkItem,
+)
 from dagster_gpuinfer.pools.metrics import push_pool_metrics
+from dagster_gpuinfer.pools.ranges import ChunkRange, range_rows, split_chunks
 from dagster_gpuinfer.pools.reconciler import PoolBackend, WorkerSettings, reconcile
 from dagster_gpuinfer.pools.stores import open_lease_queue
-from dagster_gpuinfer.spec import InferenceSpec
-from dagster_gpuinfer.storage import model_version
+from dagster_gpuinfer.spec import InferenceSpec, split_partition_key
+from dagster_gpuinfer.storage import filesystem_for, input_version, model_version
 
 if TYPE_CHECKING:
     from dagster_gpuinfer.pools.lease_queue import JobEvent
@@ -59,17 +72,69 @@ def job_pool_key(spec: InferenceSpec) -> str:
 
 
 def pool_job(
-    spec: InferenceSpec, *, run_id: str, retry_number: int, priority: int = 0
+    spec: InferenceSpec,
+    *,
+    run_id: str,
+    retry_number: int,
+    priority: int = 0,
+    max_workers: int = 1,
 ) -> JobSubmission:
-    """The job a step submits for `spec`'s partitions (`pools-contract` section 2)."""
+    """The job a step submits for `spec`'s partitions (`pools-contract` section 2): one
+    item per partition, a big one split into chunk ranges when the pool has more than one
+    worker (`job_items`)."""
     asset = spec.output.asset_name
     return JobSubmission(
         job_id=f"{run_id}-{asset}-{retry_number}",
         pool_key=job_pool_key(spec),
-        items=[WorkItem(key=key, payload={"partition_key": key}) for key in spec.partition_keys],
+        items=job_items(spec, max_workers),
         priority=priority,
         payload={"spec": spec.model_dump(mode="json"), "run_id": run_id, "asset": asset},
     )
+
+
+def job_items(spec: InferenceSpec, max_workers: int) -> list[WorkItem]:
+    """The work items of `spec`'s partitions, in their order: a partition whose rows the
+    step can count from a Parquet footer and that is bigger than the job's range size
+    (`pools.ranges.range_rows`) becomes chunk ranges (`<key>#chunks=<start>-<end>`), so
+    that the pool's workers share it; any other partition is one item. One worker: no
+    ranges (they would only cost reads)."""
+    keys = spec.partition_keys
+    whole = [WorkItem(key=key, payload={"partition_key": key}) for key in keys]
+    if max_workers < 2 or spec.input.is_table() or spec.input.resolved_format() != "parquet":
+        return whole
+    rows = {key: n for key in keys if (n := footer_rows(spec, key)) is not None}
+    target = range_rows(sum(rows.values()), max_workers, spec.chunk_size)
+    items: list[WorkItem] = []
+    for item, key in zip(whole, keys, strict=True):
+        spans = split_chunks(rows.get(key, 0), spec.chunk_size, target)
+        if key not in rows or len(spans) == 1:
+            items.append(item)
+            continue
+        version = input_version(spec, key)
+        for start, end in spans:
+            span = ChunkRange(start=start, end=end, total=spans[-1][1], input_version=version)
+            items.append(WorkItem(key=range_item_key(key, span), payload=span.payload(key)))
+    return items
+
+
+def footer_rows(spec: InferenceSpec, partition_key: str) -> int | None:
+    """The rows of a Parquet partition as its shard's footer says (a row-range key: its
+    share), or None when the shard cannot be read here (the worker reports it)."""
+    file_key, part = split_partition_key(partition_key)
+    if part is not None and part.unit != "rows":
+        return None
+    try:
+        fs, path = filesystem_for(spec.input.shard_uri(file_key), spec.storage)
+        with fs.open_input_file(path) as handle:
+            rows = int(pq.ParquetFile(handle).metadata.num_rows)
+    except (OSError, pa.ArrowException):
+        return None
+    return rows if part is None else max(0, min(part.end, rows) - part.start)
+
+
+def range_item_key(partition_key: str, span: ChunkRange) -> str:
+    """A chunk range's work item key: `<partition key>#chunks=<start>-<last>`."""
+    return f"{partition_key}#chunks={span.start}-{span.end - 1}"
 
 
 class PoolLauncher:
@@ -110,23 +175,32 @@ class PoolLauncher:
     ) -> list[Any]:
         del extras, launch_attempt  # the spec travels in the job's payload
         job = pool_job(
-            spec, run_id=context.run_id, retry_number=context.retry_number, priority=self.priority
+            spec,
+            run_id=context.run_id,
+            retry_number=context.retry_number,
+            priority=self.priority,
+            max_workers=self.settings.max_workers,
         )
-        with open_lease_queue(self.queue_location) as queue:
+        with open_lease_queue(self.queue_location) as queue, interrupts_remembered() as seen:
             queue.submit(job)
             try:  # from the submit on, an interruption cancels the job
-                return self._wait(context, queue, job)
+                return self._wait(context, queue, job, seen)
             except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
                 queue.cancel(job.job_id, "the Dagster run was interrupted")
                 context.log.info(f"run interrupted: cancelled pool job {job.job_id}")
                 raise
 
     def _wait(
-        self, context: dg.AssetExecutionContext, queue: LeaseQueue, job: JobSubmission
+        self,
+        context: dg.AssetExecutionContext,
+        queue: LeaseQueue,
+        job: JobSubmission,
+        interrupted: Callable[[], bool],
     ) -> list[Any]:
+        partitions = len({item.payload.get("partition_key", item.key) for item in job.items})
         context.log.info(
-            f"submitted job {job.job_id} ({len(job.items)} partition(s)) to engine pool "
-            f"{job.pool_key} (queue {redact(self.queue_location)})"
+            f"submitted job {job.job_id} ({partitions} partition(s) in {len(job.items)} work "
+            f"item(s)) to engine pool {job.pool_key} (queue {redact(self.queue_location)})"
         )
         watch = JobWatch(
             queue,
@@ -135,7 +209,7 @@ class PoolLauncher:
             reconcile_pool=self._reconciler(queue, job),
             max_workers=self.settings.max_workers,
         )
-        watch.wait(poll_s=self.poll_s)
+        watch.wait(poll_s=self.poll_s, interrupted=interrupted)
         return watch.messages()
 
     def _reconciler(self, queue: LeaseQueue, job: JobSubmission) -> Callable[[], list[str]]:
@@ -172,15 +246,21 @@ class JobWatch:
         self.started_at = clock()
         self.starts_without_news = 0
 
-    def wait(self, *, poll_s: float) -> JobProgress:
+    def wait(
+        self, *, poll_s: float, interrupted: Callable[[], bool] = lambda: False
+    ) -> JobProgress:
         """Until the job is finished (or a partition's spec was refused: the job is
         cancelled, the others would be refused too).
 
         Raises:
             dagster.Failure: retryable, when workers keep exiting without taking a lease.
+            dagster.DagsterExecutionInterruptedError: `interrupted()` says a SIGINT came
+                whose own exception was lost (`interrupts_remembered`).
         """
         last_reconcile = -RECONCILE_SECONDS
         while True:
+            if interrupted():
+                raise dg.DagsterExecutionInterruptedError()
             heard = self.drain_events()
             progress = self.queue.job_progress(self.job.job_id)
             if progress.finished or self.refused:
@@ -239,51 +319,123 @@ class JobWatch:
                 self.refused = True
 
     def messages(self) -> list[Any]:
-        """The worker messages of every item's result, one `pool_lease` per partition that
-        has a result, and the job's `run` summary."""
+        """The worker messages of every item's result (one per partition: the ranges of a
+        split partition report it once, `partition_messages`), one `pool_lease` per
+        partition that has a result, and the job's `run` summary."""
         messages: list[Any] = []
         leases: list[PoolLease] = []
+        partition_of = {
+            item.key: str(item.payload.get("partition_key") or item.key) for item in self.job.items
+        }
+        served: dict[str, list[tuple[ItemStatus, Mapping[str, Any]]]] = {}
         for item in self.queue.job_items(self.job.job_id):
             result = self.results.get(item.key)
             if result is None:
                 if item.state in ("failed", "cancelled"):
                     self.log.warning(
-                        f"partition {item.key!r} ended {item.state} on the pool after "
+                        f"work item {item.key!r} ended {item.state} on the pool after "
                         f"{item.leases} lease(s): {item.last_error}"
                     )
                 continue
-            messages.extend(result.get("messages", ()))
-            facts = result.get("pool", {})
-            lease = PoolLease(
-                partition_key=item.key,
-                worker_id=facts.get("worker_id", item.worker_id),
-                warm=bool(facts.get("warm", False)),
-                engine_load_seconds=float(facts.get("engine_load_seconds", 0.0)),
-                queue_wait_s=item.queue_wait_s,
-                leases=item.leases,
-            )
+            served.setdefault(partition_of.get(item.key, item.key), []).append((item, result))
+        for key, items in served.items():
+            messages.extend(partition_messages([result for _, result in items]))
+            lease = pool_lease(key, items)
             leases.append(lease)
             messages.append(lease.model_dump(mode="json"))
-        messages.append(self.summary(leases, messages).model_dump(mode="json"))
+        facts = [result.get("pool", {}) for items in served.values() for _, result in items]
+        summary = self.summary(len(set(partition_of.values())), facts, messages)
+        messages.append(summary.model_dump(mode="json"))
         return messages
 
-    def summary(self, leases: list[PoolLease], messages: list[Any]) -> RunFinished:
+    def summary(
+        self, partitions: int, facts: list[Mapping[str, Any]], messages: list[Any]
+    ) -> RunFinished:
         """What this job cost on the pool: engine builds are the leases that found no warm
-        engine; replicas the distinct workers that served it."""
+        engine; replicas the distinct workers that served it (`facts`: each item result's
+        pool facts)."""
         parsed = [parse_message(m) for m in messages]
         committed = [m for m in parsed if isinstance(m, PartitionCommitted)]
-        cold = [lease for lease in leases if not lease.warm]
+        cold = [f for f in facts if not f.get("warm", False)]
         return RunFinished(
-            partitions=len(self.job.items),
+            partitions=partitions,
             partitions_computed=sum(1 for m in committed if m.computed),
             partitions_failed=sum(1 for m in parsed if isinstance(m, PartitionFailed)),
-            replicas=len({lease.worker_id for lease in leases}),
+            replicas=len({f.get("worker_id") for f in facts}),
             model_loads=len(cold),
-            load_seconds=max((lease.engine_load_seconds for lease in cold), default=None),
+            load_seconds=max(
+                (float(f.get("engine_load_seconds", 0.0)) for f in cold), default=None
+            ),
             wall_seconds=round(self.clock() - self.started_at, 3),
             launch="pool",
             pool_key=self.job.pool_key,
         )
+
+
+def partition_messages(results: list[Mapping[str, Any]]) -> list[Any]:
+    """The worker messages of one partition's item results. A split partition's ranges each
+    report what they saw: the range that committed it (`computed`), others that found it
+    committed, or failures; the partition is reported once: its commit (the computing one
+    first), else its first failure. Other messages pass as they are."""
+    messages = [m for result in results for m in result.get("messages", ())]
+    if len(results) == 1:
+        return messages
+    pairs = [(m, parse_message(m)) for m in messages]
+    commits = [m for m, p in pairs if isinstance(p, PartitionCommitted)]
+    commits.sort(key=lambda m: not m.get("computed", False))
+    failures = [m for m, p in pairs if isinstance(p, PartitionFailed)]
+    others = [m for m, p in pairs if not isinstance(p, PartitionCommitted | PartitionFailed)]
+    return [*others, *(commits[:1] or failures[:1])]
+
+
+def pool_lease(key: str, items: list[tuple[ItemStatus, Mapping[str, Any]]]) -> PoolLease:
+    """How partition `key` ran on the pool, over its work items (a split partition has
+    several): its workers, warm when every lease found a warm engine, the slowest cold
+    lease's engine build, the first lease's queue wait, and the leases of all its items."""
+    facts = [(item, result.get("pool", {})) for item, result in items]
+    workers = sorted({str(f.get("worker_id", item.worker_id)) for item, f in facts})
+    cold = [float(f.get("engine_load_seconds", 0.0)) for _, f in facts if not f.get("warm")]
+    waits = [item.queue_wait_s for item, _ in facts if item.queue_wait_s is not None]
+    return PoolLease(
+        partition_key=key,
+        worker_id=", ".join(workers) or None,
+        warm=not cold,
+        engine_load_seconds=max(cold, default=0.0),
+        queue_wait_s=min(waits, default=None),
+        leases=sum(item.leases for item, _ in facts),
+    )
+
+
+@contextmanager
+def interrupts_remembered() -> Iterator[Callable[[], bool]]:
+    """While a step waits on its pool job: a SIGINT (or a SIGTERM Dagster handles as one)
+    still goes to Dagster's handler, which raises; and it is remembered, for the wait to
+    raise it again. Python drops an exception raised by a signal handler that runs inside
+    a garbage-collector callback (seen: SQLAlchemy's `_collection_gced`), and the step
+    would then wait on. Off the main thread (no signals there) nothing is remembered."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    seen = threading.Event()
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # default or ignored: Dagster handles nothing here
+        yield seen.is_set
+        return
+
+    def remember(signo: int, frame: Any) -> None:
+        seen.set()
+        previous(signo, frame)
+
+    wrapped = [signal.SIGINT]
+    if signal.getsignal(signal.SIGTERM) is previous:
+        wrapped.append(signal.SIGTERM)
+    for signum in wrapped:
+        signal.signal(signum, remember)
+    try:
+        yield seen.is_set
+    finally:
+        for signum in wrapped:
+            signal.signal(signum, previous)
 
 
 LOG_LEVELS = frozenset({"debug", "info", "warning", "error", "critical"})

@@ -37,13 +37,15 @@ builds on:
    (`PartitionOutput.markers`), skips those chunks, and takes the ids already in their files
    (`chunks.committed_ids`), so no row is computed twice and no id lands twice.
 4. Partition commit. When every chunk is committed, one committer per partition (the run's
-   coordinator) commits it (`commit.commit_partition`): the error files (named for the
-   attempt), then the `_SUCCESS` manifest naming the part files and error files, created
-   exclusively: of two attempts racing on one partition exactly one commits, the other gets
-   `CommitConflict` with the winner's manifest and removes only its own files
-   (`PartitionOutput.yield_to`). Files the manifest does not name (older specs, the loser,
-   killed attempts, chunk markers) are deleted by the winner, after its manifest is in place,
-   so a crash at any point leaves either the old committed state or the new one.
+   coordinator; for a pool's chunk-range leases, `pools/ranges.py`, the range's worker that
+   finds every chunk's marker in after writing its own) commits it
+   (`commit.commit_partition`): the error files (named for the attempt), then the
+   `_SUCCESS` manifest naming the part files and error files, created exclusively: of two
+   attempts racing on one partition exactly one commits, the other gets `CommitConflict`
+   with the winner's manifest and removes only its own files (`PartitionOutput.yield_to`).
+   Files the manifest does not name (older specs, the loser, killed attempts, chunk
+   markers) are deleted by the winner, after its manifest is in place, so a crash at any
+   point leaves either the old committed state or the new one.
 5. Done. A partition is done only when `_SUCCESS` exists and names the current spec hash and
    source version (`layout.committed_manifest`). The manifest is the one source of which
    files count (`reading.read_partition`, `reading.partition_error_files`); partitions

@@ -148,6 +148,10 @@ class ChunkMarker(RowCounts):
     write_seconds: float = 0.0
     part: FileEntry | None = None
     errors: FileEntry | None = None
+    # The pool job whose chunk-range lease wrote it (`pools/ranges.py`): the partition's
+    # committer counts a job's own chunks as computed, whichever worker wrote them. None:
+    # written by a run or a whole-partition lease.
+    job: str | None = None
 
 
 def chunk_dir(partition_path: str, spec_hash: str) -> str:

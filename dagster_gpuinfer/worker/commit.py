@@ -80,6 +80,7 @@ def write_chunk(
     table: pa.Table | None = None,
     rows_reused: int = 0,
     rows_deduplicated: int = 0,
+    job: str | None = None,
 ) -> ChunkMarker:
     """Write one chunk's outputs and quarantined rows; its marker, written last, commits it.
 
@@ -88,6 +89,7 @@ def write_chunk(
     `engine_seconds` is its rows' share of the engine's time (default: `result.seconds`).
     `table`: the chunk's output rows already built (row reuse: computed and copied rows
     together, `rows_reused` and `rows_deduplicated` of them copied); default: `result`'s.
+    `job`: the pool job of the chunk-range lease that wrote it (`ChunkMarker.job`).
     """
     finished_at = time.time()
     started = time.perf_counter()
@@ -127,6 +129,7 @@ def write_chunk(
         write_seconds=time.perf_counter() - started,
         part=part_entry,
         errors=errors_entry,
+        job=job,
     )
     write_chunk_marker(where.fs, where.path, marker)
     current_metrics().chunk_committed(where.partition_key, marker, valid.errors)

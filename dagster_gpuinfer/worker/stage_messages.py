@@ -36,6 +36,7 @@ class WorkChunk:
     attempt: str  # names this run's files of the partition (see `chunk_part_name`)
     chunk: RawChunk  # ids screened in shard order (`screen_ids`)
     source: SourceVersion  # the shard and model versions its marker records
+    job: str | None = None  # a chunk-range lease's job: its marker records it (`ChunkMarker.job`)
 
 
 @dataclass

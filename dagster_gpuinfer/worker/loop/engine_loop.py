@@ -355,6 +355,7 @@ def _write_chunk(
         table=table,
         rows_reused=reused,
         rows_deduplicated=deduplicated,
+        job=item.work.job,
     )
     if item.plan is not None:
         reuse.written(item.plan, where, marker)

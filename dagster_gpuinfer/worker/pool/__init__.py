@@ -2,7 +2,8 @@
 
 Where the per-run worker builds an engine for one Dagster step and shuts it down at its end,
 a pool worker serves the lease queue (`dagster_gpuinfer.pools`) of one pool: it leases the
-next work item (one partition of a job), builds the engine on its first lease and keeps it,
+next work item (one partition of a job, or a range of a big partition's chunks:
+`pools/ranges.py`), builds the engine on its first lease and keeps it,
 binds each lease's spec to it (`InferenceEngine.bind`: sampling defaults, limits, window,
 task; a spec that needs another engine is refused with a `Fatal` message), serves the
 partition through the very path a run takes (`worker/run/job.PartitionServer`: the run's

@@ -8,10 +8,11 @@ import time
 from typing import Any
 
 from dagster_gpuinfer.pools import Lease, LeaseLostError, LeaseQueue
+from dagster_gpuinfer.pools.ranges import ChunkRange
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest
 from dagster_gpuinfer.storage import model_version as local_model_version
-from dagster_gpuinfer.worker.errors import ShardError, WorkerError
+from dagster_gpuinfer.worker.errors import ShardError, SpecError, WorkerError
 from dagster_gpuinfer.worker.metrics import MeteredReporter, current_metrics
 from dagster_gpuinfer.worker.run.job import PartitionServer, partitions_to_compute
 from dagster_gpuinfer.worker.run.reporting import MessageReporter, parse_spec
@@ -33,6 +34,18 @@ def lease_spec(lease: Lease) -> tuple[InferenceSpec, str]:
     key = str(lease.item_payload.get("partition_key") or lease.item_key)
     # The partition keys stay out of the spec hash: the markers and manifests are the run's.
     return spec.model_copy(update={"partition_keys": [key]}), key
+
+
+def lease_range(lease: Lease) -> ChunkRange | None:
+    """The lease's chunk range (`pools/ranges.py`), or None for a whole partition.
+
+    Raises:
+        SpecError: the item names a chunk range that is not one.
+    """
+    try:
+        return ChunkRange.of_item(lease.item_payload, lease.job_id)
+    except ValueError as exc:
+        raise SpecError(f"work item {lease.item_key!r} of job {lease.job_id}: {exc}") from None
 
 
 class LeaseWork:
@@ -97,9 +110,17 @@ class LeaseWork:
         log.info("%s", message)
         self.post("log", {"level": "info", "message": message})
 
-    def serve(self, engine: Any, spec: InferenceSpec, key: str, load_seconds: float) -> None:
-        """Compute partition `key` of `spec` on `engine` (bound to `spec`): skip it when
-        committed already, report its shard when it fails, else serve it."""
+    def serve(
+        self,
+        engine: Any,
+        spec: InferenceSpec,
+        key: str,
+        load_seconds: float,
+        chunk_range: ChunkRange | None = None,
+    ) -> None:
+        """Compute partition `key` of `spec` on `engine` (bound to `spec`), or its
+        `chunk_range`: skip it when committed already, report its shard when it fails,
+        else serve it."""
         model = local_model_version(spec)
         todo = partitions_to_compute(spec, [key], model, self.reporter, self._failed)
         if not todo:
@@ -113,6 +134,7 @@ class LeaseWork:
             self._failed,
             model,
             on_chunk=self._chunk,
+            chunk_range=chunk_range,
         )
         with self._lock:
             self._server = server

@@ -26,7 +26,7 @@ from dagster_gpuinfer.worker.errors import WorkerError, cap_message, engine_deat
 from dagster_gpuinfer.worker.loop.engine import InferenceEngine, check_model_dir
 from dagster_gpuinfer.worker.metrics import current_metrics, start_worker_metrics
 from dagster_gpuinfer.worker.pool.keeper import LeaseKeeper
-from dagster_gpuinfer.worker.pool.lease_work import LeaseWork, lease_spec
+from dagster_gpuinfer.worker.pool.lease_work import LeaseWork, lease_range, lease_spec
 from dagster_gpuinfer.worker.run.engine_version import check_engine_version
 
 log = logging.getLogger("dagster_gpuinfer.worker")
@@ -204,6 +204,7 @@ class PoolWorkerLoop:
             WorkerError: the spec cannot run (does not validate, needs another engine).
         """
         spec, key = lease_spec(lease)
+        chunk_range = lease_range(lease)
         self.report("busy" if self.engine is not None else "loading")
         if self.engine is not None:
             self.engine.bind(spec)
@@ -217,7 +218,7 @@ class PoolWorkerLoop:
             self.report("busy")
         current_metrics().serves_task(spec.task)
         if work.lost is None:
-            work.serve(self.engine, spec, key, load_seconds)
+            work.serve(self.engine, spec, key, load_seconds, chunk_range)
 
     def _settle(self, lease: Lease, work: LeaseWork, *, warm: bool) -> int | None:
         """Complete, release or give up the lease after its work ended without a crash."""

@@ -27,10 +27,11 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from dagster_gpuinfer.pools.ranges import ChunkRange
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import (
     ChunkMarker,
@@ -44,7 +45,7 @@ from dagster_gpuinfer.storage import (
 from dagster_gpuinfer.worker.commit import PartitionTimes, commit_chunks, partition_reading
 from dagster_gpuinfer.worker.errors import ShardError
 from dagster_gpuinfer.worker.metrics import current_metrics
-from dagster_gpuinfer.worker.rows.readers import ShardReader
+from dagster_gpuinfer.worker.rows.readers import RawChunk, ShardReader
 from dagster_gpuinfer.worker.rows.validate import screen_ids
 from dagster_gpuinfer.worker.run.engine_version import engine_versions
 from dagster_gpuinfer.worker.stage_messages import POLL_SECONDS, ChunkCommitted, WorkChunk
@@ -116,6 +117,9 @@ class RunCoordinator:
         max_outstanding: Chunks handed out and not yet committed, at most.
         model_version: The local model folder's version (`storage.model_version`, read
             once per run), recorded with every chunk and partition; None for a hub id.
+        chunk_range: A chunk-range lease's range of its one partition (`pools/ranges.py`):
+            only those chunks are handed out, and the partition is committed only when
+            every chunk of it, of any range, is in.
     """
 
     def __init__(
@@ -129,9 +133,13 @@ class RunCoordinator:
         engines: int,
         max_outstanding: int,
         model_version: str | None,
+        chunk_range: ChunkRange | None = None,
     ) -> None:
+        if chunk_range is not None and len(partition_keys) != 1:
+            raise ValueError(f"a chunk range is of one partition, not of {partition_keys}")
         self.spec = spec
         self.partition_keys = partition_keys
+        self.chunk_range = chunk_range
         self.on_committed = on_committed
         self.on_failed = on_failed
         self.put = put
@@ -205,6 +213,8 @@ class RunCoordinator:
     def _feed_partition(self, key: str) -> None:
         try:
             where = partition_reading(self.spec, key, model=self.model_version)
+            if self.chunk_range is not None:
+                check_range_source(self.spec, self.chunk_range, where)
         except ShardError as exc:
             self._events.put(_ShardGone(exc))
             return
@@ -214,7 +224,9 @@ class RunCoordinator:
                 self._events.put(_AlreadyCommitted(existing))
                 return
             markers = where.markers()
-            seen_ids = committed_ids(where, markers)
+            # A range screens every chunk from the shard's start instead (first occurrence
+            # wins, as in one run, whichever range holds it).
+            seen_ids = set() if self.chunk_range else committed_ids(where, markers)
         except OSError:
             # A concurrent worker that commits first removes the chunk files it does not
             # need, which can pull a file from under this one: then this one stops.
@@ -234,21 +246,22 @@ class RunCoordinator:
         current_metrics().partition_started(key)
         read = _PartitionRead(run)
         try:
-            for chunk in ShardReader(self.spec, key).chunks(self.spec.chunk_size):
-                if chunk.index in markers:
-                    continue
+            for screened in self._chunks_to_compute(key, markers, seen_ids):
                 concurrent = where.committed()
                 if concurrent is not None:
                     read.committed_elsewhere = concurrent
                     break
-                screened = screen_ids(chunk, seen_ids)
                 while not self._slots.acquire(timeout=POLL_SECONDS):
                     if self._stopping.is_set():
                         return
-                self._events.put(_ChunkHandedOut(run, chunk.index))  # before the engines see it
+                self._events.put(_ChunkHandedOut(run, screened.index))  # before engines see it
                 self.put(
                     WorkChunk(
-                        partition_key=key, attempt=run.attempt, chunk=screened, source=where.source
+                        partition_key=key,
+                        attempt=run.attempt,
+                        chunk=screened,
+                        source=where.source,
+                        job=self.chunk_range.job if self.chunk_range else None,
                     )
                 )
             if read.committed_elsewhere is None:
@@ -257,6 +270,34 @@ class RunCoordinator:
             exc.partition_key = exc.partition_key or key
             read.failed = exc
         self._events.put(read)
+
+    def _chunks_to_compute(
+        self, key: str, markers: dict[int, ChunkMarker], seen_ids: set[str]
+    ) -> Iterator[RawChunk]:
+        """The chunks of `key` not committed yet (within the chunk range, if any), their
+        ids screened in shard order. A range reads the shard from its start (ids before it
+        are screened, not computed) and stops after its last chunk.
+
+        Raises:
+            ShardError: the shard does not have the chunks the range was counted from.
+        """
+        span = self.chunk_range
+        seen = 0
+        for chunk in ShardReader(self.spec, key).chunks(self.spec.chunk_size):
+            seen = chunk.index + 1
+            if span is None:
+                if chunk.index not in markers:
+                    yield screen_ids(chunk, seen_ids)
+                continue
+            if chunk.index >= span.total:
+                raise range_count_error(self.spec, key, span, "more")
+            screened = screen_ids(chunk, seen_ids)
+            if chunk.index >= span.start and chunk.index not in markers:
+                yield screened
+            if seen >= span.end and span.end < span.total:
+                return
+        if span is not None and seen != span.total:
+            raise range_count_error(self.spec, key, span, f"{seen}")
 
     # ------------------------------------------------------------------ committing
 
@@ -325,15 +366,20 @@ class RunCoordinator:
             concurrent = where.committed()
             if concurrent is not None:
                 raise CommitConflict(concurrent)
-            manifest = commit_chunks(
-                where,
-                self.spec,
-                run.markers,
-                computed=run.computed,
-                rows_resumed=run.rows_resumed,
-                times=PartitionTimes(run.started_at, self.model_load_seconds),
-                worker=self._worker_info(run),
-            )
+            if self.chunk_range is not None:
+                manifest = self._commit_if_complete(run, self.chunk_range)
+                if manifest is None:
+                    return
+            else:
+                manifest = commit_chunks(
+                    where,
+                    self.spec,
+                    run.markers,
+                    computed=run.computed,
+                    rows_resumed=run.rows_resumed,
+                    times=PartitionTimes(run.started_at, self.model_load_seconds),
+                    worker=self._worker_info(run),
+                )
         except CommitConflict as conflict:
             self.on_committed(where.yield_to(conflict.manifest, run.attempt), False)
             return
@@ -344,6 +390,40 @@ class RunCoordinator:
             self.on_committed(where.yield_to(concurrent, run.attempt), False)
             return
         self.on_committed(manifest, True)
+
+    def _commit_if_complete(self, run: _PartitionRun, span: ChunkRange) -> Manifest | None:
+        """After this range's chunks are in: commit the partition if every chunk of it is
+        (this range's writer is then the last, or one of the last racing on the exclusive
+        manifest), else None (a range still running commits it). As computed: every chunk
+        of the job; as resumed: the chunks committed before it (`pools/ranges.py`).
+
+        Raises:
+            CommitConflict: another range's worker committed it first.
+        """
+        where = run.where
+        markers = {i: m for i, m in where.markers().items() if i < span.total}
+        if len(markers) < span.total:
+            log.info(
+                "partition %s: chunks %d-%d of this range are in, %d of %d chunks in all; the "
+                "range that finishes last commits the partition",
+                where.partition_key,
+                span.start,
+                span.end - 1,
+                len(markers),
+                span.total,
+            )
+            return None
+        own = {i for i, marker in markers.items() if marker.job == span.job}
+        started = [markers[i].started_at for i in own if markers[i].started_at is not None]
+        return commit_chunks(
+            where,
+            self.spec,
+            markers,
+            computed=own,
+            rows_resumed=RowCounts.total(m for i, m in markers.items() if i not in own).rows_in,
+            times=PartitionTimes(min([run.started_at, *started]), self.model_load_seconds),
+            worker={**self._worker_info(run), "job": span.job, "range": [span.start, span.end - 1]},
+        )
 
     def _worker_info(self, run: _PartitionRun) -> dict[str, Any]:
         replicas = sorted(run.replicas)
@@ -356,6 +436,33 @@ class RunCoordinator:
             "replica": replicas[0] if len(replicas) == 1 else None,
             **engine_versions(),
         }
+
+
+def check_range_source(spec: InferenceSpec, span: ChunkRange, where: PartitionOutput) -> None:
+    """A chunk range is computed from the shard version the step counted its chunks in.
+
+    Raises:
+        ShardError: the shard was rewritten since the step split the partition.
+    """
+    if where.source.input != span.input_version:
+        raise ShardError(
+            f"shard {spec.input.shard_uri(where.partition_key)} of partition "
+            f"{where.partition_key!r} changed since the step split it into chunk ranges "
+            f"({span.input_version} -> {where.source.input}); nothing of this range was "
+            "computed. Retry the run: it splits the shard as it is now",
+            partition_key=where.partition_key,
+        )
+
+
+def range_count_error(spec: InferenceSpec, key: str, span: ChunkRange, found: str) -> ShardError:
+    """The shard holds another number of chunks than the step counted for its ranges."""
+    return ShardError(
+        f"shard {spec.input.shard_uri(key)} of partition {key!r} holds {found} chunks of "
+        f"{spec.chunk_size} rows, its footer said {span.total} when the step split it into "
+        "chunk ranges; nothing of it was committed as the partition. Retry the run, or run "
+        "it with launch='run'",
+        partition_key=key,
+    )
 
 
 def check_shard_unchanged(spec: InferenceSpec, where: PartitionOutput) -> None:

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from dagster_gpuinfer.pools.ranges import ChunkRange
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest, committed_manifest
 from dagster_gpuinfer.storage import model_version as local_model_version
@@ -274,6 +275,8 @@ class PartitionServer:
         on_failed: Called with (error, key) for each shard that cannot be processed.
         model_version: The local model folder's version (`storage.model_version`).
         on_chunk: Called (from the writer thread) after each chunk's marker is written.
+        chunk_range: A pool worker's chunk-range lease of its one partition
+            (`pools/ranges.py`, `RunCoordinator`).
     """
 
     def __init__(
@@ -286,8 +289,10 @@ class PartitionServer:
         model_version: str | None,
         *,
         on_chunk: Callable[[ChunkCommitted], None] | None = None,
+        chunk_range: ChunkRange | None = None,
     ) -> None:
         self.engine = engine
+        self.chunk_range = chunk_range
         self.spec = spec
         self.partition_keys = partition_keys
         self.on_committed = on_committed
@@ -330,6 +335,7 @@ class PartitionServer:
             engines=1,
             max_outstanding=max_outstanding_chunks(self.spec, 1, self.engine.window),
             model_version=self.model_version,
+            chunk_range=self.chunk_range,
         )
 
         def committed(message: ChunkCommitted) -> None:
