@@ -411,6 +411,48 @@ def test_an_engine_failing_mid_window_keeps_committed_chunks_and_the_retry_resum
     assert table.column("id").to_pylist() == [f"s0-{i}" for i in range(ROWS)]  # each once
 
 
+class _SlowFirstChunk(FakeEngine):
+    """Rows of the first chunk take 50 steps, the others as FakeEngine's: later chunks
+    commit first."""
+
+    def submit(self, request_id, token_ids, params=None):
+        super().submit(request_id, token_ids, params)
+        if _row_number(token_ids) % 10_000 < CHUNK:
+            self.pending[request_id][1] = 50
+
+
+def test_a_resume_keeps_the_first_occurrence_of_an_id_whose_duplicate_committed_first(
+    tmp_path, loop_threads
+):
+    """Chunk 0 holds id `a` first, chunk 1 its duplicate (quarantined); chunk 1 commits,
+    then the engine dies before chunk 0 does. The retry must keep row 0 (`a`) as one
+    uninterrupted run would: it read the committed chunks' ids as taken and quarantined
+    row 0 too, so `a` was lost."""
+    (tmp_path / "in").mkdir()
+    ids = ["a", "b", "c", "d", "a", "e", "f", "g", "h", "i"]
+    texts = [_text(1, i) for i in range(ROWS)]
+    pq.write_table(pa.table({"id": ids, "text": texts}), tmp_path / "in" / "s0.parquet")
+    spec = _spec(tmp_path, ["s0"])
+    committed = threading.Event()
+    failing = _SlowFirstChunk(window=12, fail_at_step=30, before_failing=committed)
+    _, done, error = _serve(spec, failing, after_commit=committed)
+    assert error is not None and not done
+    assert 0 not in read_chunk_markers(*_marker_dir(spec, "s0"))  # chunk 0 never committed
+    assert 1 in read_chunk_markers(*_marker_dir(spec, "s0"))
+
+    manifests, done, error = _serve(spec, FakeEngine(window=12))
+    assert error is None and done
+    ((manifest, _),) = manifests
+    assert (manifest.rows_in, manifest.rows_out, manifest.rows_errored) == (10, 9, 1)
+    table = read_partition(spec.output, "s0")
+    assert sorted(table.column("id").to_pylist()) == sorted(set(ids))
+    embedded = dict(
+        zip(table.column("id").to_pylist(), table.column("embedding").to_pylist(), strict=True)
+    )
+    assert int(embedded["a"][0]) == int(_text(1, 0)[4:])  # row 0's, not row 4's
+    assert loop_threads() == []
+
+
 # ------------------------------------------------------------- a shard rewritten
 
 

@@ -34,8 +34,10 @@ builds on:
    older spec's chunks are never resumed. The chunks of one partition may be written by
    several engines of a run, each chunk once, under the run's attempt name.
 3. Resume. A restarted run reads the markers of its spec hash and source version
-   (`PartitionOutput.markers`), skips those chunks, and takes the ids already in their files
-   (`chunks.committed_ids`), so no row is computed twice and no id lands twice.
+   (`PartitionOutput.markers`) and skips those chunks; it screens the ids of every chunk
+   from the shard's start, committed or not, so the first occurrence of an id wins as in
+   one uninterrupted run (chunks commit out of order), no row is computed twice and no id
+   lands twice or is lost.
 4. Partition commit. When every chunk is committed, one committer per partition (the run's
    coordinator; for a pool's chunk-range leases, `pools/ranges.py`, the range's worker that
    finds every chunk's marker in after writing its own) commits it
@@ -58,9 +60,6 @@ from __future__ import annotations
 
 from dagster_gpuinfer.storage.chunks import (
     PartitionOutput as PartitionOutput,
-)
-from dagster_gpuinfer.storage.chunks import (
-    committed_ids as committed_ids,
 )
 from dagster_gpuinfer.storage.chunks import (
     read_chunk_errors as read_chunk_errors,

@@ -3,13 +3,12 @@
 A run writes a partition through a `PartitionOutput` (its folder, spec hash and source
 version): each chunk's part file and errors file under names unique to the attempt
 (`write_chunk_files`), then its marker (`layout.write_chunk_marker`), which commits the chunk.
-A restarted run reads the markers back (`PartitionOutput.markers`) and the ids they took
-(`committed_ids`), so it resumes instead of recomputing.
+A restarted run reads the markers back (`PartitionOutput.markers`), so it resumes instead of
+recomputing.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import posixpath
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ from dagster_gpuinfer.storage.files import (
     delete_quietly,
     filesystem_for,
     list_names,
-    read_bytes,
     table_to_parquet_bytes,
     write_file_entry,
 )
@@ -128,22 +126,3 @@ def read_chunk_errors(where: PartitionOutput, marker: ChunkMarker) -> pa.Table:
     path = posixpath.join(chunk_dir(where.path, where.spec_hash), marker.errors.name)
     with where.fs.open_input_file(path) as handle:
         return pq.read_table(handle)
-
-
-def committed_ids(where: PartitionOutput, markers: dict[int, ChunkMarker]) -> set[str]:
-    """Ids already taken by committed chunks: resume must not let a later duplicate in."""
-    ids: set[str] = set()
-    for marker in markers.values():
-        if marker.part is not None:
-            part_path = posixpath.join(where.path, marker.part.name)
-            if marker.part.name.endswith(".parquet"):
-                with where.fs.open_input_file(part_path) as handle:
-                    ids.update(pq.read_table(handle, columns=["id"]).column("id").to_pylist())
-            else:
-                for line in read_bytes(where.fs, part_path).splitlines():
-                    if line.strip():
-                        ids.add(json.loads(line)["custom_id"])
-        if marker.errors is not None:
-            table = read_chunk_errors(where, marker)
-            ids.update(i for i in table.column("id").to_pylist() if i is not None)
-    return ids

@@ -39,7 +39,6 @@ from dagster_gpuinfer.storage import (
     Manifest,
     PartitionOutput,
     RowCounts,
-    committed_ids,
     input_version,
 )
 from dagster_gpuinfer.worker.commit import PartitionTimes, commit_chunks, partition_reading
@@ -224,9 +223,6 @@ class RunCoordinator:
                 self._events.put(_AlreadyCommitted(existing))
                 return
             markers = where.markers()
-            # A range screens every chunk from the shard's start instead (first occurrence
-            # wins, as in one run, whichever range holds it).
-            seen_ids = set() if self.chunk_range else committed_ids(where, markers)
         except OSError:
             # A concurrent worker that commits first removes the chunk files it does not
             # need, which can pull a file from under this one: then this one stops.
@@ -246,7 +242,7 @@ class RunCoordinator:
         current_metrics().partition_started(key)
         read = _PartitionRead(run)
         try:
-            for screened in self._chunks_to_compute(key, markers, seen_ids):
+            for screened in self._chunks_to_compute(key, markers):
                 concurrent = where.committed()
                 if concurrent is not None:
                     read.committed_elsewhere = concurrent
@@ -271,23 +267,27 @@ class RunCoordinator:
             read.failed = exc
         self._events.put(read)
 
-    def _chunks_to_compute(
-        self, key: str, markers: dict[int, ChunkMarker], seen_ids: set[str]
-    ) -> Iterator[RawChunk]:
+    def _chunks_to_compute(self, key: str, markers: dict[int, ChunkMarker]) -> Iterator[RawChunk]:
         """The chunks of `key` not committed yet (within the chunk range, if any), their
-        ids screened in shard order. A range reads the shard from its start (ids before it
-        are screened, not computed) and stops after its last chunk.
+        ids screened in shard order: every chunk from the shard's start is screened,
+        committed or not, so the first occurrence of an id wins exactly as in one
+        uninterrupted run. (Chunks commit out of order: taking the committed chunks' ids
+        instead would quarantine a first occurrence in an uncommitted chunk whose later
+        duplicate was committed, and the id would be lost.) A range stops after its last
+        chunk.
 
         Raises:
             ShardError: the shard does not have the chunks the range was counted from.
         """
         span = self.chunk_range
         seen = 0
+        seen_ids: set[str] = set()
         for chunk in ShardReader(self.spec, key).chunks(self.spec.chunk_size):
             seen = chunk.index + 1
             if span is None:
+                screened = screen_ids(chunk, seen_ids)
                 if chunk.index not in markers:
-                    yield screen_ids(chunk, seen_ids)
+                    yield screened
                 continue
             if chunk.index >= span.total:
                 raise range_count_error(self.spec, key, span, "more")
