@@ -112,10 +112,17 @@ class LoopEngine(SteppedEngine, Protocol):
     `render(token_ids, images)` (vLLM's input processing off the engine thread),
     `block_size` (KV block size, for prefix grouping)."""
 
-    tokenizer: Any
-    max_model_len: int
-    requests: RequestBuilder
-    llm: Any
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def requests(self) -> RequestBuilder: ...
+
+    @property
+    def llm(self) -> Any: ...
 
 
 class PromptRenderer(Protocol):
@@ -255,15 +262,14 @@ class EngineLoop:
             image_fit=getattr(engine, "image_fit", None),
         )
         task = worker_task(spec.task)
-        if not task.facts.streams:
-            engine = WholeChunks(engine, task)
+        stepped: SteppedEngine = engine if task.facts.streams else WholeChunks(engine, task)
         # One chunk prepared ahead of the rows waiting: each engine holds at most its window
         # in flight, a window (or a chunk) waiting, and two chunks in preparation, so engines
         # that share a queue share its chunks, and memory is bounded by the window.
         self.prepared: queue.Queue[_ChunkInFlight | None] = queue.Queue(maxsize=1)
         self.finished: queue.Queue[_ChunkInFlight | None] = queue.Queue()
         self.stopping = threading.Event()
-        self.window = _RequestWindow(engine, spec, self.finished, self.stopping)
+        self.window = _RequestWindow(stepped, spec, self.finished, self.stopping)
         self.reuse = RowReuse(spec)
         threads = [
             _Worker("gpuinfer-prepare", self._prepare),

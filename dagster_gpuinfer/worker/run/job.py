@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing as mp
+import multiprocessing.queues
 import os
 import queue
 import signal
@@ -44,7 +45,8 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from multiprocessing.process import BaseProcess
+from typing import Any, Protocol, TypeAlias
 
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest, committed_manifest
@@ -490,11 +492,13 @@ class PartitionServer:
         self.done = not self._stopped.is_set() and coordinator.done()
 
 
-def admit_unless_draining(put: Callable[[Any], None]) -> Callable[[Any], None]:
+def admit_unless_draining(
+    put: Callable[[WorkChunk | None], None],
+) -> Callable[[WorkChunk | None], None]:
     """`put` for the coordinator: after a SIGTERM, chunks are no longer handed out (the end
     markers, None, still are)."""
 
-    def admit(item: Any) -> None:
+    def admit(item: WorkChunk | None) -> None:
         if item is not None and draining():
             return
         put(item)
@@ -502,11 +506,13 @@ def admit_unless_draining(put: Callable[[Any], None]) -> Callable[[Any], None]:
     return admit
 
 
-def take_unless_draining(get: Callable[..., Any]) -> Callable[..., Any]:
+def take_unless_draining(
+    get: Callable[..., WorkChunk | None],
+) -> Callable[..., WorkChunk | None]:
     """`take` for an engine loop: None (no more work) once a SIGTERM came, else the next
     chunk, or `queue.Empty` when none came within `timeout` (the loop asks again)."""
 
-    def take(timeout: float = POLL_SECONDS) -> Any:
+    def take(timeout: float = POLL_SECONDS) -> WorkChunk | None:
         if draining():
             return None
         return get(timeout=timeout)
@@ -593,6 +599,10 @@ def plan_replica_env(
 
 
 # --------------------------------------------------------------------------- replicas
+
+# The queues between this process and its replicas: chunks out (None: no more), messages back.
+ChunkQueue: TypeAlias = "multiprocessing.queues.Queue[WorkChunk | None]"
+MessageQueue: TypeAlias = "multiprocessing.queues.Queue[ReplicaMessage]"
 
 
 def run_replicas(
@@ -705,7 +715,9 @@ class _ReplicaRun:
             raise TypeError(f"unknown replica message {message!r}")
 
 
-def start_replica_processes(spec: InferenceSpec, replicas: int) -> tuple[list[Any], Any, Any]:
+def start_replica_processes(
+    spec: InferenceSpec, replicas: int
+) -> tuple[list[BaseProcess], ChunkQueue, MessageQueue]:
     """Start `replicas` spawned replica processes, each pinned to its devices; returns them,
     the queue of chunks they take from and the queue of their messages."""
     device = detect_device()
@@ -718,10 +730,10 @@ def start_replica_processes(spec: InferenceSpec, replicas: int) -> tuple[list[An
         cpu_ids=sorted(os.sched_getaffinity(0)),
     )
     ctx = mp.get_context("spawn")
-    tasks: Any = ctx.Queue()
-    results: Any = ctx.Queue()
+    tasks: ChunkQueue = ctx.Queue()
+    results: MessageQueue = ctx.Queue()
     spec_json = spec.model_dump_json()
-    processes = [
+    processes: list[BaseProcess] = [
         ctx.Process(
             target=replica_main,
             args=(spec_json, index, envs[index], tasks, results),
@@ -735,14 +747,16 @@ def start_replica_processes(spec: InferenceSpec, replicas: int) -> tuple[list[An
     return processes, tasks, results
 
 
-def forward_sigterm(processes: list[Any]) -> None:
+def forward_sigterm(processes: list[BaseProcess]) -> None:
     """Pass this worker's SIGTERM on: each replica drains its own engine."""
     for process in processes:
         if process.is_alive() and process.pid is not None:
             os.kill(process.pid, signal.SIGTERM)
 
 
-def next_replica_message(results: Any, processes: list[Any], partition_keys: list[str]) -> Any:
+def next_replica_message(
+    results: MessageQueue, processes: list[BaseProcess], partition_keys: list[str]
+) -> ReplicaMessage | None:
     """The next message of a replica, or None after a poll without one.
 
     Raises:
@@ -765,7 +779,9 @@ def next_replica_message(results: Any, processes: list[Any], partition_keys: lis
         return None
 
 
-def replica_main(spec_json: str, index: int, env: dict[str, str], tasks: Any, results: Any) -> None:
+def replica_main(
+    spec_json: str, index: int, env: dict[str, str], tasks: ChunkQueue, results: MessageQueue
+) -> None:
     """Body of one replica process: pin devices, build one engine, serve chunks until done."""
     os.environ.update(env)
     install_signal_handlers()  # the parent forwards its SIGTERM: drain this engine
