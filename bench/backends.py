@@ -10,7 +10,8 @@ apart by the parent) and does the work in `run(...)`, which returns its own timi
   actor, one task per row, overlapping batches (needs `ray[data]`; not its `llm` extra).
 - `RayDataBackend` (`ray-map-batches`): Ray Data `map_batches` with an actor that calls
   `LLM.generate` / `LLM.embed` per batch, a barrier per batch: what a user writes by hand.
-- `EngineBackend`: the platform's own `InferenceEngine`, to compare row orders inside a chunk.
+- `EngineBackend`: the platform's own `InferenceEngine`: one partition through the worker's
+  own entry (`run_partition`), or a raw `LLM.generate` call on the same engine.
 """
 
 from __future__ import annotations
@@ -18,9 +19,14 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dagster_gpuinfer.storage import Manifest
+    from dagster_gpuinfer.worker.errors import ShardError
 
 
 def _fingerprint(values: list[Any]) -> str:
@@ -469,9 +475,10 @@ def _make_ray_actor(
 
 
 class EngineBackend:
-    """The platform's `InferenceEngine` in a bench process: its streaming loop (the worker's
-    `serve_chunks`, files and markers written as in a run) or a raw `LLM.generate` call on the
-    same engine, to compare the order in which rows reach the engine."""
+    """The platform's `InferenceEngine` in a bench process: one partition through the
+    worker's own entry (`stream`: `run_partition`, read, inferred and committed as a pool
+    worker does for a lease) or a raw `LLM.generate` call on the same engine, to compare the
+    order in which rows reach the engine."""
 
     def __init__(self, *, spec_json: str) -> None:
         from dagster_gpuinfer.spec import InferenceSpec
@@ -532,61 +539,47 @@ class EngineBackend:
     def stream(
         self, texts: list[str], *, chunk_size: int, group_prefixes: bool, row_seeds: bool = False
     ) -> dict[str, Any]:
-        """The worker's streaming loop over the rows as one shard of `chunk_size` chunks;
-        chunks are written and committed (markers) under the spec's output, as in a run.
-        `row_seeds`: row i carries `{"seed": i}` as its own parameters, the long-tailed
-        section's params column (`bench.longtail.row_params`)."""
-        import queue
+        """The product's path for one partition (`worker.run.job.run_partition`, what a pool
+        worker runs for a lease) over the rows as one Parquet shard of `chunk_size` chunks:
+        the run's coordinator reads the shard, the engine loop infers and writes the chunks,
+        the coordinator commits the partition under the spec's output. The shard is written
+        before the clock starts. `row_seeds`: row i carries `{"seed": i}` in its params
+        column, the long-tailed section's (`bench.longtail.row_params`)."""
         import shutil
         import uuid
 
         from bench.longtail import row_params
-        from dagster_gpuinfer.storage import PartitionOutput, SourceVersion, read_partition
-        from dagster_gpuinfer.worker.commit import PartitionTimes, commit_chunks
-        from dagster_gpuinfer.worker.loop.engine_loop import serve_chunks
-        from dagster_gpuinfer.worker.rows.readers import RawChunk
-        from dagster_gpuinfer.worker.stage_messages import WorkChunk
+        from bench.workloads import write_shard
+        from dagster_gpuinfer.storage import partition_dir, read_partition
+        from dagster_gpuinfer.worker.run.job import run_partition
 
+        params_column = "params" if row_seeds else None
         spec = self.spec.model_copy(
-            update={"chunk_size": chunk_size, "group_prefixes": group_prefixes}
+            update={
+                "chunk_size": chunk_size,
+                "group_prefixes": group_prefixes,
+                "input": self.spec.input.model_copy(update={"params_column": params_column}),
+            }
         )
         key = f"stream-{uuid.uuid4().hex[:6]}"
-        where = PartitionOutput.of(spec, key, source=SourceVersion(input="bench rows"))
-        work: queue.Queue[Any] = queue.Queue()
-        params = row_params(len(texts)) if row_seeds else None
-        for index, start in enumerate(range(0, len(texts), chunk_size)):
-            rows = [
-                (i, f"r{i:07d}", texts[i])
-                for i in range(start, min(start + chunk_size, len(texts)))
-            ]
-            chunk = RawChunk(index, "bench", rows=rows, rows_in=len(rows))
-            if params:
-                chunk.params = {i: params[i] for i, _, _ in rows}
-            work.put(WorkChunk(key, "bench0000", chunk, where.source))
-        work.put(None)
-        markers: dict[int, Any] = {}
+        shard = write_shard(
+            Path(spec.input.shard_uri(key)),
+            texts,
+            id_prefix="r",
+            params=row_params(len(texts)) if row_seeds else None,
+        )
+        reporter = _PartitionOutcome()
         self.engine.llm.reset_prefix_cache()
         self.cached_tokens = 0
-        started = time.perf_counter()
-        started_at = time.time()
-        serve_chunks(
-            self.engine,
-            spec,
-            work.get,
-            lambda message: markers.__setitem__(message.marker.index, message.marker),
-        )
-        manifest = commit_chunks(
-            where,
-            spec,
-            markers,
-            computed=set(markers),
-            rows_resumed=0,
-            times=PartitionTimes(started_at=started_at, model_load_seconds=0.0),
-            worker={},
-        )
-        seconds = time.perf_counter() - started
-        table = read_partition(spec.output, key)
-        shutil.rmtree(where.path, ignore_errors=True)
+        try:
+            started = time.perf_counter()
+            served = run_partition(spec, key, engine=self.engine, reporter=reporter)
+            seconds = time.perf_counter() - started
+            manifest = reporter.computed(key, done=served.done)
+            table = read_partition(spec.output, key)
+        finally:
+            shutil.rmtree(partition_dir(spec.output, key), ignore_errors=True)
+            shard.unlink(missing_ok=True)
         return {
             "seconds": seconds,
             "rows": manifest.rows_out,
@@ -600,6 +593,33 @@ class EngineBackend:
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+class _PartitionOutcome:
+    """`run_partition`'s reporter in a bench process: the manifest or the shard's error."""
+
+    def __init__(self) -> None:
+        self.manifests: list[Manifest] = []
+        self.errors: list[ShardError] = []
+
+    def partition_committed(self, manifest: Manifest, *, computed: bool) -> None:
+        if computed:
+            self.manifests.append(manifest)
+
+    def partition_failed(self, exc: ShardError) -> None:
+        self.errors.append(exc)
+
+    def computed(self, key: str, *, done: bool) -> Manifest:
+        """The manifest of `key`, computed now.
+
+        Raises:
+            RuntimeError: the partition failed, or was not computed and committed.
+        """
+        if self.errors:
+            raise RuntimeError(f"bench partition {key} failed: {self.errors[0]}")
+        if not done or len(self.manifests) != 1:
+            raise RuntimeError(f"bench partition {key} was not computed and committed")
+        return self.manifests[0]
 
 
 def prefix_order(token_ids: list[list[int]]) -> list[int]:

@@ -70,7 +70,9 @@ _WORKER_FRAMES = (
     ("prepare (validate, tokenize)", ("RowValidator.validate (",)),
     ("read (shard reader)", ("RunCoordinator._feed (", "ShardReader.")),
     ("vLLM output processing (detokenize)", ("InferenceEngine.step (",)),
-    ("engine loop (submit, bookkeeping)", ("serve_chunks (",)),
+    # A run's single engine and a pool lease (`run_partition`) run `EngineLoop.run`; a
+    # replica process runs it through `serve_chunks`.
+    ("engine loop (submit, bookkeeping)", ("EngineLoop.run (", "serve_chunks (")),
 )
 _ENGINE_FRAMES = (
     ("engine core: model forward", ("execute_model (", "sample_tokens (")),

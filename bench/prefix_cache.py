@@ -3,9 +3,10 @@
 Rows whose prompts share long headers (a system prompt, few-shot examples), in shuffled
 order, go through one engine three ways per round, with its KV cache reset before each:
 
-- grouped: the worker's streaming loop (`serve_chunks`, chunks of `longtail_chunk_sizes[0]`
-  rows written and committed as in a run), rows submitted grouped by shared prefix across the
-  read-ahead (the default, `group_prefixes`);
+- grouped: the worker's own entry for a partition (`run_partition`: the rows' shard read,
+  chunks of `longtail_chunk_sizes[0]` rows inferred, written and committed as in a run),
+  rows submitted grouped by shared prefix across the read-ahead (the default,
+  `group_prefixes`);
 - input order: the same loop with `group_prefixes=False`;
 - raw input order: one `LLM.generate` over the rows' texts in input order, prefix caching on
   (what a user calls; vLLM tokenizes, as the worker's loop does).

@@ -1,9 +1,9 @@
-"""The worker's streaming loop against one raw vLLM call on the same engine, in one process.
+"""One partition on the worker's own path against one raw vLLM call on the same engine.
 
 The platform rows of the throughput section are whole Dagster runs; this probe takes the
-Dagster run, the Pipes launch and the shard reader away and compares only the order and
-pacing in which rows reach the engine: `serve_chunks` (chunks written and committed as in a
-run) against one `LLM.generate` / `LLM.embed` over the same texts, alternating, on the
+Dagster run and the Pipes launch away and compares the worker's own entry for a partition
+(`run_partition`: the shard read, chunks inferred, written and committed as in a run) against
+one `LLM.generate` / `LLM.embed` over the same texts, alternating, on the
 throughput section's uniform workloads and engine arguments.
 
     python -m bench.stream_probe generate --rounds 4 --chunk-size 512

@@ -88,6 +88,14 @@ def test_pyspy_samples_land_in_the_bucket_of_their_process_thread_and_frames() -
                 count=11,
             ),
             _record(ROOT, WORKER_PROC, "thread (200)", "serve_chunks (stream.py:108)", count=6),
+            _record(  # a run's single engine: `run_partition`'s server runs the loop itself
+                ROOT,
+                WORKER_PROC,
+                "thread (200)",
+                "PartitionServer.run (job.py:480)",
+                "EngineLoop.run (engine_loop.py:290)",
+                count=4,
+            ),
             _record(
                 ROOT,
                 WORKER_PROC,
@@ -116,7 +124,7 @@ def test_pyspy_samples_land_in_the_bucket_of_their_process_thread_and_frames() -
         "worker: commit (manifest, markers)": 2,
         "worker: write (Parquet part files)": 4,
         "worker: vLLM output processing (detokenize)": 11,
-        "worker: engine loop (submit, bookkeeping)": 6,
+        "worker: engine loop (submit, bookkeeping)": 10,
         "engine core: model forward": 40,
         "engine core: scheduler": 9,
     }

@@ -274,13 +274,15 @@ def test_a_heartbeat_that_cannot_reach_the_store_for_a_ttl_loses_the_lease(tmp_p
     from dagster_gpuinfer.worker.pool.keeper import LeaseKeeper
 
     queue.submit(submission("run-1", spec_dict(tmp_path, ["p0"])))
+    # Timed from before the lease: its TTL runs from the moment it was granted, and on a
+    # loaded machine the keeper may start well after that.
+    started = time.monotonic()
     lease = queue.lease(POOL, worker_id="w", ttl_s=0.3)
     lost = threading.Event()
     reasons: list[str] = []
     keeper = LeaseKeeper(
         Unreachable(queue), lease, on_lost=lambda exc: (reasons.append(exc.reason), lost.set())
     ).start()
-    started = time.monotonic()
     assert lost.wait(5)
     assert time.monotonic() - started >= 0.3  # not before a whole TTL without a heartbeat
     keeper.stop()

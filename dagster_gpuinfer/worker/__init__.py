@@ -11,8 +11,8 @@ Its rooms, lowest first (a room imports only rooms below it; `tests/test_import_
 - `stage_messages`: what the stages hand each other (chunks, results, replica messages);
 - `commit`: the worker's side of the commit protocol (`dagster_gpuinfer.storage`);
 - `loop/`: the vLLM engine and the engine loop;
-- `run/`: the job, replicas, the run's coordinator, and `PartitionServer` (serve partitions
-  on a built engine: what a run and a pool worker share);
+- `run/`: the job, replicas, the run's coordinator, and `run_partition` (compute a partition
+  on a built engine: what a run, a pool worker and bench/ share);
 - `pool/`: the pool worker (`--pool KEY`): one warm engine serving the leases of one pool
   from the lease queue (`dagster_gpuinfer.pools`, which the worker imports beside the
   shared modules);

@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
@@ -41,6 +41,10 @@ from dagster_gpuinfer.worker.telemetry import (
     open_gpu_reader,
     read_vllm_gauges,
 )
+
+if TYPE_CHECKING:
+    from dagster_gpuinfer.storage import Manifest
+    from dagster_gpuinfer.worker.errors import WorkerError
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 
@@ -460,10 +464,10 @@ class MeteredReporter:
         self.metrics = metrics
         self.started = metrics.sampler.clock()
 
-    def partition_committed(self, manifest: Any, *, computed: bool) -> None:
+    def partition_committed(self, manifest: Manifest, *, computed: bool) -> None:
         self.reporter.partition_committed(manifest, computed=computed)
 
-    def partition_failed(self, exc: Any) -> None:
+    def partition_failed(self, exc: WorkerError) -> None:
         self.metrics.partition_failed(str(exc.partition_key), exc.error_type)
         self.reporter.partition_failed(exc)
 

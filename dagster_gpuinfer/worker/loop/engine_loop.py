@@ -27,8 +27,9 @@ it behind `WholeChunks`, an engine whose one request is a whole chunk, run by on
 scoring pairs, tokenizes and batches inside that call; reading ahead, writing behind, stopping
 and failing are the same code for every task.
 
-The engine is injected: anything with `submit`, `step`, `in_flight`, `window` and
-`max_num_seqs` (`InferenceEngine` in a worker, a fake in `tests/test_engine_loop.py`). The
+The engine is injected: a `LoopEngine` (`submit`, `step`, `in_flight`, `window`,
+`max_num_seqs`, and what validation reads; `InferenceEngine` in a worker, a fake in
+`tests/test_engine_loop.py`). The
 loop never commits a partition: it hands each written chunk to `committed`, and the run's
 coordinator commits, in its one committing thread.
 """
@@ -42,16 +43,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import ChunkMarker, PartitionOutput, SourceVersion
 from dagster_gpuinfer.task_table import task_facts
 from dagster_gpuinfer.worker.commit import write_chunk
-from dagster_gpuinfer.worker.loop.engine import InferenceEngine
 from dagster_gpuinfer.worker.loop.engine_time import EngineTimeShares
 from dagster_gpuinfer.worker.loop.reuse import ChunkPlan, RowReuse
 from dagster_gpuinfer.worker.metrics import current_metrics
+from dagster_gpuinfer.worker.rows.request_params import RequestBuilder
 from dagster_gpuinfer.worker.rows.validate import RowValidator, ValidChunk
 from dagster_gpuinfer.worker.rows.writers import output_table
 from dagster_gpuinfer.worker.stage_messages import (
@@ -71,6 +72,63 @@ log = logging.getLogger("dagster_gpuinfer.worker")
 RENDER_BATCH = 64
 # vLLM's KV block size on GPUs, for an engine that does not say its own (`block_size`).
 DEFAULT_BLOCK_SIZE = 16
+
+
+class SteppedEngine(Protocol):
+    """What the loop's engine thread drives: requests in (`submit`), finished outputs out
+    (`step`), at most `window` in flight (`max_num_seqs`: the engine's batch).
+
+    `submit`'s prompt is a row's token ids (`WholeChunks`: a whole `ValidChunk`); the
+    keywords carry an image row's decoded `images` or `rendered` prompt and a LoRA row's
+    `adapter`. `step` returns `(request_id, output)` for each request that finished."""
+
+    window: int
+    max_num_seqs: int
+
+    @property
+    def in_flight(self) -> int: ...
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Any = None,
+        /,
+        *,
+        images: list[Any] | None = None,
+        rendered: Any = None,
+        adapter: str | None = None,
+    ) -> None: ...
+
+    def step(self) -> list[tuple[str, Any]]: ...
+
+
+class LoopEngine(SteppedEngine, Protocol):
+    """The engine an `EngineLoop` serves on (`InferenceEngine`, or a fake in tests): a
+    `SteppedEngine` plus what validating rows reads (its tokenizer, length and request
+    builder) and what the task calls (`llm`, for score/classify's whole-chunk calls).
+
+    Optional, read with `getattr`: `image_fit` (the model's image resize), `renders` and
+    `render(token_ids, images)` (vLLM's input processing off the engine thread),
+    `block_size` (KV block size, for prefix grouping)."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def requests(self) -> RequestBuilder: ...
+
+    @property
+    def llm(self) -> Any: ...
+
+
+class PromptRenderer(Protocol):
+    """An engine that prepares image prompts ahead of `submit` (`InferenceEngine.render`)."""
+
+    def render(self, token_ids: list[int], images: list[Any] | None) -> Any: ...
 
 
 @dataclass
@@ -150,7 +208,7 @@ class _Worker(threading.Thread):
 
 
 def serve_chunks(
-    engine: InferenceEngine,
+    engine: LoopEngine,
     spec: InferenceSpec,
     take: Callable[..., WorkChunk | None],
     committed: Callable[[ChunkCommitted], None],
@@ -182,7 +240,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine: Any,
+        engine: LoopEngine,
         spec: InferenceSpec,
         take: Callable[..., WorkChunk | None],
         committed: Callable[[ChunkCommitted], None],
@@ -204,15 +262,14 @@ class EngineLoop:
             image_fit=getattr(engine, "image_fit", None),
         )
         task = worker_task(spec.task)
-        if not task.facts.streams:
-            engine = WholeChunks(engine, task)
+        stepped: SteppedEngine = engine if task.facts.streams else WholeChunks(engine, task)
         # One chunk prepared ahead of the rows waiting: each engine holds at most its window
         # in flight, a window (or a chunk) waiting, and two chunks in preparation, so engines
         # that share a queue share its chunks, and memory is bounded by the window.
         self.prepared: queue.Queue[_ChunkInFlight | None] = queue.Queue(maxsize=1)
         self.finished: queue.Queue[_ChunkInFlight | None] = queue.Queue()
         self.stopping = threading.Event()
-        self.window = _RequestWindow(engine, spec, self.finished, self.stopping)
+        self.window = _RequestWindow(stepped, spec, self.finished, self.stopping)
         self.reuse = RowReuse(spec)
         threads = [
             _Worker("gpuinfer-prepare", self._prepare),
@@ -222,7 +279,9 @@ class EngineLoop:
         # stage of its own between preparing and the engine, so one chunk's images decode
         # while the one before is rendered (`render_images`).
         self.validated: queue.Queue[_ChunkInFlight | None] | None = None
+        self.renderer: PromptRenderer | None = None
         if task.facts.images and getattr(engine, "renders", False):
+            self.renderer = cast(PromptRenderer, engine)
             self.validated = queue.Queue(maxsize=1)
             threads.append(_Worker("gpuinfer-render", self._render))
         self.threads = tuple(threads)
@@ -292,7 +351,7 @@ class EngineLoop:
         then runs its prompts through vLLM's input processing in order; the engine thread
         submits each prompt once it is rendered, so the first request of a chunk does not
         wait for its last image."""
-        assert self.validated is not None
+        assert self.validated is not None and self.renderer is not None
         while not self.stopping.is_set():
             try:
                 item = self.validated.get(timeout=POLL_SECONDS)
@@ -302,7 +361,7 @@ class EngineLoop:
                 item.rendering = threading.Condition()
             if not _put_until(self.prepared, item, self.stopping) or item is None:
                 return
-            render_images(self.window.engine, item, self.stopping)
+            render_images(self.renderer, item, self.stopping)
 
     def _write(self) -> None:
         """The writer thread: each finished chunk's part file, errors and marker, in turn."""
@@ -362,7 +421,7 @@ def _write_chunk(
     return marker
 
 
-def render_images(engine: Any, item: _ChunkInFlight, stopping: threading.Event) -> None:
+def render_images(engine: PromptRenderer, item: _ChunkInFlight, stopping: threading.Event) -> None:
     """Run vLLM's input processing of a chunk's image prompts here, in the render thread
     (`InferenceEngine.render`), so the engine thread only adds them: the model's image
     processor costs milliseconds an image on a CPU, and done at submit it stalled the loop
@@ -428,7 +487,7 @@ class WholeChunks:
     window = 1
     max_num_seqs = 1
 
-    def __init__(self, engine: Any, task: WorkerTask) -> None:
+    def __init__(self, engine: LoopEngine, task: WorkerTask) -> None:
         self.engine = engine
         self.task = task
         self._pending: deque[tuple[str, ValidChunk]] = deque()
@@ -437,7 +496,7 @@ class WholeChunks:
     def in_flight(self) -> int:
         return len(self._pending)
 
-    def submit(self, request_id: str, valid: ValidChunk, params: Any = None) -> None:
+    def submit(self, request_id: str, valid: ValidChunk, params: Any = None, /, **_: Any) -> None:
         self._pending.append((request_id, valid))
 
     def step(self) -> list[tuple[str, Any]]:
@@ -452,7 +511,7 @@ class _RequestWindow:
 
     def __init__(
         self,
-        engine: Any,
+        engine: SteppedEngine,
         spec: InferenceSpec,
         finished: queue.Queue[_ChunkInFlight | None],
         stopping: threading.Event,

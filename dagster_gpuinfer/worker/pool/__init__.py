@@ -6,7 +6,7 @@ next work item (one partition of a job, or a range of a big partition's chunks:
 `pools/ranges.py`), builds the engine on its first lease and keeps it,
 binds each lease's spec to it (`InferenceEngine.bind`: sampling defaults, limits, window,
 task; a spec that needs another engine is refused with a `Fatal` message), serves the
-partition through the very path a run takes (`worker/run/job.PartitionServer`: the run's
+partition through the very path a run takes (`worker/run/job.run_partition`: the run's
 coordinator, one `EngineLoop`, the chunk markers and the commit), and completes the lease
 with the partition's worker messages as its result (`PartitionCommitted`,
 `PartitionFailed`, `Fatal`, the dicts Pipes carries for a run) and the pool facts (warm

@@ -11,10 +11,10 @@ from dagster_gpuinfer.pools import Lease, LeaseLostError, LeaseQueue
 from dagster_gpuinfer.pools.ranges import ChunkRange
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import Manifest
-from dagster_gpuinfer.storage import model_version as local_model_version
 from dagster_gpuinfer.worker.errors import ShardError, SpecError, WorkerError
+from dagster_gpuinfer.worker.loop.engine_loop import LoopEngine
 from dagster_gpuinfer.worker.metrics import MeteredReporter, current_metrics
-from dagster_gpuinfer.worker.run.job import PartitionServer, partitions_to_compute
+from dagster_gpuinfer.worker.run.job import PartitionStop, run_partition
 from dagster_gpuinfer.worker.run.reporting import MessageReporter, parse_spec
 from dagster_gpuinfer.worker.stage_messages import ChunkCommitted
 
@@ -50,7 +50,7 @@ def lease_range(lease: Lease) -> ChunkRange | None:
 
 class LeaseWork:
     """What a pool worker does with one lease once its engine is bound: compute the
-    partition (`PartitionServer`, as a run does), post events while at it, and collect the
+    partition (`run_partition`, the path a run takes), post events while at it, and collect the
     worker messages for the item result.
 
     `lose` (any thread: the heartbeat was refused) stops the partition now.
@@ -75,7 +75,7 @@ class LeaseWork:
         self._last_progress = -PROGRESS_SECONDS
         self._lost: LeaseLostError | None = None
         self._lock = threading.Lock()
-        self._server: PartitionServer | None = None
+        self._stop = PartitionStop()
 
     @property
     def lost(self) -> LeaseLostError | None:
@@ -86,9 +86,7 @@ class LeaseWork:
         """The lease is gone: stop computing now (chunks not yet written are dropped)."""
         with self._lock:
             self._lost = self._lost or exc
-            server = self._server
-        if server is not None:
-            server.stop()
+        self._stop.pull()
 
     def refuse(self, exc: WorkerError) -> None:
         """The lease's spec cannot run here: its result is a `Fatal` message."""
@@ -112,7 +110,7 @@ class LeaseWork:
 
     def serve(
         self,
-        engine: Any,
+        engine: LoopEngine,
         spec: InferenceSpec,
         key: str,
         load_seconds: float,
@@ -121,32 +119,18 @@ class LeaseWork:
         """Compute partition `key` of `spec` on `engine` (bound to `spec`), or its
         `chunk_range`: skip it when committed already, report its shard when it fails,
         else serve it."""
-        model = local_model_version(spec)
-        todo = partitions_to_compute(spec, [key], model, self.reporter, self._failed)
-        if not todo:
-            self.settled = True
-            return
-        server = PartitionServer(
-            engine,
+        served = run_partition(
             spec,
-            todo,
-            self._committed,
-            self._failed,
-            model,
+            key,
+            engine=engine,
+            reporter=self,
+            load_seconds=load_seconds,
             on_chunk=self._chunk,
+            stop=self._stop,
             chunk_range=chunk_range,
         )
-        with self._lock:
-            self._server = server
-            if self._lost is not None:
-                server.stop()
-        try:
-            server.run(load_seconds)
-        finally:
-            with self._lock:
-                self._server = None
-        self.inference_seconds = server.inference_seconds
-        self.settled = server.done
+        self.inference_seconds = served.inference_seconds
+        self.settled = served.done
 
     def result(self, *, worker_id: str, warm: bool, engine_load_seconds: float) -> dict[str, Any]:
         """The item result `complete` stores (see the contract in `worker/pool/`)."""
@@ -161,14 +145,14 @@ class LeaseWork:
             },
         }
 
-    def _committed(self, manifest: Manifest, computed: bool) -> None:
+    def partition_committed(self, manifest: Manifest, *, computed: bool) -> None:
+        """`run_partition`'s reporter: the manifest goes to the item result, and a line to
+        the step's log."""
         self.reporter.partition_committed(manifest, computed=computed)
         verb = "committed" if computed else "was committed already"
         self.log_event(f"partition {manifest.partition_key} {verb} ({manifest.rows_out} rows)")
 
-    def _failed(self, exc: ShardError, key: str) -> None:
-        exc.partition_key = exc.partition_key or key
-        log.error("partition %s failed: %s", exc.partition_key, exc)
+    def partition_failed(self, exc: ShardError) -> None:
         self.reporter.partition_failed(exc)
 
     def _chunk(self, message: ChunkCommitted) -> None:

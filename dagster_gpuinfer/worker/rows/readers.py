@@ -47,6 +47,7 @@ from dagster_gpuinfer.worker.errors import (
 )
 from dagster_gpuinfer.worker.tasks.openai_batch import ENDPOINTS as OPENAI_ENDPOINTS
 from dagster_gpuinfer.worker.tasks.openai_batch import BatchRequestLine
+from dagster_gpuinfer.worker.tasks.stages import OpenAIRequest
 from dagster_gpuinfer.worker.tasks.table import worker_task
 
 # Body fields that carry a score/rerank request's input (the rest are parameters).
@@ -617,7 +618,7 @@ class ShardReader:
             return None
         return custom_id or None
 
-    def _parse_openai_request(self, row: int, record: dict[str, Any]) -> Any:
+    def _parse_openai_request(self, row: int, record: dict[str, Any]) -> OpenAIRequest:
         custom_id = record.get("custom_id")
         row_id = None if custom_id is None or custom_id == "" else cap_message(str(custom_id), 512)
         url = record.get("url")
@@ -665,7 +666,7 @@ class ShardReader:
             )
         return self.task.openai_request(self, row, row_id, url, body)
 
-    def score_request(self, row: int, row_id: str, url: str, body: Any) -> Any:
+    def score_request(self, row: int, row_id: str, url: str, body: Any) -> OpenAIRequest:
         """A score or rerank line's pairs (`pooling_tasks.parse_score_payload` reads them)
         and its parameters, or the `RowError` of a body with no pairs."""
         if not isinstance(body, dict) or not SCORE_BODY_FIELDS & set(body):
@@ -683,7 +684,9 @@ class ShardReader:
         params = {k: v for k, v in body.items() if k not in SCORE_BODY_FIELDS}
         return (row, row_id, payload, params)
 
-    def body_field_request(self, row: int, row_id: str, body: Any, body_field: str) -> Any:
+    def body_field_request(
+        self, row: int, row_id: str, body: Any, body_field: str
+    ) -> OpenAIRequest:
         """A line's input (its body's `body_field`) and the rest of the body as parameters,
         or the `RowError` of a body without it."""
         if not isinstance(body, dict) or body_field not in body:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dagster_gpuinfer.image_options import ImageOptions
 from dagster_gpuinfer.spec import RowLimits, StorageOptions
@@ -25,6 +25,9 @@ from dagster_gpuinfer.worker.rows.request_params import RequestBuilder
 from dagster_gpuinfer.worker.tasks.params import ParameterError, RowRequest, parse_params_value
 from dagster_gpuinfer.worker.tasks.pooling import ScorePairs
 from dagster_gpuinfer.worker.tasks.table import worker_task
+
+if TYPE_CHECKING:
+    from dagster_gpuinfer.worker.tasks.images import ImageDecoder
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -166,7 +169,7 @@ class RowValidator:
         self.image_fit = image_fit
         self.image_options = images or ImageOptions()
         self.storage = storage
-        self._decoder: Any = None
+        self._decoder: ImageDecoder | None = None
         self.shard_uri: str | None = None  # the shard of the chunk being validated
         self.limits = limits or (requests.limits if requests is not None else RowLimits())
         self.tokenizer = tokenizer
@@ -175,7 +178,7 @@ class RowValidator:
         # Generation needs room for at least one new token.
         self.max_prompt_tokens = max_model_len if self.task.facts.pooling else max_model_len - 1
 
-    def image_decoder(self) -> Any:
+    def image_decoder(self) -> ImageDecoder:
         """Image tasks: the pool that reads and decodes images (made at first use)."""
         if self._decoder is None:
             from dagster_gpuinfer.worker.tasks.images import ImageDecoder

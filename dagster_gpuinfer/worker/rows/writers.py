@@ -18,7 +18,7 @@ gets an `error` line (`response_failed`) instead of failing its chunk.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -26,10 +26,17 @@ from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.storage import ERRORS_SCHEMA
 from dagster_gpuinfer.worker.errors import RowError, cap_message
 from dagster_gpuinfer.worker.tasks import openai_batch as oa
+from dagster_gpuinfer.worker.tasks.pooling import PoolingResult
 from dagster_gpuinfer.worker.tasks.table import worker_task
 
+if TYPE_CHECKING:
+    from dagster_gpuinfer.worker.rows.validate import ValidChunk
+    from dagster_gpuinfer.worker.stage_messages import ChunkResult  # the room above: a type
 
-def output_table(spec: InferenceSpec, valid: Any, result: Any) -> pa.Table:
+
+def output_table(
+    spec: InferenceSpec, valid: ValidChunk, result: ChunkResult | PoolingResult
+) -> pa.Table:
     """The output rows of one validated chunk (`validate.ValidChunk`) and its results, in
     the task's schema (`tasks.WorkerTask.output_table`), with an `adapter` column (each
     row's LoRA adapter, null for the base model) when the pipeline lists adapters."""
@@ -54,7 +61,7 @@ def errors_table(errors: list[RowError]) -> pa.Table:
 
 
 def encode_openai_batch(
-    task: str, model: str, spec_hash: str, table: pa.Table, valid: Any = None
+    task: str, model: str, spec_hash: str, table: pa.Table, valid: ValidChunk | None = None
 ) -> bytes:
     """OpenAI Batch API output lines (`id`, `custom_id`, `response`, `error`), one per row.
 

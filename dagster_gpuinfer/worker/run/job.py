@@ -11,10 +11,12 @@ processes, each pinned to its own devices (`CUDA_VISIBLE_DEVICES` slice of
 `tensor_parallel_size` GPUs, or its own CPU cores), and each pulls chunks (not shards) from
 one queue: one large shard keeps every engine busy.
 
-Serving on a built engine is `PartitionServer` (the coordinator, one `EngineLoop`, the chunk
-markers and the commit): `run_single_engine` builds an engine, serves through it and shuts
-the engine down; a pool worker (`worker/pool/`) keeps its engine and serves each lease's
-partition through the same server, so the two paths commit alike.
+Serving on a built engine is `serve_partitions` (a `PartitionServer`: the coordinator, one
+`EngineLoop`, the chunk markers and the commit), and `run_partition` is the public entry for
+one partition on a built engine (skip it if committed, preflight it, serve it):
+`run_single_engine` builds an engine, serves the run's partitions on it and shuts it down; a
+pool worker (`worker/pool/`) keeps its engine and runs each lease's partition through
+`run_partition`, and bench/ measures the same call, so every path commits alike.
 
 SIGTERM (`worker/lifecycle.py`) drains: no chunk is handed to an engine after it, the
 chunks in flight finish and commit, and the run ends with `Drained`, naming what was left.
@@ -34,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing as mp
+import multiprocessing.queues
 import os
 import queue
 import signal
@@ -42,7 +45,8 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from multiprocessing.process import BaseProcess
+from typing import Any, Protocol, TypeAlias
 
 from dagster_gpuinfer.pools.ranges import ChunkRange
 from dagster_gpuinfer.spec import InferenceSpec
@@ -63,7 +67,7 @@ from dagster_gpuinfer.worker.lifecycle import (
     install_signal_handlers,
 )
 from dagster_gpuinfer.worker.loop.engine import InferenceEngine, check_model_dir
-from dagster_gpuinfer.worker.loop.engine_loop import EngineLoop, serve_chunks
+from dagster_gpuinfer.worker.loop.engine_loop import EngineLoop, LoopEngine, serve_chunks
 from dagster_gpuinfer.worker.metrics import current_metrics, start_worker_metrics
 from dagster_gpuinfer.worker.rows.readers import ShardReader
 from dagster_gpuinfer.worker.run.coordinator import RunCoordinator
@@ -83,12 +87,16 @@ from dagster_gpuinfer.worker.stage_messages import (
 log = logging.getLogger("dagster_gpuinfer.worker")
 
 
-class Reporter(Protocol):
-    """Where the worker sends progress: Dagster Pipes in a run, stdout on the command line."""
+class PartitionReporter(Protocol):
+    """Where the outcome of each partition goes (`run_partition`, `serve_partitions`)."""
 
     def partition_committed(self, manifest: Manifest, *, computed: bool) -> None: ...
 
     def partition_failed(self, exc: ShardError) -> None: ...
+
+
+class Reporter(PartitionReporter, Protocol):
+    """Where the worker sends progress: Dagster Pipes in a run, stdout on the command line."""
 
     def run_finished(self, summary: dict[str, Any]) -> None: ...
 
@@ -106,33 +114,17 @@ def run_job(spec: InferenceSpec, reporter: Reporter) -> dict[str, Any]:
     check_model_dir(spec)
     check_engine_version(spec)
     model = local_model_version(spec)  # once for all partitions: a stat of every file
-    failed: list[str] = []
-
-    def shard_failed(exc: ShardError, key: str) -> None:
-        exc.partition_key = exc.partition_key or key
-        log.error("partition %s failed, the run goes on without it: %s", exc.partition_key, exc)
-        failed.append(exc.partition_key)
-        reporter.partition_failed(exc)
-
-    todo = partitions_to_compute(spec, spec.partition_keys, model, reporter, shard_failed)
-
+    run_reporter = _RunReporter(reporter)
+    # Preflight before any engine is built: a run whose shards all fail it loads no model.
+    todo = partitions_to_compute(spec, spec.partition_keys, model, run_reporter)
     replicas = spec.replicas if todo else 0
     timing = RunTiming()
-    if todo:
-        lock = threading.Lock()
-
-        def committed(manifest: Manifest, computed: bool) -> None:
-            with lock:
-                reporter.partition_committed(manifest, computed=computed)
-
-        def shard_failed_locked(exc: ShardError, key: str) -> None:
-            with lock:
-                shard_failed(exc, key)
-
-        if replicas == 1:
-            timing = run_single_engine(spec, todo, committed, shard_failed_locked, model)
-        else:
-            timing = run_replicas(spec, todo, replicas, committed, shard_failed_locked, model)
+    if replicas == 1:
+        timing = run_single_engine(spec, todo, run_reporter, model)
+    elif replicas > 1:
+        on_committed, on_failed = report_to(run_reporter)
+        timing = run_replicas(spec, todo, replicas, on_committed, on_failed, model)
+    failed = run_reporter.failed
     computed_keys = [key for key in todo if key not in failed]
     summary = {
         "partitions": len(spec.partition_keys),
@@ -151,16 +143,52 @@ def run_job(spec: InferenceSpec, reporter: Reporter) -> dict[str, Any]:
     return summary
 
 
+class _RunReporter:
+    """The run's reporter as the partitions see it: one partition reported at a time (the
+    coordinator's and the replicas' threads), and the keys of those that failed kept."""
+
+    def __init__(self, reporter: PartitionReporter) -> None:
+        self.reporter = reporter
+        self.failed: list[str] = []
+        self._lock = threading.Lock()
+
+    def partition_committed(self, manifest: Manifest, *, computed: bool) -> None:
+        with self._lock:
+            self.reporter.partition_committed(manifest, computed=computed)
+
+    def partition_failed(self, exc: ShardError) -> None:
+        with self._lock:
+            self.failed.append(str(exc.partition_key))
+            self.reporter.partition_failed(exc)
+
+
+def report_to(
+    reporter: PartitionReporter,
+) -> tuple[Callable[[Manifest, bool], None], Callable[[ShardError, str], None]]:
+    """The coordinator's `on_committed` and `on_failed` for `reporter`: a failed shard's
+    error names its partition and is logged before it is reported."""
+
+    def on_committed(manifest: Manifest, computed: bool) -> None:
+        reporter.partition_committed(manifest, computed=computed)
+
+    def on_failed(exc: ShardError, key: str) -> None:
+        exc.partition_key = exc.partition_key or key
+        log.error("partition %s failed, the others go on without it: %s", exc.partition_key, exc)
+        reporter.partition_failed(exc)
+
+    return on_committed, on_failed
+
+
 def partitions_to_compute(
     spec: InferenceSpec,
     partition_keys: list[str],
     model: str | None,
-    reporter: Reporter,
-    shard_failed: Callable[[ShardError, str], None],
+    reporter: PartitionReporter,
 ) -> list[str]:
     """The partitions of `partition_keys` to compute: those committed already go to
     `reporter.partition_committed` (not computed), those whose shard fails its preflight
-    to `shard_failed`; no engine is needed for either."""
+    to `reporter.partition_failed`; no engine is needed for either."""
+    _, on_failed = report_to(reporter)
     todo = []
     for key in partition_keys:
         manifest = committed_manifest(spec, key, model=model)
@@ -170,7 +198,7 @@ def partitions_to_compute(
         try:
             ShardReader(spec, key).preflight()
         except ShardError as exc:
-            shard_failed(exc, key)
+            on_failed(exc, key)
             continue
         todo.append(key)
     return todo
@@ -229,38 +257,162 @@ def max_outstanding_chunks(spec: InferenceSpec, engines: int, window: int) -> in
 def run_single_engine(
     spec: InferenceSpec,
     partition_keys: list[str],
-    on_committed: Callable[[Manifest, bool], None],
-    on_failed: Callable[[ShardError, str], None],
+    reporter: PartitionReporter,
     model_version: str | None,
 ) -> RunTiming:
-    """One engine in this process, fed by the coordinator's reader thread (`model_version`:
+    """One engine in this process serving `partition_keys` (`serve_partitions`; `model_version`:
     the local model folder's, `storage.model_version`)."""
     timing = RunTiming()
     current_metrics().serves_task(spec.task)
     engine = InferenceEngine(spec)  # shuts itself down if its start fails
     try:  # nothing between the engine's start and the `finally` that shuts it down
         timing.load_seconds.append(engine.load_seconds)
-        server = PartitionServer(
-            engine, spec, partition_keys, on_committed, on_failed, model_version
+        served = serve_partitions(
+            spec,
+            partition_keys,
+            engine=engine,
+            reporter=reporter,
+            model_version=model_version,
+            load_seconds=engine.load_seconds,
         )
-        server.run(engine.load_seconds)
-        timing.inference_seconds = server.inference_seconds
+        timing.inference_seconds = served.inference_seconds
     finally:
         shutdown_started = time.perf_counter()
         engine.shutdown()
         timing.shutdown_seconds.append(time.perf_counter() - shutdown_started)
-    if not server.done:
+    if not served.done:
         if draining():
             raise drained_error(partition_keys)
         raise RuntimeError("the engine stopped before every partition of the run was settled")
     return timing
 
 
+@dataclass(frozen=True)
+class Served:
+    """What `serve_partitions` (and `run_partition`) did: whether every partition was
+    settled (committed or reported failed), and the seconds from the first chunk read to
+    the last partition committed (0 when nothing was served)."""
+
+    done: bool
+    inference_seconds: float = 0.0
+
+
+class PartitionStop:
+    """A stop for `serve_partitions`, pulled from any thread before or while it serves (a
+    pool worker that lost its lease): the engine loop ends now and the chunks not yet
+    written are dropped (the next holder redoes only those)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pulled = False
+        self._servers: list[PartitionServer] = []
+
+    @property
+    def pulled(self) -> bool:
+        return self._pulled
+
+    def pull(self) -> None:
+        with self._lock:
+            self._pulled = True
+            servers = list(self._servers)
+        for server in servers:
+            server.stop()
+
+    def attach(self, server: PartitionServer) -> None:
+        """Stop `server` when this is pulled (now, if it was)."""
+        with self._lock:
+            self._servers.append(server)
+            pulled = self._pulled
+        if pulled:
+            server.stop()
+
+
+def run_partition(
+    spec: InferenceSpec,
+    key: str,
+    *,
+    engine: LoopEngine,
+    reporter: PartitionReporter,
+    load_seconds: float = 0.0,
+    on_chunk: Callable[[ChunkCommitted], None] | None = None,
+    stop: PartitionStop | None = None,
+    chunk_range: ChunkRange | None = None,
+) -> Served:
+    """Compute partition `key` of `spec` on a built `engine` (bound to `spec`), the product's
+    path for one partition: skip it when it is committed already, report its shard when it
+    fails its preflight, else serve it (`serve_partitions`: the run's coordinator reads the
+    shard, the engine loop infers and writes chunk markers, the coordinator commits). A pool
+    worker serves each lease through it, and bench/ measures it.
+
+    Args:
+        spec: The job spec (its `output`, `input`, task and sampling; the engine's model).
+        key: The partition.
+        engine: The built engine (`InferenceEngine`, or a fake in tests); not shut down here.
+        reporter: Gets the committed manifest (computed or found) or the shard's error.
+        load_seconds: The engine's build time, recorded in the manifest.
+        on_chunk: Called (from the writer thread) after each chunk's marker is written.
+        stop: Pulled from another thread: stop now (`Served.done` stays False).
+        chunk_range: A pool worker's chunk-range lease of the partition (`pools/ranges.py`):
+            only its chunks are computed; the worker that completes the set commits.
+
+    Raises:
+        Exception: what the reader, the committer or the engine loop died of.
+    """
+    model = local_model_version(spec)
+    todo = partitions_to_compute(spec, [key], model, reporter)
+    if not todo:
+        return Served(done=True)
+    return serve_partitions(
+        spec,
+        todo,
+        engine=engine,
+        reporter=reporter,
+        model_version=model,
+        load_seconds=load_seconds,
+        on_chunk=on_chunk,
+        stop=stop,
+        chunk_range=chunk_range,
+    )
+
+
+def serve_partitions(
+    spec: InferenceSpec,
+    partition_keys: list[str],
+    *,
+    engine: LoopEngine,
+    reporter: PartitionReporter,
+    model_version: str | None,
+    load_seconds: float = 0.0,
+    on_chunk: Callable[[ChunkCommitted], None] | None = None,
+    stop: PartitionStop | None = None,
+    chunk_range: ChunkRange | None = None,
+) -> Served:
+    """Serve `partition_keys` (preflighted by `partitions_to_compute`, not committed) on a
+    built `engine` through one `PartitionServer`: what `run_partition` and a run's single
+    engine (`run_single_engine`) share. Arguments as `run_partition`'s; `model_version`:
+    `storage.model_version(spec)`, read once by the caller."""
+    on_committed, on_failed = report_to(reporter)
+    server = PartitionServer(
+        engine,
+        spec,
+        partition_keys,
+        on_committed,
+        on_failed,
+        model_version,
+        on_chunk=on_chunk,
+        chunk_range=chunk_range,
+    )
+    if stop is not None:
+        stop.attach(server)
+    server.run(load_seconds)
+    return Served(server.done, server.inference_seconds)
+
+
 class PartitionServer:
     """Serves `partition_keys` on an engine that is already built: the run's coordinator
     reads the shards and commits each partition, one `EngineLoop` serves the chunks and
-    writes their markers. The per-run path (`run_single_engine`) and the pool worker
-    (`worker/pool/`) both serve through it; neither builds nor shuts down the engine here.
+    writes their markers. `serve_partitions` (the per-run path and `run_partition`) builds
+    one; it neither builds nor shuts down the engine.
 
     After a SIGTERM (`draining()`) no chunk is handed out and the chunks in flight finish
     and commit; `stop()` (any thread: a pool worker that lost its lease) ends the loop now,
@@ -281,7 +433,7 @@ class PartitionServer:
 
     def __init__(
         self,
-        engine: Any,
+        engine: LoopEngine,
         spec: InferenceSpec,
         partition_keys: list[str],
         on_committed: Callable[[Manifest, bool], None],
@@ -358,11 +510,13 @@ class PartitionServer:
         self.done = not self._stopped.is_set() and coordinator.done()
 
 
-def admit_unless_draining(put: Callable[[Any], None]) -> Callable[[Any], None]:
+def admit_unless_draining(
+    put: Callable[[WorkChunk | None], None],
+) -> Callable[[WorkChunk | None], None]:
     """`put` for the coordinator: after a SIGTERM, chunks are no longer handed out (the end
     markers, None, still are)."""
 
-    def admit(item: Any) -> None:
+    def admit(item: WorkChunk | None) -> None:
         if item is not None and draining():
             return
         put(item)
@@ -370,11 +524,13 @@ def admit_unless_draining(put: Callable[[Any], None]) -> Callable[[Any], None]:
     return admit
 
 
-def take_unless_draining(get: Callable[..., Any]) -> Callable[..., Any]:
+def take_unless_draining(
+    get: Callable[..., WorkChunk | None],
+) -> Callable[..., WorkChunk | None]:
     """`take` for an engine loop: None (no more work) once a SIGTERM came, else the next
     chunk, or `queue.Empty` when none came within `timeout` (the loop asks again)."""
 
-    def take(timeout: float = POLL_SECONDS) -> Any:
+    def take(timeout: float = POLL_SECONDS) -> WorkChunk | None:
         if draining():
             return None
         return get(timeout=timeout)
@@ -461,6 +617,10 @@ def plan_replica_env(
 
 
 # --------------------------------------------------------------------------- replicas
+
+# The queues between this process and its replicas: chunks out (None: no more), messages back.
+ChunkQueue: TypeAlias = "multiprocessing.queues.Queue[WorkChunk | None]"
+MessageQueue: TypeAlias = "multiprocessing.queues.Queue[ReplicaMessage]"
 
 
 def run_replicas(
@@ -573,7 +733,9 @@ class _ReplicaRun:
             raise TypeError(f"unknown replica message {message!r}")
 
 
-def start_replica_processes(spec: InferenceSpec, replicas: int) -> tuple[list[Any], Any, Any]:
+def start_replica_processes(
+    spec: InferenceSpec, replicas: int
+) -> tuple[list[BaseProcess], ChunkQueue, MessageQueue]:
     """Start `replicas` spawned replica processes, each pinned to its devices; returns them,
     the queue of chunks they take from and the queue of their messages."""
     device = detect_device()
@@ -586,10 +748,10 @@ def start_replica_processes(spec: InferenceSpec, replicas: int) -> tuple[list[An
         cpu_ids=sorted(os.sched_getaffinity(0)),
     )
     ctx = mp.get_context("spawn")
-    tasks: Any = ctx.Queue()
-    results: Any = ctx.Queue()
+    tasks: ChunkQueue = ctx.Queue()
+    results: MessageQueue = ctx.Queue()
     spec_json = spec.model_dump_json()
-    processes = [
+    processes: list[BaseProcess] = [
         ctx.Process(
             target=replica_main,
             args=(spec_json, index, envs[index], tasks, results),
@@ -603,14 +765,16 @@ def start_replica_processes(spec: InferenceSpec, replicas: int) -> tuple[list[An
     return processes, tasks, results
 
 
-def forward_sigterm(processes: list[Any]) -> None:
+def forward_sigterm(processes: list[BaseProcess]) -> None:
     """Pass this worker's SIGTERM on: each replica drains its own engine."""
     for process in processes:
         if process.is_alive() and process.pid is not None:
             os.kill(process.pid, signal.SIGTERM)
 
 
-def next_replica_message(results: Any, processes: list[Any], partition_keys: list[str]) -> Any:
+def next_replica_message(
+    results: MessageQueue, processes: list[BaseProcess], partition_keys: list[str]
+) -> ReplicaMessage | None:
     """The next message of a replica, or None after a poll without one.
 
     Raises:
@@ -633,7 +797,9 @@ def next_replica_message(results: Any, processes: list[Any], partition_keys: lis
         return None
 
 
-def replica_main(spec_json: str, index: int, env: dict[str, str], tasks: Any, results: Any) -> None:
+def replica_main(
+    spec_json: str, index: int, env: dict[str, str], tasks: ChunkQueue, results: MessageQueue
+) -> None:
     """Body of one replica process: pin devices, build one engine, serve chunks until done."""
     os.environ.update(env)
     install_signal_handlers()  # the parent forwards its SIGTERM: drain this engine

@@ -21,15 +21,30 @@ the engine takes: token ids plus `multi_modal_data`.
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from dagster_gpuinfer.worker.errors import RowError
 from dagster_gpuinfer.worker.tasks.images import ImageFault, chat_image_parts
+from dagster_gpuinfer.worker.tasks.params import RowRequest
+from dagster_gpuinfer.worker.tasks.stages import CandidateOrProblem, RowValidation
+
+if TYPE_CHECKING:  # the rooms above: types only (`stages`)
+    from dagster_gpuinfer.worker.rows.validate import ValidChunk
+    from dagster_gpuinfer.worker.rows.validate import _Candidate as Candidate
+
+# A task's reading of a row's payload: (prompt text, image references, problem).
+PayloadReader = Callable[[Any], "tuple[str | None, list[Any], tuple[str, str]]"]
 
 
 def image_candidate(
-    validator: Any, read_payload: Any, row: int, row_id: str, payload: Any, request: Any
-) -> tuple[Any, tuple[str, str]]:
+    validator: RowValidation,
+    read_payload: PayloadReader,
+    row: int,
+    row_id: str,
+    payload: Any,
+    request: RowRequest,
+) -> CandidateOrProblem:
     """The row as a candidate (its prompt text and image references, from the task's
     `read_payload`), or (None, (error type, message))."""
     prompt, refs, problem = read_payload(payload)
@@ -120,19 +135,24 @@ def chat_payload(payload: Any) -> tuple[str | None, list[Any], tuple[str, str]]:
 
 
 def admit_image_rows(
-    validator: Any, source: str, candidates: list[Any], out: Any, *, render: bool = False
+    validator: RowValidation,
+    source: str,
+    candidates: list[Candidate],
+    out: ValidChunk,
+    *,
+    render: bool = False,
 ) -> None:
     """Read and decode every candidate's images together (in the validator's pool; the
     rows whose images fail are quarantined, each with its own fate), render vision_chat
     rows through the chat template, then tokenize and admit the rest into `out` (each
     prompt beside its images)."""
-    with_images = [c for c in candidates if c.images]
-    out.image_count += sum(len(c.images) for c in with_images)
+    with_images = [(c, c.images) for c in candidates if c.images]
+    out.image_count += sum(len(images) for _, images in with_images)
     loaded = validator.image_decoder().load_groups(
-        [c.images for c in with_images], validator.shard_uri
+        [images for _, images in with_images], validator.shard_uri
     )
     failed: set[int] = set()
-    for candidate, result in zip(with_images, loaded, strict=True):
+    for (candidate, _), result in zip(with_images, loaded, strict=True):
         if isinstance(result, ImageFault):
             failed.add(id(candidate))
             out.errors.append(_row_error(source, candidate, result.error_type, result.message))
@@ -144,7 +164,8 @@ def admit_image_rows(
         rendered = []
         for candidate in kept:
             try:
-                candidate.prompts = [render_chat(validator.tokenizer, candidate.prompts[0])]
+                messages_json = cast(str, candidate.prompts[0])  # a chat row's JSON text
+                candidate.prompts = [render_chat(validator.tokenizer, messages_json)]
                 rendered.append(candidate)
             except Exception as exc:  # the template rejected it; quarantine the row
                 problem = f"the model's chat template rejected it ({exc})"
@@ -153,7 +174,7 @@ def admit_image_rows(
     validator.tokenize_candidates(source, kept, out)
 
 
-def _row_error(source: str, candidate: Any, error_type: str, message: str) -> RowError:
+def _row_error(source: str, candidate: Candidate, error_type: str, message: str) -> RowError:
     return RowError.quarantined(
         candidate.row_id,
         source,

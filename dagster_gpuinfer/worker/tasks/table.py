@@ -35,13 +35,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
 
+from dagster_gpuinfer.spec import InferenceSpec, InputSpec
 from dagster_gpuinfer.task_table import TaskFacts, task_facts
-from dagster_gpuinfer.worker.errors import SpecError, cap_message
+from dagster_gpuinfer.worker.errors import RowError, SpecError, cap_message
 from dagster_gpuinfer.worker.tasks import openai_batch as oa
 from dagster_gpuinfer.worker.tasks.completions import CHOICE_TYPE, completion_logprobs
 from dagster_gpuinfer.worker.tasks.image import (
@@ -68,7 +69,20 @@ from dagster_gpuinfer.worker.tasks.pooling import (
     run_classify,
     run_score,
 )
+from dagster_gpuinfer.worker.tasks.stages import (
+    CandidateOrProblem,
+    OpenAIRequest,
+    RequestBuilding,
+    RequestReader,
+    RowValidation,
+    TaskEngine,
+)
 from dagster_gpuinfer.worker.tasks.structured import check_output
+
+if TYPE_CHECKING:  # the rooms above: types only (`stages`)
+    from dagster_gpuinfer.worker.rows.validate import ValidChunk
+    from dagster_gpuinfer.worker.rows.validate import _Candidate as Candidate
+    from dagster_gpuinfer.worker.stage_messages import ChunkResult
 
 GENERATION_SCHEMA = pa.schema(
     [
@@ -120,8 +134,9 @@ class WorkerTask:
     """One task's behaviour in the worker; the defaults are a text task whose rows stream.
 
     Subclasses set `name` (the key of its `task_table.TASKS` entry) and override what
-    differs. Methods that take the `reader`, `validator` or `builder` call back the generic
-    steps those objects hold, so each module keeps its mechanics and the task chooses.
+    differs. Methods that take the `reader`, `validator`, `builder` or `engine` call back the
+    generic steps those objects hold (their surfaces: `stages.py`), so each module keeps its
+    mechanics and the task chooses.
     """
 
     name: ClassVar[str]
@@ -141,11 +156,13 @@ class WorkerTask:
 
     # ------------------------------------------------------------------ reading
 
-    def payload_columns(self, input_spec: Any) -> list[str]:
+    def payload_columns(self, input_spec: InputSpec) -> list[str]:
         """The input's columns that carry this task's payload, in order."""
         return [getattr(input_spec, setting) for setting in self.payload_settings]
 
-    def openai_request(self, reader: Any, row: int, row_id: str, url: str, body: Any) -> Any:
+    def openai_request(
+        self, reader: RequestReader, row: int, row_id: str, url: str, body: Any
+    ) -> OpenAIRequest:
         """An OpenAI Batch line's `(row, id, payload, params)`, or the `RowError` saying why
         its body cannot serve this task."""
         return reader.body_field_request(row, row_id, body, self.facts.endpoints[url])
@@ -153,8 +170,8 @@ class WorkerTask:
     # ------------------------------------------------------------------ validating
 
     def candidate(
-        self, validator: Any, row: int, row_id: str, payload: Any, request: RowRequest
-    ) -> tuple[Any, tuple[str, str]]:
+        self, validator: RowValidation, row: int, row_id: str, payload: Any, request: RowRequest
+    ) -> CandidateOrProblem:
         """The row's prompts (`validate._Candidate`), or (error type, message)."""
         return validator.text_candidate(
             row,
@@ -166,37 +183,47 @@ class WorkerTask:
             expected=self.expected_input,
         )
 
-    def prepare(self, validator: Any, source: str, candidates: list[Any], errors: list) -> list:
+    def prepare(
+        self,
+        validator: RowValidation,
+        source: str,
+        candidates: list[Candidate],
+        errors: list[RowError],
+    ) -> list[Candidate]:
         """The candidates ready to tokenize (a chat renders its template here)."""
         return candidates
 
-    def prompt_chars(self, validator: Any, candidate: Any) -> list[int]:
+    def prompt_chars(self, validator: RowValidation, candidate: Candidate) -> list[int]:
         """Characters of each prompt of the row, bounded before any tokenizing."""
         return validator.text_chars(candidate)
 
-    def admit(self, validator: Any, source: str, candidates: list[Any], out: Any) -> None:
+    def admit(
+        self, validator: RowValidation, source: str, candidates: list[Candidate], out: ValidChunk
+    ) -> None:
         """Tokenize the candidates and admit into `out` the ones the engine can take."""
         validator.tokenize_candidates(source, candidates, out)
 
     # ------------------------------------------------------------------ requests
 
-    def request(self, builder: Any, params: dict[str, Any]) -> RowRequest:
+    def request(self, builder: RequestBuilding, params: dict[str, Any]) -> RowRequest:
         """The row's request from its (checked) parameters."""
         return RowRequest()
 
     # ------------------------------------------------------------------ the engine
 
-    def default_params(self, engine: Any) -> Any:
+    def default_params(self, engine: TaskEngine) -> Any:
         """What a streamed row without its own parameters is submitted with."""
         return None
 
-    def run_chunk(self, engine: Any, valid: Any) -> PoolingResult:
+    def run_chunk(self, engine: TaskEngine, valid: ValidChunk) -> PoolingResult:
         """A whole validated chunk in one offline call (tasks that do not stream)."""
         raise NotImplementedError(f"task {self.name!r} streams its rows through submit/step")
 
     # ------------------------------------------------------------------ output
 
-    def output_table(self, spec: Any, valid: Any, result: Any) -> pa.Table:
+    def output_table(
+        self, spec: InferenceSpec, valid: ValidChunk, result: ChunkResult | PoolingResult
+    ) -> pa.Table:
         """The output rows of one validated chunk (`validate.ValidChunk`) and its results."""
         raise NotImplementedError
 
@@ -206,7 +233,7 @@ class WorkerTask:
         rid: str,
         created: int,
         row: dict[str, Any],
-        valid: Any,
+        valid: ValidChunk | None,
         position: int,
     ) -> dict[str, Any]:
         """The OpenAI response body of one output row."""
@@ -223,16 +250,16 @@ class EmbedTask(WorkerTask):
     expected_input = "a string, a list of strings, token ids or a list of token id lists"
     request_keys = EMBEDDING_KEYS
 
-    def request(self, builder: Any, params: dict[str, Any]) -> RowRequest:
+    def request(self, builder: RequestBuilding, params: dict[str, Any]) -> RowRequest:
         typed_params(EmbeddingParams, params)
         return RowRequest()
 
-    def default_params(self, engine: Any) -> Any:
+    def default_params(self, engine: TaskEngine) -> Any:
         from vllm import PoolingParams
 
         return PoolingParams(task="embed")
 
-    def output_table(self, spec: Any, valid: Any, result: Any) -> pa.Table:
+    def output_table(self, spec: InferenceSpec, valid: ValidChunk, result: Any) -> pa.Table:
         several = spec.input.resolved_format() == "openai_batch"
         ids, spans = valid.ids, valid.spans
         embeddings = np.ascontiguousarray(result.embeddings, dtype=np.float32)
@@ -272,10 +299,10 @@ class GenerateTask(WorkerTask):
     expected_input = "a string or token ids"
     request_keys = GENERATION_KEYS
 
-    def request(self, builder: Any, params: dict[str, Any]) -> RowRequest:
+    def request(self, builder: RequestBuilding, params: dict[str, Any]) -> RowRequest:
         return builder.generation_request(params)
 
-    def default_params(self, engine: Any) -> Any:
+    def default_params(self, engine: TaskEngine) -> Any:
         from vllm.sampling_params import RequestOutputKind
 
         try:
@@ -286,11 +313,14 @@ class GenerateTask(WorkerTask):
         params.output_kind = RequestOutputKind.FINAL_ONLY
         return params
 
-    def output_table(self, spec: Any, valid: Any, result: Any) -> pa.Table:
+    def output_table(self, spec: InferenceSpec, valid: ValidChunk, result: Any) -> pa.Table:
         ids = valid.ids
         choices = result.choices or [[] for _ in ids]
-        valid_flags, problems = [], []
-        for row_choices, request in zip(choices, valid.requests or [None] * len(ids), strict=True):
+        valid_flags: list[bool | None] = []
+        problems: list[str | None] = []
+        no_requests: list[RowRequest | None] = [None] * len(ids)
+        requests = valid.requests or no_requests
+        for row_choices, request in zip(choices, requests, strict=True):
             constraint = getattr(request, "constraint", None)
             if constraint is None:
                 valid_flags.append(None)
@@ -350,13 +380,19 @@ class ChatTask(GenerateTask):
     checks_empty_text = False  # checked while rendering the chat template
     add_special_tokens = False
 
-    def candidate(self, validator, row, row_id, payload, request) -> tuple[Any, tuple[str, str]]:
+    def candidate(self, validator, row, row_id, payload, request) -> CandidateOrProblem:
         return validator.whole_candidate(row, row_id, payload, request), ("", "")
 
-    def prepare(self, validator: Any, source: str, candidates: list[Any], errors: list) -> list:
+    def prepare(
+        self,
+        validator: RowValidation,
+        source: str,
+        candidates: list[Candidate],
+        errors: list[RowError],
+    ) -> list[Candidate]:
         return validator.render_chats(source, candidates, errors)
 
-    def prompt_chars(self, validator: Any, candidate: Any) -> list[int]:
+    def prompt_chars(self, validator: RowValidation, candidate: Candidate) -> list[int]:
         return validator.chat_chars(candidate)
 
     def response_body(self, model, rid, created, row, valid, position) -> dict[str, Any]:
@@ -404,29 +440,33 @@ class ScoreTask(WorkerTask):
     checks_empty_text = False  # checked while parsing the pairs
     request_keys = SCORE_KEYS
 
-    def openai_request(self, reader: Any, row: int, row_id: str, url: str, body: Any) -> Any:
+    def openai_request(
+        self, reader: RequestReader, row: int, row_id: str, url: str, body: Any
+    ) -> OpenAIRequest:
         return reader.score_request(row, row_id, url, body)
 
-    def candidate(self, validator, row, row_id, payload, request) -> tuple[Any, tuple[str, str]]:
+    def candidate(self, validator, row, row_id, payload, request) -> CandidateOrProblem:
         pairs, problem = parse_score_payload(payload)
         if pairs is None:
             return None, ("wrong_type", problem or "not a score request")
         return validator.pairs_candidate(row, row_id, request, pairs), ("", "")
 
-    def admit(self, validator: Any, source: str, candidates: list[Any], out: Any) -> None:
+    def admit(
+        self, validator: RowValidation, source: str, candidates: list[Candidate], out: ValidChunk
+    ) -> None:
         validator.tokenize_pairs_rowwise(source, candidates, out)
 
-    def request(self, builder: Any, params: dict[str, Any]) -> RowRequest:
+    def request(self, builder: RequestBuilding, params: dict[str, Any]) -> RowRequest:
         typed = typed_params(ScoreParams, params)
         return RowRequest(
             top_n=typed.top_n or None,
             return_documents=True if typed.return_documents is None else typed.return_documents,
         )
 
-    def run_chunk(self, engine: Any, valid: Any) -> PoolingResult:
+    def run_chunk(self, engine: TaskEngine, valid: ValidChunk) -> PoolingResult:
         return run_score(engine.llm, valid.pairs, valid.pair_tokens)
 
-    def output_table(self, spec: Any, valid: Any, result: Any) -> pa.Table:
+    def output_table(self, spec: InferenceSpec, valid: ValidChunk, result: Any) -> pa.Table:
         return pa.Table.from_pydict(
             {
                 "id": valid.ids,
@@ -473,10 +513,10 @@ class ClassifyTask(WorkerTask):
 
     name = "classify"
 
-    def run_chunk(self, engine: Any, valid: Any) -> PoolingResult:
+    def run_chunk(self, engine: TaskEngine, valid: ValidChunk) -> PoolingResult:
         return run_classify(engine.llm, valid.token_ids, model_labels(engine.llm))
 
-    def output_table(self, spec: Any, valid: Any, result: Any) -> pa.Table:
+    def output_table(self, spec: InferenceSpec, valid: ValidChunk, result: Any) -> pa.Table:
         return pa.Table.from_pydict(
             {
                 "id": valid.ids,
@@ -517,13 +557,21 @@ class _ImageRows:
     def read_payload(payload: Any) -> tuple[str | None, list[Any], tuple[str, str]]:
         return vision_payload(payload)
 
-    def candidate(self, validator, row, row_id, payload, request) -> tuple[Any, tuple[str, str]]:
+    def candidate(self, validator, row, row_id, payload, request) -> CandidateOrProblem:
         return image_candidate(validator, self.read_payload, row, row_id, payload, request)
 
-    def prepare(self, validator: Any, source: str, candidates: list[Any], errors: list) -> list:
+    def prepare(
+        self,
+        validator: RowValidation,
+        source: str,
+        candidates: list[Candidate],
+        errors: list[RowError],
+    ) -> list[Candidate]:
         return candidates  # images are read in `admit`, where the chunk's counts go
 
-    def admit(self, validator: Any, source: str, candidates: list[Any], out: Any) -> None:
+    def admit(
+        self, validator: RowValidation, source: str, candidates: list[Candidate], out: ValidChunk
+    ) -> None:
         admit_image_rows(validator, source, candidates, out, render=self.renders_chat)
 
 
@@ -558,7 +606,7 @@ class VisionChatTask(_ImageRows, ChatTask):
     def read_payload(payload: Any) -> tuple[str | None, list[Any], tuple[str, str]]:
         return chat_payload(payload)
 
-    def prompt_chars(self, validator: Any, candidate: Any) -> list[int]:
+    def prompt_chars(self, validator: RowValidation, candidate: Candidate) -> list[int]:
         return validator.text_chars(candidate)  # the messages' JSON, bounded before parsing
 
 
