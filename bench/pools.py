@@ -268,6 +268,9 @@ def _arrivals(bench: PoolBench, watch: PoolWatch) -> dict[str, Any]:
     pool_builds = len(bench.builds()) - builds
     facts = [_pool_facts(pool.instance, t.run_id) for t in timings]
     warm = [f.get("pool_warm_engine") for fs in facts for f in fs.values()]
+    # Each side's engine build (run metadata): on loaded cores one swings 2-3x from run to
+    # run and sways the ratio, so the report also gives it without them.
+    builds_s = (one_run.worker_split.get("load"), timings[0].worker_split.get("load"))
     result = {
         "partitions": len(keys),
         "rows_per_partition": sizes.pools_arrival_rows,
@@ -288,6 +291,10 @@ def _arrivals(bench: PoolBench, watch: PoolWatch) -> dict[str, Any]:
         },
         "rows": total_rows,
         "ratio": one_run.run_seconds / pool_wall,
+        "engine_build_seconds": {"one_run": builds_s[0], "pool": builds_s[1]},
+        "ratio_without_builds": (one_run.run_seconds - builds_s[0]) / (pool_wall - builds_s[1])
+        if None not in builds_s
+        else None,
     }
     log.info(
         "pools arrivals: one run %.1fs, %d pool runs %.1fs: %.2f (%d pool engine builds)",
@@ -750,6 +757,19 @@ def _arrivals_lines(arr: dict[str, Any], reference: str) -> list[str]:
         f"{_num(pool['later_runs_median_seconds'])} s median; {warm} of "
         f"{len(pool['warm_engine'])} partitions on a warm engine (run metadata). "
         f"Per-run launch of one partition per run, for comparison: {reference}.",
+        "",
+    ] + _build_lines(arr)
+
+
+def _build_lines(arr: dict[str, Any]) -> list[str]:
+    builds = arr.get("engine_build_seconds") or {}
+    if arr.get("ratio_without_builds") is None:
+        return []
+    return [
+        f"Engine builds (run metadata): per-run launch {builds['one_run']:.1f} s, pool "
+        f"{builds['pool']:.1f} s; on loaded cores a build's time swings 2-3x from one run to "
+        "the next and sways the ratio with it. Without the builds (one run minus its build / "
+        f"the pool runs minus theirs): {arr['ratio_without_builds']:.2f}.",
         "",
     ]
 

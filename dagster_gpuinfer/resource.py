@@ -92,7 +92,12 @@ class PoolSettings(dg.Config):
         description="How long a started worker counts as `starting` before it "
         "reports itself (process start and imports).",
     )
-    poll_s: float = Field(0.5, gt=0, description="How often a waiting step reads its job.")
+    poll_s: float = Field(
+        0.5,
+        gt=0,
+        description="How often a waiting step reads its job when nothing wakes it (the "
+        "queue rings the step at each event of its job: this is the fallback).",
+    )
     priority_classes: dict[str, int] = Field(
         default_factory=lambda: dict(KIT_PRIORITY_CLASSES),
         description="PriorityClass name -> value, for lease priority: a run tagged "

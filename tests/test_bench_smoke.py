@@ -166,6 +166,10 @@ def test_bench_smoke_runs_the_pools_section(tmp_path: Path) -> None:
     # One engine build for all the pool's runs: the first cold, every later one warm.
     assert arrivals["pool_runs"]["engine_builds"] == 1
     assert arrivals["pool_runs"]["warm_engine"] == [False] + [True] * (arrivals["partitions"] - 1)
+    # Each side's one build is reported (the ratio without builds stands on them).
+    builds = arrivals["engine_build_seconds"]
+    assert builds["one_run"] > 0 and builds["pool"] > 0, builds
+    assert arrivals["ratio_without_builds"] is not None
     skew = pools["skew"]
     expected_rows = skew["big_rows"] + skew["small_rows"] * (skew["partitions"] - 1)
     assert [s["launch"] for s in skew["settings"]] == ["pool"]  # per-run: the full run's

@@ -37,6 +37,7 @@ from dagster_gpuinfer.messages import (
     RunFinished,
     parse_message,
 )
+from dagster_gpuinfer.pools.doorbell import Listener, job_channel
 from dagster_gpuinfer.pools.keys import pool_key
 from dagster_gpuinfer.pools.lease_queue import (
     ItemStatus,
@@ -257,6 +258,16 @@ class JobWatch:
             dagster.DagsterExecutionInterruptedError: `interrupted()` says a SIGINT came
                 whose own exception was lost (`interrupts_remembered`).
         """
+        # Listening before the first read: an event posted in between rings.
+        with self.queue.doorbell().listen(job_channel(self.job.job_id)) as bell:
+            progress = self._wait_heard(bell, poll_s)
+        self.drain_events()
+        if self.refused and not progress.finished:
+            progress = self.queue.cancel(self.job.job_id, "a worker refused the job's spec")
+        return progress
+
+    def _wait_heard(self, bell: Listener, poll_s: float) -> JobProgress:
+        """Read the job whenever its bell rings (an event, a result), else every `poll_s`."""
         last_reconcile = -RECONCILE_SECONDS
         while True:
             if interrupted():
@@ -264,15 +275,11 @@ class JobWatch:
             heard = self.drain_events()
             progress = self.queue.job_progress(self.job.job_id)
             if progress.finished or self.refused:
-                break
+                return progress
             if self.clock() - last_reconcile >= RECONCILE_SECONDS:
                 self._reconcile(heard)
                 last_reconcile = self.clock()
-            time.sleep(poll_s)
-        self.drain_events()
-        if self.refused and not progress.finished:
-            progress = self.queue.cancel(self.job.job_id, "a worker refused the job's spec")
-        return progress
+            bell.wait(poll_s)
 
     def _reconcile(self, heard: bool) -> None:
         if heard:

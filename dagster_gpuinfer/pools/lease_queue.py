@@ -43,6 +43,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from dagster_gpuinfer.pools.doorbell import Doorbell
+
 Clock = Callable[[], float]
 ItemState = Literal["queued", "leased", "done", "failed", "cancelled"]
 EventKind = Literal["log", "progress", "result"]
@@ -473,6 +475,12 @@ class LeaseQueue(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Close this process's connections to the store."""
+
+    def doorbell(self) -> Doorbell:
+        """What wakes a waiter when the store changes (`pools.doorbell`): the store rings
+        `pool_channel` when it queues an item and `job_channel` when a job changes. This
+        default rings nothing (waiters poll)."""
+        return Doorbell()
 
     def __enter__(self) -> LeaseQueue:
         return self

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from dagster_gpuinfer.pools.doorbell import Doorbell, PostgresDoorbell
 from dagster_gpuinfer.pools.lease_queue import Clock
 from dagster_gpuinfer.pools.sql_queue import (
     WORKERS,
@@ -106,3 +107,12 @@ class PostgresLeaseQueue(SqlLeaseQueue):
 
     def _next_served(self) -> str:
         return f"nextval('{SERVED_SEQUENCE}')"
+
+    def doorbell(self) -> Doorbell:
+        """`LISTEN`/`NOTIFY` (`pools.doorbell.PostgresDoorbell`): waiters on every host
+        wake as soon as a change they wait for commits."""
+        return PostgresDoorbell(self._notify, self._connect)
+
+    def _notify(self, channel: str) -> None:
+        with self._transaction() as tx:
+            tx.execute("SELECT pg_notify(?, '')", (channel,))

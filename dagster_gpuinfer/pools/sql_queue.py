@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+from dagster_gpuinfer.pools.doorbell import job_channel, pool_channel
 from dagster_gpuinfer.pools.lease_queue import (
     EVENT_KINDS,
     WORKER_STATES,
@@ -158,6 +159,13 @@ class SqlLeaseQueue(LeaseQueue):
         """Drop this thread's connection (after it broke): the next call opens another."""
         self._local.pid = None
 
+    def _ring(self, channel: str) -> None:
+        """Wake the listeners of `channel` after a change (`pools.doorbell`; best effort)."""
+        try:
+            self.doorbell().ring(channel)
+        except Exception:  # noqa: BLE001 - the change is committed; a ring is a hint
+            pass
+
     def close(self) -> None:
         """Close every connection this object opened (in this process)."""
         with self._connections_lock:
@@ -198,7 +206,9 @@ class SqlLeaseQueue(LeaseQueue):
                         for seq, item in enumerate(job.items)
                     ],
                 )
-            return self._progress(tx, job.job_id, now)
+            progress = self._progress(tx, job.job_id, now)
+        self._ring(pool_channel(job.pool_key))
+        return progress
 
     def _check_same_job(self, tx: Transaction, job: JobSubmission) -> None:
         row = tx.one(f"SELECT pool_key FROM {JOBS} WHERE job_id = ?", (job.job_id,))
@@ -371,6 +381,7 @@ class SqlLeaseQueue(LeaseQueue):
             if payload is not None:
                 self._insert_event(tx, lease, "result", payload, now)
             self._finish_if_drained(tx, lease.job_id)
+        self._ring(job_channel(lease.job_id))
         return True
 
     # ------------------------------------------------------------------ events
@@ -381,7 +392,9 @@ class SqlLeaseQueue(LeaseQueue):
         now = self._clock()
         with self._transaction() as tx:
             self._check_live(self._held_item(tx, lease), lease, now)
-            return self._insert_event(tx, lease, kind, body, now)
+            seq = self._insert_event(tx, lease, kind, body, now)
+        self._ring(job_channel(lease.job_id))
+        return seq
 
     def _insert_event(self, tx: Transaction, lease: Lease, kind: str, body: str, now: float) -> int:
         """Insert one event under the job row's lock (see the module docstring)."""
@@ -475,6 +488,7 @@ class SqlLeaseQueue(LeaseQueue):
                 "WHERE item_id = ?",
                 (now, f"released by {lease.worker_id}: {reason}", lease.item_id),
             )
+        self._ring(pool_channel(lease.pool_key))
 
     def fail(self, lease: Lease, reason: str) -> ItemState:
         now = self._clock()
@@ -492,6 +506,7 @@ class SqlLeaseQueue(LeaseQueue):
             )
             if state == "failed":
                 self._finish_if_drained(tx, lease.job_id)
+        self._ring(pool_channel(lease.pool_key) if state == "queued" else job_channel(lease.job_id))
         return state
 
     def _finish_if_drained(self, tx: Transaction, job_id: str) -> None:
@@ -521,7 +536,9 @@ class SqlLeaseQueue(LeaseQueue):
                 "WHERE job_id = ? AND state = 'active'",
                 (reason, job_id),
             )
-            return self._progress(tx, job_id, now)
+            progress = self._progress(tx, job_id, now)
+        self._ring(job_channel(job_id))
+        return progress
 
     def _job_row(self, tx: Transaction, job_id: str) -> tuple[Any, ...]:
         row = tx.one(

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from dagster_gpuinfer.pools.doorbell import Doorbell, LocalDoorbell
 from dagster_gpuinfer.pools.lease_queue import Clock
 from dagster_gpuinfer.pools.sql_queue import JOBS, SqlLeaseQueue, Transaction, schema_statements
 
@@ -54,6 +55,7 @@ class SqliteLeaseQueue(SqlLeaseQueue):
         self.path = os.path.abspath(os.fspath(path))
         self.location = f"sqlite {self.path}"
         self._busy_timeout_s = busy_timeout_s
+        self._doorbell: LocalDoorbell | None = None
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with self._transaction() as tx:
             for statement in schema_statements(id_column="INTEGER PRIMARY KEY", real="REAL"):
@@ -83,3 +85,10 @@ class SqliteLeaseQueue(SqlLeaseQueue):
 
     def _next_served(self) -> str:
         return f"(SELECT COALESCE(MAX(served_seq), 0) + 1 FROM {JOBS})"
+
+    def doorbell(self) -> Doorbell:
+        """Unix datagram sockets beside the file (`pools.doorbell.LocalDoorbell`): the
+        waiters of this host wake as soon as a change they wait for commits."""
+        if self._doorbell is None:
+            self._doorbell = LocalDoorbell(self.path + ".bells")
+        return self._doorbell

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,7 @@ from dagster_gpuinfer.pools import (
     default_queue_location,
     open_lease_queue,
 )
+from dagster_gpuinfer.pools.doorbell import Listener, pool_channel
 from dagster_gpuinfer.spec import InferenceSpec
 from dagster_gpuinfer.worker import lifecycle
 from dagster_gpuinfer.worker.errors import WorkerError, cap_message, engine_death_in
@@ -64,7 +64,8 @@ class PoolWorkerLoop:
         idle_ttl_s: Seconds without a lease after which the worker exits 0.
         lease_ttl_s: Each lease's TTL (heartbeats every third of it); also the TTL of
             the worker's own record.
-        poll_s: Seconds between two polls for a lease while idle.
+        poll_s: Seconds between two polls for a lease while idle; a job submitted to the
+            pool wakes the worker before (the queue's doorbell).
         engine_builder: Builds the engine on the first lease (`build_engine`; tests pass
             a fake).
         clock: Monotonic seconds.
@@ -97,7 +98,6 @@ class PoolWorkerLoop:
         self.cold_starts = 0
         self.state = "starting"
         self._current: Lease | None = None
-        self._wake = threading.Event()  # set to end an idle wait early (tests)
 
     # ------------------------------------------------------------------ the loop
 
@@ -117,6 +117,11 @@ class PoolWorkerLoop:
                 log.warning("could not remove worker %s from the queue: %s", self.worker_id, exc)
 
     def _serve_until_idle(self) -> int:
+        # Listening before the first look at the queue: a job submitted in between rings.
+        with self.queue.doorbell().listen(pool_channel(self.pool_key)) as bell:
+            return self._serve(bell)
+
+    def _serve(self, bell: Listener) -> int:
         idle_since = self.clock()
         while True:
             if lifecycle.draining():
@@ -129,7 +134,7 @@ class PoolWorkerLoop:
                     log.info("no lease for %.0f s: the pool worker exits", idle)
                     return 0
                 self.report("idle")
-                self._wake.wait(self.poll_s)
+                bell.wait(self.poll_s)  # a submit rings it: no poll interval lost
                 continue
             code = self.serve(lease)
             if code is not None:
