@@ -260,14 +260,17 @@ class JobWatch:
         """
         # Listening before the first read: an event posted in between rings.
         with self.queue.doorbell().listen(job_channel(self.job.job_id)) as bell:
-            progress = self._wait_heard(bell, poll_s)
+            progress = self._wait_heard(bell, poll_s, interrupted)
         self.drain_events()
         if self.refused and not progress.finished:
             progress = self.queue.cancel(self.job.job_id, "a worker refused the job's spec")
         return progress
 
-    def _wait_heard(self, bell: Listener, poll_s: float) -> JobProgress:
-        """Read the job whenever its bell rings (an event, a result), else every `poll_s`."""
+    def _wait_heard(
+        self, bell: Listener, poll_s: float, interrupted: Callable[[], bool]
+    ) -> JobProgress:
+        """Read the job whenever its bell rings (an event, a result), else every `poll_s`;
+        raise as soon as `interrupted()` says so."""
         last_reconcile = -RECONCILE_SECONDS
         while True:
             if interrupted():
