@@ -360,6 +360,26 @@ def test_pod_deleted_from_outside_while_running_fails_promptly(tmp_path):
     assert cluster.clock.now - cluster.vanished_at <= 2 * POLL
 
 
+def test_a_preempted_pod_gone_before_the_next_poll_is_reported_as_preempted(tmp_path):
+    """Found by the chaos backfill (bench/chaos): a preempted pod carries DisruptionTarget
+    through its grace period, then the API server removes it; the launcher, polling, finds it
+    gone. The failure names the preemption, not "deleted from outside or node lost"."""
+    cluster = FakeKubernetes(
+        PodScript(
+            worker=crashing_worker("INFO chunk 3 of 40"),
+            vanish_after_logs=True,
+            disruption="PreemptionByScheduler",
+        )
+    )
+
+    result = materialize(tmp_path, cluster, retry_policy=None)
+
+    message = step_failure_message(result)
+    assert "stopped by the cluster (PreemptionByScheduler)" in message, message
+    assert "deleted from outside" not in message
+    assert failure_metadata(result)["retryable"] is True
+
+
 def test_worker_nonzero_exit_puts_its_last_error_lines_in_the_failure(tmp_path):
     traceback = [
         "Traceback (most recent call last):",
