@@ -14,7 +14,7 @@ import pytest
 from botocore.config import Config
 from moto.server import ThreadedMotoServer
 
-from bench.chaos.faults import KINDS, POD_FAULTS, schedule
+from bench.chaos.faults import KINDS, schedule
 from bench.chaos.s3_proxy import FaultProxy
 
 
@@ -119,4 +119,3 @@ def test_a_short_chaos_seed_commits_every_partition_once(tmp_path):
     assert chaos["lost"] == chaos["duplicated"] == 0
     assert chaos["leftover_processes"] == []
     assert chaos["step_retries"] + chaos["run_retries"] >= 1  # the preemption was retried
-    assert set(POD_FAULTS) >= {"pod_delete"}
