@@ -94,8 +94,9 @@ class Injector:
 
     def _loop(self, started: float) -> None:
         rng = random.Random(self.seed * 7919 + 1)
-        for fault in self.faults:
+        for index, fault in enumerate(self.faults):
             if self._stop.wait(max(0.0, started + fault.at - time.monotonic())):
+                self.skipped += self.faults[index:]  # the backfill ended first
                 return
             if fault.kind in S3_FAULTS:
                 self._s3_window(fault, started)
