@@ -86,6 +86,12 @@ def instance_overrides(max_concurrent_runs: int) -> dict[str, Any]:
             "config": {"max_concurrent_runs": max_concurrent_runs},
         },
         "run_retries": {"enabled": True, "max_retries": 2, "retry_on_asset_or_op_failure": False},
+        # Captured step logs go to `tail -F` helper processes that end with their run
+        # worker's process; run workers are threads here, so they would outlive the runs.
+        "compute_logs": {
+            "module": "dagster._core.storage.noop_compute_log_manager",
+            "class": "NoOpComputeLogManager",
+        },
     }
 
 
