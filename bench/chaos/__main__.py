@@ -25,7 +25,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--per-run", type=int, default=25, help="max_partitions_per_run")
     parser.add_argument("--chunk-size", type=int, default=8)
     parser.add_argument("--faults", type=int, default=8)
-    parser.add_argument("--span-s", type=float, default=600.0, help="faults fall in this span")
+    parser.add_argument(
+        "--span-s",
+        type=float,
+        default=None,
+        help="faults fall in this span (default: 0.6 x the baseline's wall time, else 300 s)",
+    )
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--concurrent-runs", type=int, default=1)
     parser.add_argument("--timeout-s", type=float, default=3600.0)
@@ -51,10 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     logging.getLogger("dagster.daemon").setLevel(logging.WARNING)  # a line per run queue tick
     keys = [f"docs-{i:03d}" for i in range(options.partitions)]
-    faults = schedule(options.seed, options.faults, options.span_s, tuple(options.kinds.split(",")))
+    kinds = tuple(options.kinds.split(","))
     with chaos_cluster.cluster(options.seed) as found:
         chaos_cluster.write_shards(found, "inputs", keys, options.rows, options.seed)
         baseline = None if options.no_baseline else backfill(found, "baseline", keys, [], options)
+        if options.span_s is None:  # the faults fall while the backfill is still running
+            options.span_s = round(0.6 * baseline.wall_s) if baseline else 300.0
+        faults = schedule(options.seed, options.faults, options.span_s, kinds)
         chaos = backfill(found, "chaos", keys, faults, options)
     print(write(options.results, options, faults, baseline, chaos))
     return 1 if verdict(chaos) or (baseline and verdict(baseline)) else 0
