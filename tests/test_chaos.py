@@ -85,6 +85,21 @@ def test_every_request_in_a_full_window_fails_as_the_kind_says(proxied, kind, va
     assert sum(proxy.injected.values()) >= 30
 
 
+def test_overlapping_windows_each_inject_their_kind(proxied):
+    """Seed 3 opened a reset and a 5xx window at once; the second replaced the first."""
+    proxy, client = proxied
+    client.put_object(Bucket="chaos-proxy", Key="k", Body=b"x" * 1000)
+    proxy.open_window("s3_reset", seconds=600, rate=0.5)
+    proxy.open_window("s3_5xx", seconds=600, rate=1.0)
+    for _ in range(30):
+        try:
+            client.get_object(Bucket="chaos-proxy", Key="k")["Body"].read()
+        except Exception:  # noqa: BLE001,S112 - every request fails one way or the other
+            continue
+    kinds = {"reset" if v.startswith("reset") else "5xx" for v in proxy.injected}
+    assert kinds == {"reset", "5xx"}
+
+
 def test_a_slow_window_delays_but_answers(proxied):
     proxy, client = proxied
     client.put_object(Bucket="chaos-proxy", Key="k", Body=b"slow")

@@ -46,7 +46,7 @@ class FaultProxy:
         self.requests = 0
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self._window: tuple[str, float, float] | None = None  # kind, until, rate
+        self._windows: list[tuple[str, float, float]] = []  # kind, until, rate; may overlap
         self._server = ThreadingHTTPServer((host, 0), _handler_class(self))
         self._server.daemon_threads = True
         self._server.handle_error = lambda request, address: None  # resets are the point
@@ -69,17 +69,18 @@ class FaultProxy:
         if kind not in S3_FAULTS:
             raise ValueError(f"unknown S3 fault {kind!r}: one of {', '.join(S3_FAULTS)}")
         with self._lock:
-            self._window = (kind, time.monotonic() + seconds, rate)
+            self._windows.append((kind, time.monotonic() + seconds, rate))
 
     def decide(self) -> tuple[str, str] | None:
         """The fault for the next request, `(kind, variant)`, or None."""
         with self._lock:
             self.requests += 1
-            if self._window is None or time.monotonic() > self._window[1]:
+            now = time.monotonic()
+            self._windows = [w for w in self._windows if now <= w[1]]
+            hit = [w for w in self._windows if self._rng.random() < w[2]]
+            if not hit:
                 return None
-            kind, _, rate = self._window
-            if self._rng.random() >= rate:
-                return None
+            kind = hit[0][0]
             variants = {
                 "s3_5xx": ("503-before", "500-after"),
                 "s3_slow": ("slow",),
