@@ -13,7 +13,7 @@ export VLLM_LOGGING_LEVEL ?= WARNING
 CHECKOV_VENV := .venv-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
 
-.PHONY: install prepare demo lint test test-all test-fast test-cluster dev bench fuzz lock lock-gpu security clean
+.PHONY: install prepare demo lint test test-all test-fast test-cluster dev bench fuzz chaos lock lock-gpu security clean
 
 install: $(STAMP)
 
@@ -106,6 +106,14 @@ FUZZ_WORKERS ?= 2
 FUZZ_SEED ?= 1
 fuzz: prepare
 	nice -n 10 $(PY) -m bench.fuzz_rows --lines $(FUZZ_LINES) --workers $(FUZZ_WORKERS) --seed $(FUZZ_SEED)
+
+# A seeded chaos backfill (bench/chaos/, bench/README.md "Chaos backfill"): 50 partitions
+# through the k8s launcher on the pod executor (root, as test-cluster), first without faults,
+# then under the seed's fault schedule; exits 1 unless every row is committed exactly once.
+SEED ?= 1
+CHAOS_ARGS ?=
+chaos: prepare
+	$(PY) -m bench.chaos --seed $(SEED) $(CHAOS_ARGS)
 
 # Regenerate the lock after changing dependencies: pins every package of a fresh install.
 lock:

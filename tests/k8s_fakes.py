@@ -350,6 +350,16 @@ class FakeKubernetes:
                     statuses.append(
                         status(V1ContainerState(running=V1ContainerStateRunning()), ready=True)
                     )
+                    if script.disruption and script.vanish_after_logs:
+                        # Chosen for disruption, running out its grace period, then gone.
+                        conditions.append(
+                            V1PodCondition(
+                                type="DisruptionTarget",
+                                status="True",
+                                reason=script.disruption,
+                                message=f"{script.disruption}: the pod was chosen for disruption",
+                            )
+                        )
                 else:
                     code = script.exit_code
                     terminated_reason = script.terminated_reason or (

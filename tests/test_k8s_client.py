@@ -280,6 +280,31 @@ def test_out_of_memory_twice_fails_with_a_hint_and_is_not_retried(tmp_path):
         assert hint in message
 
 
+def test_an_engine_death_after_an_oom_step_down_is_retried_not_called_out_of_memory(tmp_path):
+    """Found by the chaos backfill (bench/chaos, seed 1): OOMKilled, the step-down pod's
+    engine SIGKILLed (the worker exits 75 with its own engine-death line). That line said
+    "out of memory" in its hint, so the launcher read the dead engine as a second
+    out-of-memory and failed the step for good; 25 partitions went uncommitted."""
+    from dagster_gpuinfer.worker.lifecycle import EXIT_ENGINE_DIED, engine_death_text
+
+    death = engine_death_text(
+        "the vLLM engine process VLLM::EngineCore (pid 23429) of model '/models/m' is gone"
+    )
+    cluster = FakeKubernetes(
+        PodScript(worker=crashing_worker(), exit_code=137, terminated_reason="OOMKilled"),
+        PodScript(worker=crashing_worker("ERROR " + death), exit_code=EXIT_ENGINE_DIED),
+        PodScript(worker=committing_worker()),
+    )
+
+    result = materialize(tmp_path, cluster, retry_policy=dg.RetryPolicy(max_retries=2))
+
+    assert result.success, step_failure_message(result)
+    assert len(cluster.created) == 3, "step-down relaunch, then a retry after the dead engine"
+    first_failure = _error_text(failures(result)[0].error)
+    assert "out of memory twice" not in first_failure
+    assert "exited with code 75" in first_failure, first_failure
+
+
 def test_kv_cache_too_small_is_not_stepped_down(tmp_path):
     too_small = (
         "ValueError: The model's max seq len (32768) is larger than the maximum number of tokens "
@@ -358,6 +383,26 @@ def test_pod_deleted_from_outside_while_running_fails_promptly(tmp_path):
     assert failure_metadata(result)["retryable"] is True
     assert cluster.polls_after_vanish <= 4, "noticed within two polls, not after a timeout"
     assert cluster.clock.now - cluster.vanished_at <= 2 * POLL
+
+
+def test_a_preempted_pod_gone_before_the_next_poll_is_reported_as_preempted(tmp_path):
+    """Found by the chaos backfill (bench/chaos): a preempted pod carries DisruptionTarget
+    through its grace period, then the API server removes it; the launcher, polling, finds it
+    gone. The failure names the preemption, not "deleted from outside or node lost"."""
+    cluster = FakeKubernetes(
+        PodScript(
+            worker=crashing_worker("INFO chunk 3 of 40"),
+            vanish_after_logs=True,
+            disruption="PreemptionByScheduler",
+        )
+    )
+
+    result = materialize(tmp_path, cluster, retry_policy=None)
+
+    message = step_failure_message(result)
+    assert "stopped by the cluster (PreemptionByScheduler)" in message, message
+    assert "deleted from outside" not in message
+    assert failure_metadata(result)["retryable"] is True
 
 
 def test_worker_nonzero_exit_puts_its_last_error_lines_in_the_failure(tmp_path):

@@ -80,6 +80,44 @@ def production_kubernetes_client(config: K8sLauncherConfig) -> DagsterKubernetes
     return DagsterKubernetesClient.production_client()
 
 
+class _DisruptionMemory:
+    """The core API, remembering each pod last seen with a `DisruptionTarget` condition.
+
+    A preempted or evicted pod carries the condition while it runs out its grace period;
+    once its container ends, the API server removes it. Polling every few seconds, the
+    launcher mostly finds it gone (404), and "deleted from outside or node lost" would hide
+    the cluster's own reason. The last view that had the condition is the pod's record.
+    """
+
+    def __init__(self, api: Any) -> None:
+        self._api = api
+        self.disrupted: dict[str, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._api, name)
+
+    def _note(self, pod: Any) -> Any:
+        conditions = getattr(getattr(pod, "status", None), "conditions", None) or ()
+        if any(c.type == "DisruptionTarget" and c.status == "True" for c in conditions):
+            self.disrupted[pod.metadata.name] = pod
+        return pod
+
+    def list_namespaced_pod(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._api.list_namespaced_pod(*args, **kwargs)
+        for pod in getattr(result, "items", None) or ():
+            self._note(pod)
+        return result
+
+    def read_namespaced_pod(self, *args: Any, **kwargs: Any) -> Any:
+        return self._note(self._api.read_namespaced_pod(*args, **kwargs))
+
+
+def last_disrupted_view(client: DagsterKubernetesClient, name: str) -> Any:
+    """The pod as last seen with a DisruptionTarget condition, or None."""
+    memory = client.core_api
+    return memory.disrupted.get(name) if isinstance(memory, _DisruptionMemory) else None
+
+
 class _PromptPodClient(DagsterKubernetesClient):
     """dagster-k8s's client, but a pod that disappears fails the wait within a poll or two.
 
@@ -91,7 +129,7 @@ class _PromptPodClient(DagsterKubernetesClient):
     def __init__(self, client: DagsterKubernetesClient, *, launch_timeout: float) -> None:
         super().__init__(
             batch_api=client.batch_api,
-            core_api=client.core_api,
+            core_api=_DisruptionMemory(client.core_api),
             logger=client.logger,
             sleeper=client.sleeper,
             timer=client.timer,
@@ -229,7 +267,8 @@ class GpuWorkerPipesClient(PipesK8sClient):
         while True:
             pod = read_pod(client, name=name, namespace=namespace)
             if pod is None:
-                raise_for(classify_pod_failure(pod=None, pod_name=name, image=image))
+                seen = last_disrupted_view(client, name)
+                raise_for(classify_pod_failure(pod=seen, pod_name=name, image=image))
             state, detail = pod_start_state(pod)
             observer.observe(state)
             now = client.timer()
@@ -275,9 +314,12 @@ class GpuWorkerPipesClient(PipesK8sClient):
         error: BaseException | None = None,
         pod: Any = None,
     ) -> PodFailure:
-        """Read what the cluster knows about a failed pod and classify it."""
+        """Read what the cluster knows about a failed pod and classify it; a pod already
+        gone is classified by its last view with a DisruptionTarget condition, if any."""
         if pod is None:
             pod = read_pod(client, name=name, namespace=namespace)
+            if pod is None and (seen := last_disrupted_view(client, name)) is not None:
+                return classify_pod_failure(pod=seen, pod_name=name, image=image)
         return classify_pod_failure(
             pod=pod,
             pod_name=name,

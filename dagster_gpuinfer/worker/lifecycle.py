@@ -200,14 +200,22 @@ def engine_died(message: str) -> None:
     hard_exit(EXIT_ENGINE_DIED)
 
 
+def engine_death_text(message: str) -> str:
+    """What the worker says when an engine died. It must not read as an out-of-memory
+    message itself (`out_of_memory.memory_problem`): the k8s launcher classifies a failed
+    pod from its log tail, and a dead engine is retried, while a second out-of-memory in one
+    step is final (found by the chaos backfill, bench/chaos)."""
+    return (
+        f"{message}: the worker stops now (exit code {EXIT_ENGINE_DIED}, retryable); "
+        "committed chunks are kept and a retry resumes from them. If this repeats, look for "
+        "the engine's own error above (memory exhausted, a device fault)"
+    )
+
+
 def report_engine_death(message: str) -> int:
     """Log and tell (Pipes) that an engine died, what happens now and what to look for;
     returns the exit code the worker leaves with (`EXIT_ENGINE_DIED`)."""
-    text = (
-        f"{message}: the worker stops now (exit code {EXIT_ENGINE_DIED}, retryable); "
-        "committed chunks are kept and a retry resumes from them. If this repeats, look for "
-        "the engine's own error above (out of memory, a device fault)"
-    )
+    text = engine_death_text(message)
     log.error("%s", text)
     tell(text)
     return EXIT_ENGINE_DIED
