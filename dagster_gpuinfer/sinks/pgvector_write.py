@@ -166,9 +166,29 @@ def ensure_table(conn: Any, sink: PgVectorSink, layout: SinkLayout, dimension: i
     table is missing and nothing is known to create it with (no rows, no dimension).
 
     Raises:
-        SinkError: the table holds vectors of another dimension, or the dimension is past
-            what an HNSW index takes.
+        SinkError: the table holds vectors of another dimension or is not a table of this
+            kind of sink, the dimension is past what an HNSW index takes, or the server
+            refused a statement (retryable when the connection failed).
     """
+    import psycopg2
+
+    try:
+        return _ensure_table(conn, sink, layout, dimension)
+    except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
+        raise SinkError(
+            f"the connection to {sink.describe()} failed while making its table ready "
+            f"({first_line(exc)})",
+            retryable=True,
+        ) from None
+    except psycopg2.Error as exc:
+        raise SinkError(
+            f"{sink.describe()} refused to make its table ready ({first_line(exc)}); is "
+            f"{sink.table} a table of another kind?",
+            retryable=False,
+        ) from None
+
+
+def _ensure_table(conn: Any, sink: PgVectorSink, layout: SinkLayout, dimension: int | None) -> bool:
     with conn, conn.cursor() as cur:
         cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [DDL_LOCK])
         cur.execute("SELECT to_regclass(%s) IS NOT NULL", [sink.table])
