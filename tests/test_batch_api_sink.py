@@ -516,3 +516,16 @@ def test_output_lines_become_rows_and_two_rows_with_one_id_are_refused():
     with pytest.raises(SinkError, match="two rows would have the id 'b#1'") as refused:
         batch_rows(clash, layout, batch_id="batch_1")
     assert not refused.value.retryable
+
+
+def test_serve_refuses_to_start_while_a_sinks_url_variable_is_unset(tmp_path, monkeypatch):
+    from dagster_gpuinfer.batch_api.__main__ import build_service
+
+    path = tmp_path / "routes.yaml"
+    path.write_text(
+        "- {model: mini, endpoint: /v1/embeddings, pipeline: batch_embed, model_path: /m,\n"
+        "   sink: {url_env: UNSET_ROUTE_SINK_URL, table: batch_vectors}}\n"
+    )
+    monkeypatch.delenv("UNSET_ROUTE_SINK_URL", raising=False)
+    with pytest.raises(ValueError, match="UNSET_ROUTE_SINK_URL \\(route 'mini'\\)"):
+        build_service(str(path), f"sqlite:///{tmp_path}/s.sqlite", str(tmp_path / "files"))

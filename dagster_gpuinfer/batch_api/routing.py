@@ -194,6 +194,23 @@ class RoutingTable(BaseModel):
         """Every name lines may give as `model` on `endpoint` (adapters included)."""
         return sorted(m for r in self.routes if r.endpoint == endpoint for m in r.served_models)
 
+    def check_sink_variables(self) -> None:
+        """Raise ValueError naming each pgvector sink whose URL variable (`url_env`) is not
+        set in this process, which writes the routes' sinks."""
+        unset = sorted(
+            {
+                f"{route.sink.url_env} (route {route.model!r})"
+                for route in self.routes
+                if isinstance(route.sink, PgVectorSink) and not os.environ.get(route.sink.url_env)
+            }
+        )
+        if unset:
+            raise ValueError(
+                f"the routing table's pgvector sinks read their database URLs from variables "
+                f"not set in the batch API service's environment: {', '.join(unset)}; set "
+                "them (in Kubernetes: a Secret as an env var of the batch API Deployment)"
+            )
+
     def by_pipeline(self, pipeline: str) -> Route | None:
         return next((route for route in self.routes if route.pipeline == pipeline), None)
 
