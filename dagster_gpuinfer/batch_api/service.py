@@ -721,7 +721,8 @@ class BatchService:
                     return self.store.get_batch(batch_id) or record
             if failure is not None:
                 target, errors = "failed", _error_list(failure)
-        sink_retried = target == "completed" and record.get("errors") is not None
+        # A sink's error shown while it was retried goes (this replica's or another's).
+        sink_retried = target == "completed" and self._route_sink(record) is not None
         values: dict[str, Any] = {
             "status": target,
             f"{target}_at": now(),
@@ -730,7 +731,7 @@ class BatchService:
             **_usage_columns(counts),
             **files,
         }
-        if errors is not None or sink_retried:  # a sink's error shown while it was retried
+        if errors is not None or sink_retried:
             values["errors"] = errors
         self.store.update_batch(
             batch_id,
@@ -739,6 +740,10 @@ class BatchService:
             **values,
         )
         return self.store.get_batch(batch_id) or record
+
+    def _route_sink(self, record: dict) -> Any:
+        route = self.routes.by_pipeline(record["pipeline"] or "")
+        return None if route is None else route.sink
 
     def _write_sink(self, record: dict, output: bytes) -> dict | None:
         """Replace the batch's rows in its route's sink with its output file's (nothing
