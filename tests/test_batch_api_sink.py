@@ -26,7 +26,7 @@ from dagster_gpuinfer.batch_api.service import BatchService
 from dagster_gpuinfer.batch_api.store import BatchStore
 from dagster_gpuinfer.batch_api.tags import BATCH_ID_TAG
 from dagster_gpuinfer.sinks import DeltaSink, PgVectorSink
-from dagster_gpuinfer.sinks.batch_output import batch_rows
+from dagster_gpuinfer.sinks.batch_output import check_rows, line_results
 from dagster_gpuinfer.sinks.pgvector import sink_layout
 from dagster_gpuinfer.sinks.pgvector_write import SinkError
 from dagster_gpuinfer.spec import StorageOptions
@@ -257,7 +257,8 @@ class DiesBeforeCompleting:
 def test_a_completed_embeddings_batch_lands_once_across_a_retried_run_and_a_restart(
     tmp_path, instance, database
 ):
-    service = make_service(tmp_path, instance, routes(embed_sink=pg_sink()))
+    # Two rows a COPY: the batch's five rows go in three, in one transaction.
+    service = make_service(tmp_path, instance, routes(embed_sink=pg_sink(batch_rows=2)))
     with live_service(service) as api:
         sdk = client(api, service.store.create_key("acme").token)
         batch = create_batch(sdk, 6)
@@ -431,7 +432,9 @@ def read_delta(uri: str, storage: StorageOptions | None = None):
 
 def test_a_chat_batch_lands_in_a_delta_table_one_row_per_choice(tmp_path, instance):
     table = str(tmp_path / "lake" / "chat")
-    service = make_service(tmp_path, instance, routes(chat_sink={"kind": "delta", "uri": table}))
+    service = make_service(
+        tmp_path, instance, routes(chat_sink={"kind": "delta", "uri": table, "batch_rows": 2})
+    )
     with live_service(service) as api:
         sdk = client(api, service.store.create_key("acme").token)
         batch = create_batch(sdk, 3, model="tiny", url="/v1/chat/completions")
@@ -511,10 +514,15 @@ def test_output_lines_become_rows_and_two_rows_with_one_id_are_refused():
         },
     ]
     output = "\n".join(json.dumps(line) for line in lines).encode()
-    assert batch_rows(output, layout, batch_id="batch_1") == (["a", "b#0", "b#1"], ["x", "y", "z"])
+    assert list(line_results(output, layout, batch_id="batch_1")) == [
+        ("a", "x"),
+        ("b#0", "y"),
+        ("b#1", "z"),
+    ]
+    assert check_rows(output, layout, batch_id="batch_1") == (3, None)
     clash = output + b"\n" + json.dumps({**lines[0], "custom_id": "b#1"}).encode()
     with pytest.raises(SinkError, match="two rows would have the id 'b#1'") as refused:
-        batch_rows(clash, layout, batch_id="batch_1")
+        check_rows(clash, layout, batch_id="batch_1")
     assert not refused.value.retryable
 
 

@@ -56,15 +56,14 @@ def _results(body: dict[str, Any], layout: SinkLayout) -> list[tuple[int, Any]]:
     return results
 
 
-def batch_rows(output: bytes, layout: SinkLayout, *, batch_id: str) -> tuple[list[str], list]:
-    """(ids, payloads) of the output file's lines (see the module's docstring).
+def line_results(output: bytes, layout: SinkLayout, *, batch_id: str) -> Iterator[tuple[str, Any]]:
+    """(row id, payload) of each result of the output file's lines (see the module's
+    docstring), in the file's order.
 
     Raises:
-        SinkError: not retryable: a line that is not an output line, a result with no
-            payload, embeddings of different lengths, or two rows with one id.
+        SinkError: not retryable: a line that is not an output line, or a result with no
+            payload.
     """
-    ids: list[str] = []
-    payloads: list[Any] = []
     for number, raw in enumerate(output.splitlines(), start=1):
         if not raw.strip():
             continue
@@ -81,40 +80,58 @@ def batch_rows(output: bytes, layout: SinkLayout, *, batch_id: str) -> tuple[lis
         for index, payload in sorted(results, key=lambda result: result[0]):
             if payload is None:
                 raise _refused(batch_id, f"line {number} ({line.get('custom_id')!r}) has no result")
-            suffix = f"#{index}" if len(results) > 1 else ""
-            ids.append(f"{line.get('custom_id')}{suffix}")
-            payloads.append(payload)
-    if len(set(ids)) != len(ids):
-        seen: set[str] = set()
-        twice = next(row_id for row_id in ids if row_id in seen or seen.add(row_id))
-        raise _refused(batch_id, f"two rows would have the id {twice!r}")
-    if layout.vectors and len({len(vector) for vector in payloads}) > 1:
-        raise _refused(batch_id, "its embeddings are not all of one length")
-    return ids, payloads
+            yield f"{line.get('custom_id')}{f'#{index}' if len(results) > 1 else ''}", payload
+
+
+def check_rows(output: bytes, layout: SinkLayout, *, batch_id: str) -> tuple[int, int | None]:
+    """(rows, vector length or None) of the output file, read once before anything is sent
+    (a failure while the rows stream would look like the sink's own): holds the ids only.
+
+    Raises:
+        SinkError: not retryable: `line_results`'s, embeddings of different lengths, or two
+            rows with one id.
+    """
+    seen: set[str] = set()
+    dimension = None
+    for row_id, payload in line_results(output, layout, batch_id=batch_id):
+        if row_id in seen:
+            raise _refused(batch_id, f"two rows would have the id {row_id!r}")
+        seen.add(row_id)
+        if layout.vectors:
+            dimension = len(payload) if dimension is None else dimension
+            if len(payload) != dimension:
+                raise _refused(batch_id, "its embeddings are not all of one length")
+    return len(seen), dimension
 
 
 def _refused(batch_id: str, why: str) -> SinkError:
     return SinkError(f"batch {batch_id}: {why}; nothing was written to the sink", retryable=False)
 
 
+def _record_batch(ids: list[str], payloads: list, layout: SinkLayout, tenant: str):
+    if layout.vectors:
+        flat = pa.array([x for vector in payloads for x in vector], pa.float32())
+        payload = pa.FixedSizeListArray.from_arrays(flat, len(payloads[0]))
+    else:
+        payload = pa.array(payloads, pa.string())
+    columns = [pa.array(ids, pa.string()), payload, pa.array([tenant] * len(ids), pa.string())]
+    return pa.RecordBatch.from_arrays(columns, names=layout.columns)
+
+
 def _batches(
-    ids: list[str], payloads: list, layout: SinkLayout, tenant: str, size: int
+    output: bytes, layout: SinkLayout, *, batch_id: str, tenant: str, size: int
 ) -> Iterator[pa.RecordBatch]:
-    for start in range(0, len(ids), size):
-        chunk = payloads[start : start + size]
-        if layout.vectors:
-            flat = pa.array([x for vector in chunk for x in vector], pa.float32())
-            payload = pa.FixedSizeListArray.from_arrays(flat, len(chunk[0]))
-        else:
-            payload = pa.array(chunk, pa.string())
-        yield pa.RecordBatch.from_arrays(
-            [
-                pa.array(ids[start : start + size], pa.string()),
-                payload,
-                pa.array([tenant] * len(chunk), pa.string()),
-            ],
-            names=layout.columns,
-        )
+    """The rows, at most `size` a batch: only one batch's payloads are held at a time."""
+    ids: list[str] = []
+    payloads: list[Any] = []
+    for row_id, payload in line_results(output, layout, batch_id=batch_id):
+        ids.append(row_id)
+        payloads.append(payload)
+        if len(ids) == size:
+            yield _record_batch(ids, payloads, layout, tenant)
+            ids, payloads = [], []
+    if ids:
+        yield _record_batch(ids, payloads, layout, tenant)
 
 
 def write_batch(
@@ -136,17 +153,17 @@ def write_batch(
             the connection or the storage failed, not when the rows or the settings must.
     """
     layout = sink_layout(task, tenants=True)
-    ids, payloads = batch_rows(output, layout, batch_id=manifest.partition_key)
+    batch_id = manifest.partition_key
+    count, dimension = check_rows(output, layout, batch_id=batch_id)
     # The rows the sink must hold for the partition: one per result, not per line.
-    rows = manifest.model_copy(update={"rows_out": len(ids)})
-    batches = _batches(ids, payloads, layout, tenant, sink.batch_rows)
+    rows = manifest.model_copy(update={"rows_out": count})
+    batches = _batches(output, layout, batch_id=batch_id, tenant=tenant, size=sink.batch_rows)
     if isinstance(sink, DeltaSink):
         from dagster_gpuinfer.sinks.materialize import delta_write
 
         return delta_write(sink, storage, layout, rows, batches)
     conn = connection(sink)
     try:
-        dimension = len(payloads[0]) if layout.vectors and payloads else None
         if not ensure_table(conn, sink, layout, dimension):
             return SinkWrite(partition_key=manifest.partition_key, rows=0)
         return replace_partition(conn, sink, layout, rows, batches)
