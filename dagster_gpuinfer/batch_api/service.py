@@ -30,7 +30,7 @@ from dagster_gpuinfer.batch_api.limits import (
     rate_message,
     retry_seconds,
 )
-from dagster_gpuinfer.batch_api.routing import RoutingTable
+from dagster_gpuinfer.batch_api.routing import Route, RoutingTable
 from dagster_gpuinfer.batch_api.store import FILES, BatchStore, QuotaExceeded, Tenant, now
 from dagster_gpuinfer.batch_api.tags import BATCH_ID_TAG
 from dagster_gpuinfer.batch_api.validation import (
@@ -706,7 +706,10 @@ class BatchService:
         results = self.files.batch_results(record["pipeline"], batch_id)
         output = self.files.output_spec(record["pipeline"])
         _, counts = partition_progress(output, batch_id, self.files.storage)
-        files = {
+        outcome = {
+            "completed": results.rows_out,
+            "failed": results.rows_errored,
+            **_usage_columns(counts),
             "output_file_id": self._publish(record, "output", results.output),
             "error_file_id": self._publish(record, "error", results.errors),
         }
@@ -716,21 +719,17 @@ class BatchService:
                 if now() < (record["finalizing_at"] or now()) + self.sink_retry_seconds:
                     # Stays finalizing, the error on show; the next pass tries again.
                     self.store.update_batch(
-                        batch_id, when_status=("finalizing",), errors=_error_list(failure), **files
+                        batch_id,
+                        when_status=("finalizing",),
+                        errors=_error_list(failure),
+                        **outcome,
                     )
                     return self.store.get_batch(batch_id) or record
             if failure is not None:
                 target, errors = "failed", _error_list(failure)
         # A sink's error shown while it was retried goes (this replica's or another's).
-        sink_retried = target == "completed" and self._route_sink(record) is not None
-        values: dict[str, Any] = {
-            "status": target,
-            f"{target}_at": now(),
-            "completed": results.rows_out,
-            "failed": results.rows_errored,
-            **_usage_columns(counts),
-            **files,
-        }
+        sink_retried = target == "completed" and self._sink_route(record) is not None
+        values: dict[str, Any] = {"status": target, f"{target}_at": now(), **outcome}
         if errors is not None or sink_retried:
             values["errors"] = errors
         self.store.update_batch(
@@ -741,20 +740,21 @@ class BatchService:
         )
         return self.store.get_batch(batch_id) or record
 
-    def _route_sink(self, record: dict) -> Any:
+    def _sink_route(self, record: dict) -> Route | None:
+        """The batch's route if it names a sink."""
         route = self.routes.by_pipeline(record["pipeline"] or "")
-        return None if route is None else route.sink
+        return route if route is not None and route.sink is not None else None
 
     def _write_sink(self, record: dict, output: bytes) -> dict | None:
         """Replace the batch's rows in its route's sink with its output file's (nothing
         without a sink); None when the sink holds them, else the error to show."""
-        route = self.routes.by_pipeline(record["pipeline"] or "")
+        route = self._sink_route(record)
         if route is None or route.sink is None:
             return None
-        manifest = self.files.batch_manifest(record["pipeline"], record["id"])
-        if manifest is None:  # finalizing a committed batch: its manifest is there
-            raise RuntimeError(f"batch {record['id']}: committed, but no manifest was read")
         try:
+            manifest = self.files.batch_manifest(record["pipeline"], record["id"])
+            if manifest is None:  # replaced under us: read it again on the next pass
+                raise SinkError("its partition's manifest is gone for now", retryable=True)
             written = write_batch(
                 route.sink,
                 route.task,
@@ -771,7 +771,8 @@ class BatchService:
                 if exc.retryable
                 else "fix the sink's settings or table; this batch will not be written to it"
             )
-            message = f"{route.sink.describe()}: {exc} The output file is complete; {then}."
+            why = str(exc).rstrip(".")
+            message = f"{route.sink.describe()}: {why}. The output file is complete; {then}."
             return {"code": code, "line": None, "message": message, "param": "sink"}
         log.info(
             "batch %s: %s holds its %d rows", record["id"], route.sink.describe(), written.rows
