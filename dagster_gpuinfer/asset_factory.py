@@ -28,6 +28,7 @@ from dagster_gpuinfer.resource import (
     Launch,
     validate_spec,
 )
+from dagster_gpuinfer.sinks import sink_settings
 from dagster_gpuinfer.sinks.delta import DeltaSink
 from dagster_gpuinfer.sinks.materialize import sink_partitions
 from dagster_gpuinfer.sinks.pgvector import PgVectorSink, sink_layout
@@ -467,15 +468,6 @@ def inference_assets(
     return InferencePipeline(input_asset=input_spec, output_asset=output_asset, spec=raw_spec)
 
 
-def _sink_model(sink: PgVectorSink | DeltaSink | Mapping[str, Any]) -> PgVectorSink | DeltaSink:
-    """The sink's settings as their model: a mapping's `kind` picks it (pgvector if unset)."""
-    if isinstance(sink, PgVectorSink | DeltaSink):
-        return sink
-    if sink.get("kind", "pgvector") == "delta":
-        return DeltaSink.model_validate(sink)
-    return PgVectorSink.model_validate(sink)
-
-
 def validate_sink(
     sink: PgVectorSink | DeltaSink | Mapping[str, Any] | None, spec: InferenceSpec, *, where: str
 ) -> PgVectorSink | DeltaSink | None:
@@ -487,7 +479,7 @@ def validate_sink(
     if sink is None:
         return None
     try:
-        checked = _sink_model(sink)
+        checked = sink_settings(sink)
         sink_layout(spec.task)
     except ValueError as exc:
         raise InvalidInferenceSpec(f"{where}: sink: {exc}") from None

@@ -29,8 +29,9 @@ def build_service(
     """The service from the environment (settings.py), overridden by the given arguments.
 
     Raises:
-        ValueError: the webhook or limit settings are not valid, or an endpoint's secret
-            variable is unset or not a `whsec_` secret.
+        ValueError: the webhook or limit settings are not valid, an endpoint's secret
+            variable is unset or not a `whsec_` secret, or a route's pgvector sink's URL
+            variable is unset.
     """
     import dagster as dg
 
@@ -42,10 +43,12 @@ def build_service(
 
     webhooks = load_webhook_settings(webhooks_source)
     webhooks.check_secrets()
+    routes = load_routing_table(routes_source)
+    routes.check_sink_variables()
     return BatchService(
         store=BatchStore(store_url or settings.store_url()),
         files=FileBytes(files_root or settings.files_root(), settings.storage_options()),
-        routes=load_routing_table(routes_source),
+        routes=routes,
         instance=dg.DagsterInstance.get(),
         webhooks=webhooks,
         limits=load_limit_settings(limits_source),

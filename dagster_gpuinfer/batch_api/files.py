@@ -18,10 +18,13 @@ from collections.abc import Iterator
 
 from dagster_gpuinfer.spec import OutputSpec, StorageOptions
 from dagster_gpuinfer.storage import (
+    Manifest,
     OpenAIBatchFiles,
     delete_quietly,
     filesystem_for,
+    partition_dir,
     read_bytes,
+    read_manifest,
     read_openai_batch_files,
     write_bytes_atomic,
 )
@@ -107,3 +110,8 @@ class FileBytes:
 
     def batch_results(self, pipeline: str, batch_id: str) -> OpenAIBatchFiles:
         return read_openai_batch_files(self.output_spec(pipeline), batch_id, self.storage)
+
+    def batch_manifest(self, pipeline: str, batch_id: str) -> Manifest | None:
+        """The `_SUCCESS` manifest of the batch's partition; None until it is committed."""
+        fs, path = filesystem_for(partition_dir(self.output_spec(pipeline), batch_id), self.storage)
+        return read_manifest(fs, path)

@@ -15,6 +15,7 @@ Examples:
             model_path: /models/all-MiniLM-L6-v2
             engine: {dtype: float32}
             chunk_size: 64
+            sink: {kind: pgvector, url_env: EMBEDDINGS_DB_URL, table: batch_embeddings}
           - model: llama-8b
             endpoint: /v1/chat/completions
             pipeline: batch_llama_chat
@@ -22,6 +23,7 @@ Examples:
             lora_adapters:          # lines naming these run on them, one engine for all
               support-v2: /models/adapters/support-v2
               legal: s3://adapters/legal/
+            sink: {kind: delta, uri: "s3://lake/llama_chat"}   # completed batches, too
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dagster_gpuinfer.image_options import ImageOptions
+from dagster_gpuinfer.sinks import DeltaSink, PgVectorSink, sink_layout, sink_settings
 from dagster_gpuinfer.task_table import ENDPOINTS, TASKS, TaskFacts, tasks_serving
 
 ROUTES_ENV = "GPUINFER_BATCH_ROUTES"
@@ -72,6 +75,13 @@ class Route(BaseModel):
         "`model` (a folder in the model cache or an s3:// prefix): this route serves lines "
         "naming the base model or any of them, in one batch and on one engine.",
     )
+    sink: PgVectorSink | DeltaSink | None = Field(
+        None,
+        description="Where each completed batch's results also go, replaced whole under the "
+        "batch id when the service finalizes it: a pipeline's sink settings (`kind: "
+        "pgvector` with `url_env` and `table`, or `kind: delta` with `uri`). Embeddings and "
+        "chat/completions routes.",
+    )
     launch: Literal["run", "pool"] | None = Field(
         None,
         description="How this route's batch runs reach a worker: `pool` sends each batch to "
@@ -100,6 +110,11 @@ class Route(BaseModel):
             )
         return pipeline
 
+    @field_validator("sink", mode="before")
+    @classmethod
+    def _sink_of_its_kind(cls, sink: Any) -> Any:
+        return None if sink is None else sink_settings(sink)
+
     @model_validator(mode="before")
     @classmethod
     def _default_task(cls, data: Any) -> Any:
@@ -121,6 +136,11 @@ class Route(BaseModel):
                 f"route {self.model!r}: `images` is for image tasks; {self.task!r} reads no "
                 "images (set task: vision_chat for chat lines with image_url parts)"
             )
+        if self.sink is not None:
+            try:
+                sink_layout(self.task)
+            except ValueError as exc:
+                raise ValueError(f"route {self.model!r}: sink: {exc}") from None
         return self
 
     @property
@@ -173,6 +193,23 @@ class RoutingTable(BaseModel):
     def models_on(self, endpoint: str) -> list[str]:
         """Every name lines may give as `model` on `endpoint` (adapters included)."""
         return sorted(m for r in self.routes if r.endpoint == endpoint for m in r.served_models)
+
+    def check_sink_variables(self) -> None:
+        """Raise ValueError naming each pgvector sink whose URL variable (`url_env`) is not
+        set in this process, which writes the routes' sinks."""
+        unset = sorted(
+            {
+                f"{route.sink.url_env} (route {route.model!r})"
+                for route in self.routes
+                if isinstance(route.sink, PgVectorSink) and not os.environ.get(route.sink.url_env)
+            }
+        )
+        if unset:
+            raise ValueError(
+                f"the routing table's pgvector sinks read their database URLs from variables "
+                f"not set in the batch API service's environment: {', '.join(unset)}; set "
+                "them (in Kubernetes: a Secret as an env var of the batch API Deployment)"
+            )
 
     def by_pipeline(self, pipeline: str) -> Route | None:
         return next((route for route in self.routes if route.pipeline == pipeline), None)

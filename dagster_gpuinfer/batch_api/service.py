@@ -30,7 +30,7 @@ from dagster_gpuinfer.batch_api.limits import (
     rate_message,
     retry_seconds,
 )
-from dagster_gpuinfer.batch_api.routing import RoutingTable
+from dagster_gpuinfer.batch_api.routing import Route, RoutingTable
 from dagster_gpuinfer.batch_api.store import FILES, BatchStore, QuotaExceeded, Tenant, now
 from dagster_gpuinfer.batch_api.tags import BATCH_ID_TAG
 from dagster_gpuinfer.batch_api.validation import (
@@ -40,6 +40,8 @@ from dagster_gpuinfer.batch_api.validation import (
     validate_batch_input,
 )
 from dagster_gpuinfer.batch_api.webhooks import WebhookSettings, deliver_due
+from dagster_gpuinfer.sinks.batch_output import write_batch
+from dagster_gpuinfer.sinks.pgvector_write import SinkError
 from dagster_gpuinfer.storage import RowCounts, partition_progress
 
 ACTIVE = ("in_progress", "cancelling", "finalizing")
@@ -53,6 +55,11 @@ CANCEL_GRACE_SECONDS = 120
 VALIDATION_TIMEOUT_SECONDS = 600
 # An upload still unfinished this long after it began was left by a request that died.
 UPLOAD_TIMEOUT_SECONDS = 3600
+# The codes of a sink's failure on a batch: the server or the storage failed (retried), or
+# the sink refused the rows or its settings are wrong (not retried: the batch fails).
+SINK_UNAVAILABLE, SINK_REFUSED = "sink_unavailable", "sink_refused"
+# A completed batch whose route's sink fails retryably is retried this long, then failed.
+SINK_RETRY_SECONDS = 3600
 # OpenAI's bounds on `output_expires_after.seconds`: 1 hour to 30 days.
 OUTPUT_EXPIRY_SECONDS = (3600, 30 * 24 * 3600)
 
@@ -190,6 +197,8 @@ class BatchService:
         webhooks: Each tenant's webhook endpoints (webhooks.py); none: no events are kept.
         output_expiry_seconds: Bounds on `output_expires_after.seconds` (OpenAI's: an hour
             to 30 days).
+        sink_retry_seconds: How long a completed batch whose route's sink fails retryably
+            stays `finalizing` (the sink tried again on each reconcile pass) before it fails.
     """
 
     store: BatchStore
@@ -201,6 +210,7 @@ class BatchService:
     webhooks: WebhookSettings = field(default_factory=WebhookSettings)
     output_expiry_seconds: tuple[int, int] = OUTPUT_EXPIRY_SECONDS
     limits: LimitSettings = field(default_factory=LimitSettings)
+    sink_retry_seconds: float = SINK_RETRY_SECONDS
 
     # ---------------------------------------------------------------- limits
 
@@ -696,16 +706,31 @@ class BatchService:
         results = self.files.batch_results(record["pipeline"], batch_id)
         output = self.files.output_spec(record["pipeline"])
         _, counts = partition_progress(output, batch_id, self.files.storage)
-        values: dict[str, Any] = {
-            "status": target,
-            f"{target}_at": now(),
+        outcome = {
             "completed": results.rows_out,
             "failed": results.rows_errored,
             **_usage_columns(counts),
             "output_file_id": self._publish(record, "output", results.output),
             "error_file_id": self._publish(record, "error", results.errors),
         }
-        if errors is not None:
+        if target == "completed":
+            failure = self._write_sink(record, results.output)
+            if failure is not None and failure["code"] == SINK_UNAVAILABLE:
+                if now() < (record["finalizing_at"] or now()) + self.sink_retry_seconds:
+                    # Stays finalizing, the error on show; the next pass tries again.
+                    self.store.update_batch(
+                        batch_id,
+                        when_status=("finalizing",),
+                        errors=_error_list(failure),
+                        **outcome,
+                    )
+                    return self.store.get_batch(batch_id) or record
+            if failure is not None:
+                target, errors = "failed", _error_list(failure)
+        # A sink's error shown while it was retried goes (this replica's or another's).
+        sink_retried = target == "completed" and self._sink_route(record) is not None
+        values: dict[str, Any] = {"status": target, f"{target}_at": now(), **outcome}
+        if errors is not None or sink_retried:
             values["errors"] = errors
         self.store.update_batch(
             batch_id,
@@ -714,6 +739,45 @@ class BatchService:
             **values,
         )
         return self.store.get_batch(batch_id) or record
+
+    def _sink_route(self, record: dict) -> Route | None:
+        """The batch's route if it names a sink."""
+        route = self.routes.by_pipeline(record["pipeline"] or "")
+        return route if route is not None and route.sink is not None else None
+
+    def _write_sink(self, record: dict, output: bytes) -> dict | None:
+        """Replace the batch's rows in its route's sink with its output file's (nothing
+        without a sink); None when the sink holds them, else the error to show."""
+        route = self._sink_route(record)
+        if route is None or route.sink is None:
+            return None
+        try:
+            manifest = self.files.batch_manifest(record["pipeline"], record["id"])
+            if manifest is None:  # replaced under us: read it again on the next pass
+                raise SinkError("its partition's manifest is gone for now", retryable=True)
+            written = write_batch(
+                route.sink,
+                route.task,
+                tenant=record["tenant"],
+                manifest=manifest,
+                output=output,
+                storage=self.files.storage,
+            )
+        except SinkError as exc:
+            log.warning("batch %s: the sink failed: %s", record["id"], exc)
+            code = SINK_UNAVAILABLE if exc.retryable else SINK_REFUSED
+            then = (
+                "the service tries again on each pass"
+                if exc.retryable
+                else "fix the sink's settings or table; this batch will not be written to it"
+            )
+            why = str(exc).rstrip(".")
+            message = f"{route.sink.describe()}: {why}. The output file is complete; {then}."
+            return {"code": code, "line": None, "message": message, "param": "sink"}
+        log.info(
+            "batch %s: %s holds its %d rows", record["id"], route.sink.describe(), written.rows
+        )
+        return None
 
     def _publish(self, record: dict, kind: str, data: bytes) -> str | None:
         if not data:
@@ -795,6 +859,10 @@ class BatchService:
                         record["status"],
                     )
                     self._stop(run)
+
+
+def _error_list(error: dict) -> dict:
+    return {"object": "list", "data": [error]}
 
 
 def _will_retry(run: Any) -> bool:

@@ -5,6 +5,7 @@ Layout of the table (created by the first write, partitioned by `partition_key`)
 
     partition_key string, id string, embedding list<float> | text string,
     spec_hash string, input_version string, committed_at double
+    [, tenant string]    batch API routes: the tenant whose batch the row is of
 
 The write of one partition is `write_deltalake(mode="overwrite", predicate="partition_key =
 'k'")`: new data files, then one commit to the transaction log that removes the
@@ -88,12 +89,14 @@ def sink_schema(layout: SinkLayout) -> pa.Schema:
             ("spec_hash", pa.string()),
             ("input_version", pa.string()),
             ("committed_at", pa.float64()),
+            *([("tenant", pa.string())] if layout.tenants else []),
         ]
     )
 
 
 def sink_batch(batch: pa.RecordBatch, schema: pa.Schema, manifest: Manifest) -> pa.RecordBatch:
-    """One batch of output rows (`id` and the payload column) as rows of the table."""
+    """One batch of output rows (`id`, the payload column and, for a batch API route's
+    table, `tenant`) as rows of the table."""
     rows = batch.num_rows
     payload_name = schema.names[2]
     source = manifest.source
@@ -105,6 +108,7 @@ def sink_batch(batch: pa.RecordBatch, schema: pa.Schema, manifest: Manifest) -> 
             pa.repeat(pa.scalar(manifest.spec_hash, pa.string()), rows),
             pa.repeat(pa.scalar(source.input if source else None, pa.string()), rows),
             pa.repeat(pa.scalar(manifest.committed_at, pa.float64()), rows),
+            *([pc.cast(batch.column("tenant"), pa.string())] if "tenant" in schema.names else []),
         ],
         schema=schema,
     )

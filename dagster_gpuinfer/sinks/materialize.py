@@ -11,10 +11,11 @@ handed to every GPU pod (whose network policy need not reach the database).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import dagster as dg
+import pyarrow as pa
 
 from dagster_gpuinfer.sinks.delta import DeltaSink, DeltaUnavailable, overwrite_partition
 from dagster_gpuinfer.sinks.partition_rows import (
@@ -31,7 +32,7 @@ from dagster_gpuinfer.sinks.pgvector_write import (
     first_line,
     replace_partition,
 )
-from dagster_gpuinfer.spec import InferenceSpec
+from dagster_gpuinfer.spec import InferenceSpec, StorageOptions
 from dagster_gpuinfer.storage import Manifest
 
 
@@ -86,6 +87,37 @@ def write_partitions(
         conn.close()
 
 
+def delta_write(
+    sink: DeltaSink,
+    storage: StorageOptions | None,
+    layout: SinkLayout,
+    manifest: Manifest,
+    batches: Iterable[pa.RecordBatch],
+) -> SinkWrite:
+    """Overwrite one partition in the Delta table (one commit), delta-rs's errors as
+    `SinkError`s.
+
+    Raises:
+        SinkError: the partition could not be written; the table holds it as it was.
+    """
+    key = manifest.partition_key
+    try:
+        rows, superseded = overwrite_partition(sink, storage, layout, manifest, batches)
+    except (SinkInputError, DeltaUnavailable, ValueError) as exc:
+        raise SinkError(
+            f"partition {key!r}: {exc}; nothing of it was committed to {sink.describe()}",
+            retryable=False,
+        ) from None
+    except Exception as exc:  # delta-rs: storage, a conflicting commit, the schema
+        raise SinkError(
+            f"partition {key!r}: writing to {sink.describe()} failed "
+            f"({type(exc).__name__}: {first_line(exc)[:500]}); the table holds the partition "
+            "as it was",
+            retryable=_retryable_delta_error(exc),
+        ) from None
+    return SinkWrite(partition_key=key, rows=rows, superseded=superseded)
+
+
 def write_delta_partitions(
     sink: DeltaSink, spec: InferenceSpec, manifests: Mapping[str, Manifest]
 ) -> dict[str, SinkWrite]:
@@ -101,23 +133,7 @@ def write_delta_partitions(
         batches = committed_batches(
             spec, manifests[key], ["id", layout.column], batch_rows=sink.batch_rows
         )
-        try:
-            rows, superseded = overwrite_partition(
-                sink, spec.storage, layout, manifests[key], batches
-            )
-        except (SinkInputError, DeltaUnavailable, ValueError) as exc:
-            raise SinkError(
-                f"partition {key!r}: {exc}; nothing of it was committed to {sink.describe()}",
-                retryable=False,
-            ) from None
-        except Exception as exc:  # delta-rs: storage, a conflicting commit, the schema
-            raise SinkError(
-                f"partition {key!r}: writing to {sink.describe()} failed "
-                f"({type(exc).__name__}: {first_line(exc)[:500]}); the table holds the partition "
-                "as it was",
-                retryable=_retryable_delta_error(exc),
-            ) from None
-        writes[key] = SinkWrite(partition_key=key, rows=rows, superseded=superseded)
+        writes[key] = delta_write(sink, spec.storage, layout, manifests[key], batches)
     return writes
 
 

@@ -5,6 +5,7 @@ input. No I/O and no database driver here (`sinks.pgvector_write` talks to the s
 Layout of the sink table (`PgVectorSink.table`, created if missing)::
 
     partition_key text, id text, embedding vector(d) | text text, spec_hash text
+    [, tenant text]    batch API routes: the tenant whose batch the row is of
     PRIMARY KEY (partition_key, id)
 
 and beside it `<table>_partitions`, one row per partition written: the manifest's spec hash,
@@ -84,7 +85,8 @@ class PgVectorSink(BaseModel):
                 "url_env names the environment variable that holds the database URL (e.g. "
                 "'EMBEDDINGS_DB_URL'), not the URL: a URL here would travel in asset "
                 "metadata and the run's config; set it in the environment of the code "
-                "location (a Kubernetes Secret as an env var in production)"
+                "location, or of the batch API service for a route's sink (a Kubernetes "
+                "Secret as an env var in production)"
             )
         return value
 
@@ -105,25 +107,33 @@ class PgVectorSink(BaseModel):
 
 @dataclass(frozen=True)
 class SinkLayout:
-    """Which output column a task's rows send, and as what SQL type."""
+    """Which output column a task's rows send, and as what SQL type; `tenants`: the rows
+    also carry a `tenant` column (a batch API route's sink: one table, every tenant's
+    batches)."""
 
     column: str
     vectors: bool
+    tenants: bool = False
+
+    @property
+    def columns(self) -> list[str]:
+        """The columns the rows sent to the sink carry besides the partition's own."""
+        return ["id", self.column, *(["tenant"] if self.tenants else [])]
 
     def sql_type(self, dimension: int | None) -> str:
         return f"vector({dimension})" if self.vectors else "text"
 
 
-def sink_layout(task: str) -> SinkLayout:
-    """The column a task's outputs are written from.
+def sink_layout(task: str, *, tenants: bool = False) -> SinkLayout:
+    """The column a task's outputs are written from (`tenants`: and a `tenant` column).
 
     Raises:
         ValueError: a task whose outputs this sink does not take (score, classify).
     """
     if task_facts(task).embeds:
-        return SinkLayout(column="embedding", vectors=True)
+        return SinkLayout(column="embedding", vectors=True, tenants=tenants)
     if task_facts(task).samples:
-        return SinkLayout(column="text", vectors=False)
+        return SinkLayout(column="text", vectors=False, tenants=tenants)
     raise ValueError(
         f"a sink takes embeddings (embed, image_embed) or generated text "
         f"(generate, chat, vision_generate, vision_chat), not task {task!r}"
@@ -152,21 +162,28 @@ def vector_text(column: pa.Array) -> pa.Array:
     return pc.binary_join_element_wise("[", pc.binary_join(as_text, ","), "]", "")
 
 
+def copy_columns(layout: SinkLayout) -> str:
+    """The columns of `copy_csv`'s rows, as COPY names them."""
+    payload = "embedding" if layout.vectors else "text"
+    return ", ".join(["partition_key", "id", payload, "spec_hash", *(["tenant"] * layout.tenants)])
+
+
 def copy_csv(
     batch: pa.RecordBatch, layout: SinkLayout, *, partition_key: str, spec_hash: str
 ) -> bytes:
-    """One batch of output rows as COPY ... (FORMAT csv) input, in `COPY_COLUMNS` order:
+    """One batch of output rows as COPY ... (FORMAT csv) input, in `copy_columns` order:
     nulls unquoted and empty (NULL to the server), every string quoted."""
     rows = batch.num_rows
     payload = batch.column(layout.column)
-    table = pa.table(
-        {
-            "partition_key": pa.repeat(pa.scalar(partition_key), rows),
-            "id": pc.cast(batch.column("id"), pa.string()),
-            "payload": vector_text(payload) if layout.vectors else pc.cast(payload, pa.string()),
-            "spec_hash": pa.repeat(pa.scalar(spec_hash), rows),
-        }
-    )
+    columns = {
+        "partition_key": pa.repeat(pa.scalar(partition_key), rows),
+        "id": pc.cast(batch.column("id"), pa.string()),
+        "payload": vector_text(payload) if layout.vectors else pc.cast(payload, pa.string()),
+        "spec_hash": pa.repeat(pa.scalar(spec_hash), rows),
+    }
+    if layout.tenants:
+        columns["tenant"] = pc.cast(batch.column("tenant"), pa.string())
+    table = pa.table(columns)
     sink = io.BytesIO()
     pacsv.write_csv(table, sink, pacsv.WriteOptions(include_header=False))
     return sink.getvalue()

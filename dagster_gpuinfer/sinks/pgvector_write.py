@@ -35,13 +35,13 @@ from dagster_gpuinfer.sinks.pgvector import (
     OPERATOR_CLASSES,
     PgVectorSink,
     SinkLayout,
+    copy_columns,
     copy_csv,
     partitions_table,
     split_table,
 )
 from dagster_gpuinfer.storage import Manifest
 
-COPY_COLUMNS = ("partition_key", "id", "{payload}", "spec_hash")
 DDL_LOCK = "dagster-gpuinfer sink tables"
 
 
@@ -79,7 +79,8 @@ def connect(sink: PgVectorSink) -> Any:
         raise SinkError(
             f"the {sink.describe()} sink reads its database URL from the environment "
             f"variable {sink.url_env}, which is not set in this process; set it where the "
-            "code location runs (in Kubernetes: a Secret as an env var)",
+            "code location runs (a batch API route's sink: where the batch API service runs; "
+            "in Kubernetes: a Secret as an env var)",
             retryable=False,
         )
     try:
@@ -120,6 +121,15 @@ def _vector_dimension(cur: Any, table: str) -> int | None:
     return None if row is None else int(row[0])
 
 
+def _has_column(cur: Any, table: str, column: str) -> bool:
+    cur.execute(
+        "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attname = %s "
+        "AND NOT attisdropped",
+        [table, column],
+    )
+    return cur.fetchone() is not None
+
+
 def create_statements(
     conn: Any, sink: PgVectorSink, layout: SinkLayout, dimension: int | None
 ) -> list[str]:
@@ -133,7 +143,8 @@ def create_statements(
     statements.append(
         f"CREATE TABLE IF NOT EXISTS {table} (partition_key text NOT NULL, id text NOT NULL, "
         f"{payload} {layout.sql_type(dimension)}, spec_hash text NOT NULL, "
-        "PRIMARY KEY (partition_key, id))"
+        + ("tenant text NOT NULL, " if layout.tenants else "")
+        + "PRIMARY KEY (partition_key, id))"
     )
     statements.append(
         f"CREATE TABLE IF NOT EXISTS {parts} (partition_key text PRIMARY KEY, spec_hash text "
@@ -155,9 +166,29 @@ def ensure_table(conn: Any, sink: PgVectorSink, layout: SinkLayout, dimension: i
     table is missing and nothing is known to create it with (no rows, no dimension).
 
     Raises:
-        SinkError: the table holds vectors of another dimension, or the dimension is past
-            what an HNSW index takes.
+        SinkError: the table holds vectors of another dimension or is not a table of this
+            kind of sink, the dimension is past what an HNSW index takes, or the server
+            refused a statement (retryable when the connection failed).
     """
+    import psycopg2
+
+    try:
+        return _ensure_table(conn, sink, layout, dimension)
+    except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
+        raise SinkError(
+            f"the connection to {sink.describe()} failed while making its table ready "
+            f"({first_line(exc)})",
+            retryable=True,
+        ) from None
+    except psycopg2.Error as exc:
+        raise SinkError(
+            f"{sink.describe()} refused to make its table ready ({first_line(exc)}); is "
+            f"{sink.table} a table of another kind?",
+            retryable=False,
+        ) from None
+
+
+def _ensure_table(conn: Any, sink: PgVectorSink, layout: SinkLayout, dimension: int | None) -> bool:
     with conn, conn.cursor() as cur:
         cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [DDL_LOCK])
         cur.execute("SELECT to_regclass(%s) IS NOT NULL", [sink.table])
@@ -174,6 +205,19 @@ def ensure_table(conn: Any, sink: PgVectorSink, layout: SinkLayout, dimension: i
         for statement in create_statements(conn, sink, layout, dimension):
             cur.execute(statement)
         held = _vector_dimension(cur, sink.table) if layout.vectors else None
+        tenants = _has_column(cur, sink.table, "tenant")
+    if tenants != layout.tenants:
+        raise SinkError(
+            f"{sink.describe()}: the table "
+            + (
+                "has no tenant column, so it is a pipeline's sink; a batch API route's sink "
+                "records each row's tenant: name another table"
+                if layout.tenants
+                else "has a tenant column, so it is a batch API route's sink; name another "
+                "table for this pipeline"
+            ),
+            retryable=False,
+        )
     if layout.vectors and dimension is not None and held != dimension:
         raise SinkError(
             f"{sink.describe()}: the table holds vector({held}) embeddings but these outputs "
@@ -233,7 +277,7 @@ def replace_partition(
 
     key = manifest.partition_key
     table = _identifier(conn, sink.table)
-    columns = ", ".join(COPY_COLUMNS).format(payload="embedding" if layout.vectors else "text")
+    columns = copy_columns(layout)
     try:
         with conn, conn.cursor() as cur:
             cur.execute(
