@@ -18,7 +18,12 @@ from test_engine_loop import FakeEngine, _serve
 
 from dagster_gpuinfer import InferenceSpec, read_partition
 from dagster_gpuinfer.storage import SourceVersion
-from dagster_gpuinfer.worker.loop.reuse import REUSE_KEY_COLUMN, RowKeys, RowReuse
+from dagster_gpuinfer.worker.loop.reuse import (
+    REUSE_KEY_COLUMN,
+    RowKeys,
+    RowReuse,
+    pipeline_outputs,
+)
 from dagster_gpuinfer.worker.rows.validate import ValidChunk
 from dagster_gpuinfer.worker.tasks.params import RowRequest
 from dagster_gpuinfer.worker.tasks.pooling import ScorePairs
@@ -40,12 +45,12 @@ def _spec(root: Path, out: str = "out", **fields) -> InferenceSpec:
     )
 
 
-def _write(root: Path, rows: list[tuple[str, int]]) -> None:
-    """The shard `s0`: (id, number) rows; the fake engine's embedding of a row is
+def _write(root: Path, rows: list[tuple[str, int]], key: str = "s0") -> None:
+    """The shard `key`: (id, number) rows; the fake engine's embedding of a row is
     [number, prompt length]."""
     (root / "in").mkdir(parents=True, exist_ok=True)
     table = pa.table({"id": [i for i, _ in rows], "text": [f"row {n}" for _, n in rows]})
-    pq.write_table(table, root / "in" / "s0.parquet")
+    pq.write_table(table, root / "in" / f"{key}.parquet")
 
 
 def _numbers(table: pa.Table) -> list[int]:
@@ -117,6 +122,59 @@ def test_the_default_keeps_the_spec_hash_of_specs_written_before_row_reuse(tmp_p
     payload = spec._results_payload()
     assert "row_reuse" not in payload and "row_reuse" in spec.model_dump()
     assert _spec(tmp_path, row_reuse="auto").spec_hash() == spec.spec_hash()
+
+
+def _in(spec: InferenceSpec, key: str, **fields) -> InferenceSpec:
+    return InferenceSpec.model_validate({**spec.model_dump(), "partition_keys": [key], **fields})
+
+
+def test_pipeline_scope_copies_rows_other_partitions_computed_and_partition_scope_not(tmp_path):
+    """Daily snapshots that repeat rows: with `row_reuse_scope="pipeline"` a new partition
+    computes only the rows no committed partition of the pipeline holds; by default (the
+    partition's own output only) it computes them all. Outputs equal either way."""
+    _write(tmp_path, [(f"a{i}", 100 + i) for i in range(8)], "s0")
+    _write(tmp_path, [(f"b{i}", 104 + i) for i in range(8)], "s1")  # 4 of s0's, 4 new
+    spec = _spec(tmp_path)
+    _, done, error = _serve(_in(spec, "s0"), FakeEngine())
+    assert error is None and done
+
+    default = FakeEngine()
+    _, done, error = _serve(_in(spec, "s1"), default)
+    assert error is None and done and len(default.submitted) == 8
+    by_partition = read_partition(spec.output, "s1")
+
+    wide = _spec(tmp_path, out="wide", row_reuse_scope="pipeline")
+    assert wide.spec_hash() == _spec(tmp_path, out="wide").spec_hash()  # not in the hash
+    _, done, error = _serve(_in(wide, "s0"), FakeEngine())
+    assert error is None and done
+    engine = FakeEngine()
+    ((manifest, _),), done, error = _serve(_in(wide, "s1"), engine)
+    assert error is None and done
+    assert sorted(engine.submitted) == [108, 109, 110, 111]
+    assert (manifest.rows_out, manifest.rows_reused, manifest.rows_deduplicated) == (8, 4, 0)
+    table = read_partition(wide.output, "s1")
+    assert table.column("id").to_pylist() == [f"b{i}" for i in range(8)]
+    assert table.equals(by_partition)  # ids, outputs and keys as computed in full
+
+
+def test_pipeline_scope_computes_rows_whose_other_partition_was_replaced(tmp_path):
+    """A part file of another partition that a commit replaced after the index was read is
+    not copied from: those rows are computed, the chunk is not failed."""
+    _write(tmp_path, [(f"a{i}", 100 + i) for i in range(4)], "s0")
+    _write(tmp_path, [(f"b{i}", 100 + i) for i in range(4)], "s1")
+    spec = _spec(tmp_path, row_reuse_scope="pipeline")
+    _serve(_in(spec, "s0"), FakeEngine())
+    tokens = [ord(c) for c in "row 100"]  # the fake tokenizer's: one token a character
+    valid = ValidChunk(index=0, rows=[0], ids=["b0"], token_ids=[tokens], spans=[1])
+    found = RowReuse(_in(spec, "s1")).plan("s1", SourceVersion(input="v1"), valid)
+    assert found.compute == [] and found.sources[0][0] == "reuse" and found.pinned
+
+    reuse = RowReuse(_in(spec, "s1"))
+    reuse._pipeline = pipeline_outputs(spec)
+    for path in {ref.path for ref in reuse._pipeline.values()}:
+        Path(path).unlink()
+    plan = reuse.plan("s1", SourceVersion(input="v1"), valid)
+    assert plan.compute == [0] and not plan.pinned
 
 
 # --------------------------------------------------------------------------- sampling

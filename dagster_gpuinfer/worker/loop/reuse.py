@@ -59,6 +59,8 @@ REUSE_KEY_COLUMN = "reuse_key"
 KEY_VERSION = b"gpuinfer-row-1"
 # Keys of this run's computed rows kept for dedup, at most (about 100 bytes each).
 MAX_RUN_KEYS = 1_000_000
+# Keys of the pipeline's committed partitions indexed, at most (`row_reuse_scope="pipeline"`).
+MAX_PIPELINE_KEYS = 1_000_000
 # Earlier part files kept decoded while chunks copy rows from them.
 PART_CACHE = 4
 
@@ -164,21 +166,61 @@ def previous_outputs(
         return {}
     index: dict[str, RowRef] = {}
     try:
-        for part in manifest.parts:
-            if not part.name.endswith(".parquet"):
-                return {}
-            part_path = posixpath.join(path, part.name)
-            with fs.open_input_file(part_path) as handle:
-                parquet = pq.ParquetFile(handle)
-                if REUSE_KEY_COLUMN not in parquet.schema_arrow.names:
-                    continue
-                keys = parquet.read(columns=[REUSE_KEY_COLUMN]).column(0).to_pylist()
-            for row, key in enumerate(keys):
-                if key is not None:
-                    index.setdefault(key, RowRef(part_path, row))
+        if not _index_parts(fs, path, manifest, index, limit=None):
+            return {}
     except OSError as exc:  # pulled by a concurrent commit: compute everything
         log.warning("partition %s: earlier output unreadable, no reuse (%s)", partition_key, exc)
         return {}
+    return index
+
+
+def _index_parts(
+    fs: pafs.FileSystem, path: str, manifest: Any, index: dict[str, RowRef], limit: int | None
+) -> bool:
+    """Adds the keyed rows of a committed partition (its folder `path`) to `index`, first
+    found kept; False when the output is not Parquet or `limit` keys are reached."""
+    for part in manifest.parts:
+        if not part.name.endswith(".parquet"):
+            return False
+        part_path = posixpath.join(path, part.name)
+        with fs.open_input_file(part_path) as handle:
+            parquet = pq.ParquetFile(handle)
+            if REUSE_KEY_COLUMN not in parquet.schema_arrow.names:
+                continue
+            keys = parquet.read(columns=[REUSE_KEY_COLUMN]).column(0).to_pylist()
+        for row, key in enumerate(keys):
+            if key is not None:
+                index.setdefault(key, RowRef(part_path, row))
+        if limit is not None and len(index) >= limit:
+            return False
+    return True
+
+
+def pipeline_outputs(spec: InferenceSpec, limit: int = MAX_PIPELINE_KEYS) -> dict[str, RowRef]:
+    """The keyed rows of every committed partition of the pipeline's output (key -> row;
+    `row_reuse_scope="pipeline"`): the partition folders under the output's asset folder,
+    each manifest's parts' key columns. A partition that cannot be read is left out (its
+    rows are computed, as without it); at `limit` keys the rest are left out, with a
+    warning."""
+    asset_uri = partition_dir(spec.output, "x").rsplit("/", 1)[0]
+    fs, root = filesystem_for(asset_uri, spec.storage)
+    index: dict[str, RowRef] = {}
+    infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    for info in sorted(infos, key=lambda i: i.path):
+        if info.type != pafs.FileType.Directory:
+            continue
+        try:
+            manifest = read_manifest(fs, info.path)
+            if manifest is not None:
+                _index_parts(fs, info.path, manifest, index, limit)
+        except Exception as exc:  # one partition: its rows are computed
+            log.warning("pipeline reuse: %s left out (%s)", info.path, exc)
+        if len(index) >= limit:
+            log.warning(
+                "pipeline reuse: %d keys indexed, the limit; later partitions left out", limit
+            )
+            break
+    log.info("pipeline reuse: %d keyed rows of committed partitions", len(index))
     return index
 
 
@@ -194,6 +236,9 @@ class ChunkPlan:
     compute: list[int] = field(default_factory=list)
     waits_on: list[ChunkPlan] = field(default_factory=list)
     queued: bool = False  # handed to the writer (chunks waiting on it may follow)
+    # Part files of other partitions this chunk copies rows from, read when it was planned
+    # (a run committing that partition may replace them before this chunk is written).
+    pinned: dict[str, pa.Table] = field(default_factory=dict)
     table: pa.Table | None = None  # once written: the chunk's rows, and each position's row
     row_of: dict[int, int] = field(default_factory=dict)
 
@@ -211,6 +256,7 @@ class RowReuse:
         self._pending: dict[str, tuple[ChunkPlan, int]] = {}
         self._written: dict[str, RowRef] = {}
         self._parts: OrderedDict[str, pa.Table] = OrderedDict()
+        self._pipeline: dict[str, RowRef] | None = None  # row_reuse_scope="pipeline"
         self.fs: pafs.FileSystem = filesystem_for(spec.output.root, spec.storage)[0]
 
     def _earlier(self, partition_key: str, source: SourceVersion) -> dict[str, RowRef]:
@@ -221,15 +267,42 @@ class RowReuse:
                 self._previous.popitem(last=False)
         return self._previous[place]
 
+    def _elsewhere(self, keys: list[str | None], plan: ChunkPlan) -> dict[str, RowRef]:
+        """`row_reuse_scope="pipeline"`: the chunk's keys found in the pipeline's other
+        committed partitions (indexed once per loop), their part files read into the plan
+        now; a part that cannot be read leaves its rows to compute."""
+        if self.spec.row_reuse_scope != "pipeline":
+            return {}
+        if self._pipeline is None:
+            self._pipeline = pipeline_outputs(self.spec)
+        found: dict[str, RowRef] = {}
+        for key in keys:
+            ref = self._pipeline.get(key) if key is not None else None
+            if ref is None:
+                continue
+            if ref.path not in plan.pinned:
+                try:
+                    with self.fs.open_input_file(ref.path) as handle:
+                        plan.pinned[ref.path] = pq.read_table(handle)
+                except OSError as exc:  # replaced by a commit since: compute those rows
+                    log.info("pipeline reuse: %s gone (%s)", ref.path, exc)
+                    self._pipeline = {k: r for k, r in self._pipeline.items() if r.path != ref.path}
+                    continue
+            found[key] = ref
+        return found
+
     def plan(self, partition_key: str, source: SourceVersion, valid: ValidChunk) -> ChunkPlan:
         """Each valid row's source (see `ChunkPlan`); the rows to compute are `compute`."""
         keys = self.keys.chunk_keys(valid, source.model, source.adapters) if self.keys.keyed else []
         keys = keys or [None] * len(valid.ids)
         plan = ChunkPlan(full=valid, keys=keys, sources=[])
         earlier = self._earlier(partition_key, source) if self.enabled else {}
+        elsewhere = (
+            self._elsewhere([k for k in keys if k not in earlier], plan) if self.enabled else {}
+        )
         with self._lock:
             for position, key in enumerate(keys):
-                found = self._source_of(key, earlier) if self.enabled else None
+                found = self._source_of(key, earlier, elsewhere) if self.enabled else None
                 if found is None:
                     plan.sources.append(("compute", None))
                     plan.compute.append(position)
@@ -242,7 +315,9 @@ class RowReuse:
                     plan.waits_on.append(twin)
         return plan
 
-    def _source_of(self, key: str | None, earlier: dict[str, RowRef]) -> tuple[str, Any] | None:
+    def _source_of(
+        self, key: str | None, earlier: dict[str, RowRef], elsewhere: dict[str, RowRef]
+    ) -> tuple[str, Any] | None:
         if key is None:
             return None
         if key in earlier:
@@ -251,6 +326,8 @@ class RowReuse:
             return ("run", self._written[key])
         if key in self._pending:
             return ("dup", self._pending[key])
+        if key in elsewhere:
+            return ("reuse", elsewhere[key])
         return None
 
     def _part(self, path: str) -> pa.Table:
@@ -287,7 +364,7 @@ class RowReuse:
             if kind == "dup" and ref[0] is plan:  # its twin is an earlier row of this chunk
                 pick = local.get(ref[1])
             else:
-                pick = self._pick(kind, ref, full.ids[position], table, computed_row)
+                pick = self._pick(kind, ref, full.ids[position], table, computed_row, plan)
             if pick is None:
                 if kind == "dup":
                     kept.errors.append(_twin_refused(full, position, source))
@@ -300,6 +377,7 @@ class RowReuse:
             kept.rows.append(full.rows[position])
             kept.ids.append(full.ids[position])
         plan.table = _gather(picks, table, kept.ids, keys)
+        plan.pinned = {}
         return kept, plan.table, counts["reuse"], counts["run"] + counts["dup"]
 
     def _pick(
@@ -309,6 +387,7 @@ class RowReuse:
         row_id: str,
         table: pa.Table | None,
         computed_row: dict[str, int],
+        plan: ChunkPlan,
     ) -> tuple[pa.Table, int] | None:
         if kind == "compute":
             row = computed_row.get(row_id)
@@ -317,7 +396,8 @@ class RowReuse:
             twin, position = ref
             row = twin.row_of.get(position)
             return None if row is None or twin.table is None else (twin.table, row)
-        return self._part(ref.path), ref.row
+        pinned = plan.pinned.get(ref.path)
+        return (pinned if pinned is not None else self._part(ref.path)), ref.row
 
     def written(self, plan: ChunkPlan, where: PartitionOutput, marker: ChunkMarker) -> None:
         """The chunk is written: its keyed rows serve later chunks of the run from its part
