@@ -243,18 +243,23 @@ TEXT = st.text(max_size=12)
     params=st.one_of(st.none(), TEXT),
     model=st.one_of(st.none(), TEXT),
     adapter=st.one_of(st.none(), TEXT),
-    change=st.sampled_from(["prompt", "params", "model", "adapter", "seed_top", "split"]),
+    images=st.one_of(st.none(), st.lists(st.text("0123456789abcdef,", max_size=8), max_size=3)),
+    change=st.sampled_from(["prompt", "params", "model", "adapter", "seed_top", "split", "image"]),
 )
 def test_equal_requests_have_equal_keys_and_any_change_another(
-    tmp_path_factory, prompts, params, model, adapter, change
+    tmp_path_factory, prompts, params, model, adapter, images, change
 ):
     keys = RowKeys(_spec(Path("/k")))
     request = RowRequest(reuse_params=params)
     same = RowRequest(reuse_params=params)
-    key = keys.key(model, prompts, request, adapter=adapter)
+    key = keys.key(model, prompts, request, adapter=adapter, images=images)
     assert key is not None
-    assert key == keys.key(model, [list(p) for p in prompts], same, adapter=adapter)
+    same_images = None if images is None else list(images)
+    assert key == keys.key(
+        model, [list(p) for p in prompts], same, adapter=adapter, images=same_images
+    )
     other_prompts, other_request, other_model, other_adapter = prompts, request, model, adapter
+    other_images = images
     if change == "prompt":
         other_prompts = [*prompts[:-1], [*prompts[-1], 1]]
     elif change == "params":
@@ -265,10 +270,68 @@ def test_equal_requests_have_equal_keys_and_any_change_another(
         other_adapter = (adapter or "") + "x"
     elif change == "seed_top":
         other_request = dataclasses.replace(request, top_logprobs=2)
+    elif change == "image":  # another image's bytes (or one more) under any reference
+        other_images = [*(images or [""])[:-1], (images or [""])[-1] + "f"]
     else:  # the same tokens split into other prompts
         flat = [t for p in prompts for t in p]
         other_prompts = [flat] if len(prompts) > 1 else [flat[:1], flat[1:]]
-    assert key != keys.key(other_model, other_prompts, other_request, adapter=other_adapter)
+    other = keys.key(
+        other_model, other_prompts, other_request, adapter=other_adapter, images=other_images
+    )
+    assert key != other
+
+
+def _image_spec(tmp_path: Path) -> InferenceSpec:
+    return InferenceSpec.model_validate({**_spec(tmp_path).model_dump(), "task": "image_embed"})
+
+
+def test_image_rows_are_keyed_by_their_images_bytes_not_their_references(tmp_path):
+    """An image row's key holds its images' digests (`DecodedImage.digest`, of the bytes):
+    the same path with other bytes is another key; without digests no key (computed)."""
+    from assets.images import draw_shape, encode
+    from dagster_gpuinfer.image_options import ImageOptions
+    from dagster_gpuinfer.worker.tasks.images import decode_image
+
+    one = decode_image(encode(draw_shape("circle", "red", (40, 30)), "PNG"), ImageOptions())
+    two = decode_image(encode(draw_shape("square", "red", (40, 30)), "PNG"), ImageOptions())
+    again = decode_image(encode(draw_shape("circle", "red", (40, 30)), "PNG"), ImageOptions())
+    assert one.digest == again.digest != two.digest
+    keys = RowKeys(_image_spec(tmp_path))
+
+    def chunk(digests):
+        return ValidChunk(
+            index=0,
+            rows=[0, 1],
+            ids=["a", "b"],
+            token_ids=[[5, 6], [5, 6]],
+            spans=[1, 1],
+            images=[["img/a.png"], ["img/b.png"]],
+            image_digests=digests,
+        )
+
+    first = keys.chunk_keys(chunk([one.digest, one.digest]), "m")
+    edited = keys.chunk_keys(chunk([one.digest, two.digest]), "m")
+    assert first[0] == first[1] == edited[0] != edited[1] and None not in first
+    assert keys.chunk_keys(chunk([]), "m") == [None, None]
+
+
+def test_every_output_row_carries_its_input_digest_and_what_it_covers(tmp_path):
+    """The digest the backfill estimate compares a changed shard with: of the row's text
+    (not its id), named in the part file's schema metadata; copied rows get their own."""
+    from dagster_gpuinfer.storage.digests import digest_columns_of, row_digest
+
+    rows = [(f"r{i}", 100 + i) for i in range(6)]
+    _write(tmp_path, rows)
+    spec = _spec(tmp_path)
+    _serve(spec, FakeEngine())
+    _write(tmp_path, [("renamed", 100), *rows[1:], ("r6", 106)])
+    _serve(spec, FakeEngine())
+    table = read_partition(spec.output, "s0")
+    assert table.column("input_digest").to_pylist() == [
+        row_digest([f"row {n}"]) for n in [100, 101, 102, 103, 104, 105, 106]
+    ]
+    part = next((tmp_path / "out").rglob("part-*.parquet"))
+    assert digest_columns_of(pq.read_schema(part).metadata) == ["text"]
 
 
 @pytest.mark.parametrize(

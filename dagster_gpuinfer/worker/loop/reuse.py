@@ -6,9 +6,10 @@ A row's key (`RowKeys.key`) is a digest of what determines its output: the spec'
 output-shaping engine arguments, the pipeline's sampling defaults and templates), the local
 model folder's version (`SourceVersion.model`), an adapter name (empty: the base model),
 the request as validated (its token ids, or a score row's pairs), and the row's own
-parameters including its seed (`RowRequest.reuse_params`). Rows whose output is not a
-function of that (unseeded sampling; image rows, whose bytes are not keyed yet) get no key,
-unless the pipeline asks (`row_reuse="sampled"`) for the first.
+parameters including its seed (`RowRequest.reuse_params`), and an image row's images by
+a digest of their encoded bytes (`DecodedImage.digest`: an image edited under the same URL
+or path gets a new key). Rows whose output is not a function of that (unseeded sampling)
+get no key, unless the pipeline asks (`row_reuse="sampled"`).
 
 Every Parquet output row carries its key in the `reuse_key` column. When a partition is
 computed again (its shard changed: rows appended or edited) the loop reads the key column of
@@ -19,6 +20,10 @@ chunk (`dedup`: the chunk waits until that one is written); only the other rows 
 engine. The chunk's part file holds all its rows, reused or computed, in input order
 (`RowReuse.assemble`), and commits through the same marker: exactly-once and resume do not
 change. Memory: the earlier output's keys (about 100 bytes a row) and a few part files.
+
+With `row_reuse_scope="pipeline"` the keys of every committed partition of the pipeline's
+output are indexed too (`pipeline_outputs`, once per loop, at most `MAX_PIPELINE_KEYS`): a
+row found there is copied from that partition's part file, read when its chunk is planned.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from dagster_gpuinfer.storage import (
     partition_dir,
     read_manifest,
 )
+from dagster_gpuinfer.storage.digests import INPUT_DIGEST_COLUMN
 from dagster_gpuinfer.task_table import task_facts
 from dagster_gpuinfer.worker.errors import RowError
 from dagster_gpuinfer.worker.rows.validate import ValidChunk
@@ -79,7 +85,8 @@ class RowKeys:
     def __init__(self, spec: InferenceSpec) -> None:
         self.scope = spec.reuse_scope().encode()
         facts = task_facts(spec.task)
-        self.keyed = spec.output.format == "parquet" and not facts.images
+        self.keyed = spec.output.format == "parquet"
+        self.images = facts.images
         self.sampled = spec.row_reuse == "sampled"
         sampling = spec.sampling
         self.default_deterministic = (
@@ -93,13 +100,17 @@ class RowKeys:
         request: RowRequest | None,
         pairs: Any = None,
         adapter: str | None = None,
+        images: list[str] | None = None,
     ) -> str | None:
-        """The key of one row (`prompts`: its token id lists; `pairs`: a score row's), or
-        None when its output is not a function of it."""
+        """The key of one row (`prompts`: its token id lists; `pairs`: a score row's;
+        `images`: an image row's, each prompt's images' digests), or None when its output
+        is not a function of it (an image row without its images' digests)."""
         request = request or RowRequest()
         built = request.reuse_params is not None
         deterministic = request.deterministic if built else self.default_deterministic
         if not self.keyed or not (deterministic or self.sampled):
+            return None
+        if self.images and images is None:
             return None
         digest = hashlib.blake2b(KEY_VERSION, digest_size=16)
         for part in (
@@ -116,6 +127,9 @@ class RowKeys:
         if pairs is not None:
             text = repr((list(pairs.queries), list(pairs.documents), bool(pairs.rerank)))
             digest.update(text.encode())
+        for prompt_images in images or ():
+            data = f"image:{prompt_images}".encode()
+            digest.update(struct.pack("<Q", len(data)) + data)
         return digest.hexdigest()
 
     def chunk_keys(
@@ -140,6 +154,9 @@ class RowKeys:
                         request,
                         pairs=valid.pairs[i] if valid.pairs else None,
                         adapter=f"{name}={versions[name]}" if name else None,
+                        images=valid.image_digests[start : start + span]
+                        if len(valid.image_digests) == len(valid.token_ids)
+                        else None,
                     )
                 )
             except Exception as exc:  # the row boundary: no key, the row is computed
@@ -434,7 +451,9 @@ def _gather(
         schema = computed.schema
     elif tables:
         first = next(iter(tables.values()))[0]
-        schema = first.drop_columns([REUSE_KEY_COLUMN]).schema
+        schema = first.drop_columns(
+            [c for c in (REUSE_KEY_COLUMN, INPUT_DIGEST_COLUMN) if c in first.column_names]
+        ).schema
     else:
         schema = computed.schema if computed is not None else pa.schema([("id", pa.string())])
     pieces, offsets, start = [], {}, 0
