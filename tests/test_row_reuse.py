@@ -454,3 +454,63 @@ def test_a_rows_adapter_and_its_version_are_in_its_key(tmp_path):
     after = keys.chunk_keys(chunk, "m", "legal=v1;support=v2")
     assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
     assert keys.chunk_keys(chunk, "m", "legal=v1")[1] is None  # unknown: computed
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+def _estimate(spec: InferenceSpec):
+    from dagster_gpuinfer.estimate import estimate_backfill
+
+    return estimate_backfill(spec, ["s0"], asset="emb", partitions_per_run=1)
+
+
+def test_the_estimate_counts_the_rows_a_re_run_will_compute(tmp_path):
+    """A committed shard gains 3 rows and has 1 edited and 1 renamed (same text): the
+    estimate reads the shard and the earlier output's digests and counts 4 of 13 rows to
+    compute (a renamed Parquet row is the same input); the run then computes exactly those."""
+    rows = [(f"r{i}", 1000 + i) for i in range(10)]
+    _write(tmp_path, rows)
+    spec = _spec(tmp_path)
+    _serve(spec, FakeEngine())
+    rows[3] = ("r3", 2003)
+    rows[5] = ("renamed", 1005)
+    rows += [(f"r{i}", 1000 + i) for i in range(10, 13)]
+    _write(tmp_path, rows)
+    estimate = _estimate(spec)
+    assert (estimate.partitions_reusable, estimate.partitions_reuse_counted) == (1, 1)
+    assert (estimate.reuse_rows_to_compute, estimate.reuse_rows) == (4, 13)
+    assert estimate.pending_work == 4
+    assert "4 of 13 rows are new or changed" in estimate.summary()
+    engine = FakeEngine()
+    _serve(spec, engine)
+    assert sorted(engine.submitted) == [1010, 1011, 1012, 2003]
+
+    # Under another reuse scope (another model) the keys all change: counted in full.
+    other = InferenceSpec.model_validate({**spec.model_dump(), "model": "/other"})
+    _write(tmp_path, rows[:-1])
+    estimate = _estimate(other)
+    assert estimate.partitions_reuse_counted == 0 and estimate.pending_work == 12
+    assert "1 counted in full" in estimate.summary()
+
+
+def test_the_estimate_counts_changed_jsonl_lines(tmp_path):
+    """JSONL lines by their bytes: one edited and one appended of 9 (its share of the
+    file's bytes is the work counted)."""
+    import json
+
+    def write(lines: list[tuple[str, int]]) -> None:
+        (tmp_path / "in").mkdir(exist_ok=True)
+        text = "".join(json.dumps({"id": i, "text": f"row {n}"}) + "\n" for i, n in lines)
+        (tmp_path / "in" / "s0.jsonl").write_text(text)
+
+    lines = [(f"r{i}", 100 + i) for i in range(8)]
+    write(lines)
+    uri = str(tmp_path / "in" / "{partition_key}.jsonl")
+    spec = InferenceSpec.model_validate({**_spec(tmp_path).model_dump(), "input": {"uri": uri}})
+    _serve(spec, FakeEngine())
+    write([*lines[:6], ("r6", 206), ("r7", 107), ("r8", 108)])
+    estimate = _estimate(spec)
+    assert (estimate.reuse_rows_to_compute, estimate.reuse_rows) == (2, 9)
+    size = (tmp_path / "in" / "s0.jsonl").stat().st_size
+    assert estimate.pending_work == pytest.approx(size * 2 / 9)

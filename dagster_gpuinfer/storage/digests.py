@@ -18,8 +18,11 @@ from collections.abc import Sequence
 from typing import Any
 
 INPUT_DIGEST_COLUMN = "input_digest"
-# Part files' schema metadata: the input columns the digests cover (JSON list), or LINES.
+REUSE_KEY_COLUMN = "reuse_key"  # each output row's reuse key (`worker/loop/reuse.py`)
+# Part files' schema metadata: the input columns the digests cover (JSON list), or LINES;
+# and the spec's reuse scope (`InferenceSpec.reuse_scope`) the rows' keys were made under.
 DIGEST_COLUMNS_KEY = b"gpuinfer.input_digest_columns"
+REUSE_SCOPE_KEY = b"gpuinfer.reuse_scope"
 LINES = "<jsonl line>"
 
 
@@ -49,12 +52,20 @@ def columns_digests(columns: Sequence[Sequence[Any]], rows: int) -> list[str]:
     return [row_digest([column[i] for column in columns]) for i in range(rows)]
 
 
-def digest_columns_metadata(columns: Sequence[str] | None) -> dict[bytes, bytes]:
-    """The schema metadata naming what the digests cover (None: JSONL lines)."""
-    return {DIGEST_COLUMNS_KEY: json.dumps(LINES if columns is None else list(columns)).encode()}
+def digest_columns_metadata(columns: Sequence[str] | None, scope: str) -> dict[bytes, bytes]:
+    """The schema metadata naming what the digests cover (None: JSONL lines) and the
+    reuse scope of the rows' keys."""
+    covers = LINES if columns is None else list(columns)
+    return {DIGEST_COLUMNS_KEY: json.dumps(covers).encode(), REUSE_SCOPE_KEY: scope.encode()}
 
 
 def digest_columns_of(metadata: dict[bytes, bytes] | None) -> list[str] | str | None:
     """What a part file's digests cover: its column names, LINES, or None (not recorded)."""
     raw = (metadata or {}).get(DIGEST_COLUMNS_KEY)
     return None if raw is None else json.loads(raw)
+
+
+def reuse_scope_of(metadata: dict[bytes, bytes] | None) -> str | None:
+    """The reuse scope a part file's keys were made under, or None (not recorded)."""
+    raw = (metadata or {}).get(REUSE_SCOPE_KEY)
+    return None if raw is None else raw.decode()

@@ -69,10 +69,10 @@ def partition_reading(
     return PartitionOutput.of(spec, partition_key, source=source)
 
 
-def with_input_digests(table: pa.Table, chunk: RawChunk, valid: ValidChunk) -> pa.Table:
+def with_input_digests(table: pa.Table, chunk: RawChunk, valid: ValidChunk, scope: str) -> pa.Table:
     """`table` with each row's input digest (`storage.digests`) and, in its schema metadata,
-    the input columns the digests cover: what the backfill estimate compares a changed
-    shard with. Unchanged when the reader gave none."""
+    the input columns the digests cover and the reuse scope (`scope`): what the backfill
+    estimate compares a changed shard with. Unchanged when the reader gave none."""
     if INPUT_DIGEST_COLUMN in table.column_names:  # copied rows' earlier digests: replaced
         table = table.drop_columns([INPUT_DIGEST_COLUMN])
     if not chunk.digests:
@@ -80,7 +80,7 @@ def with_input_digests(table: pa.Table, chunk: RawChunk, valid: ValidChunk) -> p
     digests = pa.array([chunk.digests.get(row) for row in valid.rows], pa.string())
     table = table.append_column(INPUT_DIGEST_COLUMN, digests)
     metadata = dict(table.schema.metadata or {})
-    metadata.update(digest_columns_metadata(chunk.digest_columns))
+    metadata.update(digest_columns_metadata(chunk.digest_columns, scope))
     return table.replace_schema_metadata(metadata)
 
 
@@ -117,7 +117,7 @@ def write_chunk(
             data = encode_openai_batch(spec.task, spec.served_model, where.spec_hash, table, valid)
             part = (data, ".jsonl", table.num_rows)
         else:
-            table = with_input_digests(table, chunk, valid)
+            table = with_input_digests(table, chunk, valid, spec.reuse_scope())
             part = (table_to_parquet_bytes(table), ".parquet", table.num_rows)
     errors = errors_table(valid.errors) if valid.errors else None
     part_entry, errors_entry = write_chunk_files(

@@ -51,7 +51,7 @@ from dagster_gpuinfer.storage import (
     partition_dir,
     read_manifest,
 )
-from dagster_gpuinfer.storage.digests import INPUT_DIGEST_COLUMN
+from dagster_gpuinfer.storage.digests import INPUT_DIGEST_COLUMN, REUSE_KEY_COLUMN
 from dagster_gpuinfer.task_table import task_facts
 from dagster_gpuinfer.worker.errors import RowError
 from dagster_gpuinfer.worker.rows.validate import ValidChunk
@@ -59,7 +59,6 @@ from dagster_gpuinfer.worker.tasks.params import RowRequest
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 
-REUSE_KEY_COLUMN = "reuse_key"
 # Part of every key: bump it when an output schema or what a row's output holds changes,
 # so rows written before are never copied into the new shape.
 KEY_VERSION = b"gpuinfer-row-1"
