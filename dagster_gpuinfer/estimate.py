@@ -82,7 +82,8 @@ DEFAULT_ROWS_PER_SECOND = 100.0
 DEFAULT_BYTES_PER_SECOND = 20_000.0
 DEFAULT_MODEL_LOAD_SECONDS = 120.0
 DEFAULT_RUN_START_SECONDS = 30.0
-# A pending partition's shard read to count the rows row reuse copies, at most (bytes).
+# Shard bytes one estimate reads, in all, to count the rows row reuse copies (the sensor
+# runs it on every tick): partitions past it are counted in full.
 MAX_REUSE_READ_BYTES = 256 * 2**20
 SPEC_METADATA_KEY = "gpuinfer/spec"
 LAUNCH_METADATA_KEY = "gpuinfer/launch"
@@ -294,13 +295,14 @@ def reuse_counts(spec: InferenceSpec, pending: Sequence[str]) -> ReuseCount:
     """Which rows of the `pending` partitions row reuse will copy: for each with an earlier
     committed output (Parquet output, `row_reuse` not off; one manifest read), whose parts
     record input digests under this spec's reuse scope and the model files as they are now,
-    and whose shard is a whole Parquet or JSONL file of at most `MAX_REUSE_READ_BYTES`:
+    and whose shard is a whole Parquet or JSONL file (`MAX_REUSE_READ_BYTES` in all):
     the shard's rows are digested as the worker does (`storage.digests`: the columns the
     worker reads, or the line) and those whose digest no earlier keyed row has are the
     rows to compute. Exact but for two cases, both counted as computed (an upper bound):
     a JSONL line changed only in its `custom_id`, and in-run duplicates. Image rows (their
     bytes lie behind references), Delta tables and ranges of a file are counted in full."""
     count = ReuseCount()
+    budget = [MAX_REUSE_READ_BYTES]  # shard bytes left to read
     if spec.row_reuse == "off" or spec.output.format != "parquet":
         return count
     try:
@@ -319,7 +321,7 @@ def reuse_counts(spec: InferenceSpec, pending: Sequence[str]) -> ReuseCount:
         if now is not None and (manifest.source.model, manifest.source.adapters) != now:
             continue  # new model files: every key changes, every row is computed
         try:
-            found = _rows_to_compute(spec, key, fs, path, manifest)
+            found = _rows_to_compute(spec, key, fs, path, manifest, budget)
         except (OSError, ValueError) as exc:
             log.info("estimate: %s counted in full (%s)", key, exc)
             continue
@@ -373,9 +375,15 @@ def _earlier_digests(
 
 
 def _rows_to_compute(
-    spec: InferenceSpec, key: str, fs: pafs.FileSystem, path: str, manifest: Any
+    spec: InferenceSpec,
+    key: str,
+    fs: pafs.FileSystem,
+    path: str,
+    manifest: Any,
+    budget: list[int],
 ) -> tuple[int, int] | None:
-    """(rows to compute, rows) of one pending partition (see `reuse_counts`), or None."""
+    """(rows to compute, rows) of one pending partition (see `reuse_counts`), or None;
+    its shard's bytes come off `budget`."""
     file_key, part = split_partition_key(key)
     if part is not None or spec.input.is_table() or task_facts(spec.task).images:
         return None
@@ -385,8 +393,9 @@ def _rows_to_compute(
     digests, covers = earlier
     in_fs, in_path = filesystem_for(spec.input.shard_uri(file_key), spec.storage)
     info = in_fs.get_file_info(in_path)
-    if info.type != pafs.FileType.File or (info.size or 0) > MAX_REUSE_READ_BYTES:
+    if info.type != pafs.FileType.File or (info.size or 0) > budget[0]:
         return None
+    budget[0] -= info.size or 0
     if covers == LINES:
         with in_fs.open_input_stream(in_path) as stream:
             lines = [line for line in stream.read().split(b"\n") if line.strip()]

@@ -494,7 +494,7 @@ def test_the_estimate_counts_the_rows_a_re_run_will_compute(tmp_path):
     assert "1 counted in full" in estimate.summary()
 
 
-def test_the_estimate_counts_changed_jsonl_lines(tmp_path):
+def test_the_estimate_counts_changed_jsonl_lines(tmp_path, monkeypatch):
     """JSONL lines by their bytes: one edited and one appended of 9 (its share of the
     file's bytes is the work counted)."""
     import json
@@ -514,3 +514,8 @@ def test_the_estimate_counts_changed_jsonl_lines(tmp_path):
     assert (estimate.reuse_rows_to_compute, estimate.reuse_rows) == (2, 9)
     size = (tmp_path / "in" / "s0.jsonl").stat().st_size
     assert estimate.pending_work == pytest.approx(size * 2 / 9)
+    import dagster_gpuinfer.estimate as estimate_module
+
+    monkeypatch.setattr(estimate_module, "MAX_REUSE_READ_BYTES", size - 1)  # over budget
+    over = _estimate(spec)
+    assert over.partitions_reuse_counted == 0 and over.pending_work == size
