@@ -519,3 +519,16 @@ def test_the_estimate_counts_changed_jsonl_lines(tmp_path, monkeypatch):
     monkeypatch.setattr(estimate_module, "MAX_REUSE_READ_BYTES", size - 1)  # over budget
     over = _estimate(spec)
     assert over.partitions_reuse_counted == 0 and over.pending_work == size
+
+
+def test_a_chunk_whose_every_row_is_quarantined_commits(tmp_path):
+    """No row of the second chunk reaches the engine or a copy: its part holds no rows
+    (the assembly took an empty index list as nulls and failed the worker)."""
+    (tmp_path / "in").mkdir()
+    texts = ["row 1", "row 2", "row 3", "row 4", None, None, None, None]
+    table = pa.table({"id": [f"r{i}" for i in range(8)], "text": pa.array(texts, pa.string())})
+    pq.write_table(table, tmp_path / "in" / "s0.parquet")
+    spec = _spec(tmp_path)
+    ((manifest, _),), done, error = _serve(spec, FakeEngine())
+    assert error is None and done
+    assert (manifest.rows_out, manifest.rows_errored) == (4, 4)

@@ -461,7 +461,7 @@ def _gather(
         offsets[name] = start
         start += len(rows)
     joined = pa.concat_tables(pieces) if pieces else schema.empty_table()
-    joined = joined.take([offsets[name] + k for name, k in order])
+    joined = joined.take(pa.array([offsets[name] + k for name, k in order], pa.int64()))
     joined = joined.set_column(
         schema.get_field_index("id"), schema.field("id"), pa.array(ids, pa.string())
     )
