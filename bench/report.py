@@ -428,15 +428,16 @@ def _incremental(inc: dict[str, Any]) -> list[str]:
         f"Re-run {_fmt(inc['rerun_wall_seconds'], 1)} s, full recompute "
         f"{_fmt(inc['full_wall_seconds'], 1)} s: {_fmt(inc['speedup'])}x (paired).",
         "",
-        "| round | order | re-run s | computed | reused | full s | computed | model load s | "
-        "same ids | max abs diff |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| round | order | edited + appended | re-run s | computed | reused | deduplicated | "
+        "full s | computed | model load s | same ids | max abs diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n, r in enumerate(inc["rounds"]):
         rerun, full, out = r["rerun"], r["full"], r["outputs"]
         lines.append(
-            f"| {n} | {' then '.join(r['order'])} | {rerun['wall_seconds']:.1f} | "
-            f"{rerun['rows_computed']:,} | {rerun['rows_reused']:,} | "
+            f"| {n} | {' then '.join(r['order'])} | {r['edited'] + r['appended']:,} | "
+            f"{rerun['wall_seconds']:.1f} | {rerun['rows_computed']:,} | "
+            f"{rerun['rows_reused']:,} | {rerun['rows_deduplicated']:,} | "
             f"{full['wall_seconds']:.1f} | {full['rows_computed']:,} | "
             f"{rerun['model_load_seconds']:.1f} | {out['same_ids']} | "
             f"{out['max_abs_difference']} |"

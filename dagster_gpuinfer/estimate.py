@@ -14,9 +14,11 @@ The formula (docs/observability.md, "Estimating a backfill"):
   out partitions that resumed or copied rows (their time covers part of their work). Before
   any partition is committed: `DEFAULT_ROWS_PER_SECOND` or `DEFAULT_BYTES_PER_SECOND`.
 - row reuse: a pending partition whose earlier output is still there (its shard changed)
-  computes only its changed rows, which only reading and tokenizing every row would tell;
-  the estimate counts its whole work (an upper bound) and says how many such partitions
-  there are (`partitions_reusable`).
+  computes only its new and changed rows. Where its shard is a whole Parquet or JSONL file
+  of at most `MAX_REUSE_READ_BYTES`, the estimate reads it, digests each row as the worker
+  does and counts only the rows whose digest the earlier output lacks (`reuse_counts`;
+  its share of the partition's work); other such partitions it counts in full (an upper
+  bound). The summary says which (`partitions_reusable`, `partitions_reuse_counted`).
 - runs: the pending partitions in groups of the backfill policy's `max_partitions_per_run`
   (K); each run pays one model load (mean `model_load_seconds` of the committed
   partitions, else `DEFAULT_MODEL_LOAD_SECONDS`) and a worker start
@@ -43,7 +45,9 @@ import argparse
 import heapq
 import importlib
 import json
+import logging
 import os
+import posixpath
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -56,18 +60,34 @@ import pyarrow.parquet as pq
 
 from dagster_gpuinfer.spec import InferenceSpec, split_partition_key
 from dagster_gpuinfer.storage import (
+    adapter_versions,
     committed_manifests,
     filesystem_for,
+    model_version,
     partition_dir,
     read_manifest,
 )
+from dagster_gpuinfer.storage.digests import (
+    INPUT_DIGEST_COLUMN,
+    LINES,
+    REUSE_KEY_COLUMN,
+    columns_digests,
+    digest_columns_of,
+    line_digest,
+    reuse_scope_of,
+)
+from dagster_gpuinfer.task_table import task_facts
 
 DEFAULT_ROWS_PER_SECOND = 100.0
 DEFAULT_BYTES_PER_SECOND = 20_000.0
 DEFAULT_MODEL_LOAD_SECONDS = 120.0
 DEFAULT_RUN_START_SECONDS = 30.0
+# Shard bytes one estimate reads, in all, to count the rows row reuse copies (the sensor
+# runs it on every tick): partitions past it are counted in full.
+MAX_REUSE_READ_BYTES = 256 * 2**20
 SPEC_METADATA_KEY = "gpuinfer/spec"
 LAUNCH_METADATA_KEY = "gpuinfer/launch"
+log = logging.getLogger("dagster_gpuinfer")
 WARM_STATES = frozenset({"idle", "busy"})  # a pool worker whose engine is built
 
 
@@ -95,10 +115,14 @@ class BackfillEstimate:
     run_seconds: list[float] = field(default_factory=list)
     launch: str = "run"
     # Pending partitions whose earlier output is still there (their shard changed since):
-    # with row reuse on, only their changed rows are computed, which the estimate cannot
-    # tell without reading and tokenizing every row: it counts all their work (an upper
-    # bound) and says so.
+    # with row reuse on, only their changed rows are computed. In `partitions_reuse_counted`
+    # of them the estimate read the shard and counted those rows by input digest
+    # (`reuse_counts`): `reuse_rows_to_compute` of their `reuse_rows`, the work it counts;
+    # the others it counts in full (an upper bound) and says so.
     partitions_reusable: int = 0
+    partitions_reuse_counted: int = 0
+    reuse_rows: int = 0
+    reuse_rows_to_compute: int = 0
     engine_builds: int = 0  # model loads the estimate counts (runs, or cold pool workers)
     warm_workers: int = 0  # pool workers found warm (launch="pool")
 
@@ -120,11 +144,7 @@ class BackfillEstimate:
                 f"{self.runs} run(s) of up to {self.partitions_per_run} partitions, each "
                 f"loading the model ({self.model_load_seconds:.0f} s)"
             )
-        if self.partitions_reusable:
-            missing += (
-                f"; {self.partitions_reusable} of them have an earlier output whose unchanged "
-                "rows row reuse copies: counted in full, an upper bound"
-            )
+        missing += self._reuse_summary()
         return (
             f"{self.asset}: {self.partitions_pending} of {self.partitions} partitions pending, "
             f"{self.pending_work:,.0f} {self.work_unit}{missing}. At "
@@ -133,6 +153,28 @@ class BackfillEstimate:
             f"{self.gpus_per_pod} GPU(s) per pod; wall time {format_seconds(self.wall_seconds)} "
             f"with {self.pool_slots} pod(s) at a time ({self.pool_slots * self.gpus_per_pod} GPUs)."
         )
+
+    def _reuse_summary(self) -> str:
+        if not self.partitions_reusable:
+            return ""
+        text = (
+            f"; {self.partitions_reusable} of them have an earlier output whose unchanged "
+            "rows row reuse copies"
+        )
+        if self.partitions_reuse_counted:
+            text += (
+                f": in {self.partitions_reuse_counted}, {self.reuse_rows_to_compute:,} of "
+                f"{self.reuse_rows:,} rows are new or changed (counted by input digest), "
+                "and only those are counted"
+            )
+        rest = self.partitions_reusable - self.partitions_reuse_counted
+        if rest:
+            text += (
+                f"{',' if self.partitions_reuse_counted else ':'} {rest} counted in full "
+                "(inputs not read: too large, images, ranges, tables, or no input digests), "
+                "an upper bound"
+            )
+        return text
 
     def metadata(self) -> dict[str, Any]:
         """The estimate as Dagster metadata (numbers the UI can chart)."""
@@ -151,6 +193,8 @@ class BackfillEstimate:
             "estimate_engine_builds": self.engine_builds,
             "estimate_missing_inputs": len(self.missing_inputs),
             "estimate_partitions_reusable": self.partitions_reusable,
+            "estimate_partitions_reuse_counted": self.partitions_reuse_counted,
+            "estimate_reuse_rows_to_compute": self.reuse_rows_to_compute,
             "estimate_summary": self.summary(),
         }
 
@@ -236,19 +280,136 @@ def input_work(spec: InferenceSpec, partition_keys: Sequence[str]) -> dict[str, 
 # --------------------------------------------------------------------------- the estimate
 
 
-def reusable_partitions(spec: InferenceSpec, pending: Sequence[str]) -> int:
-    """How many of the `pending` partitions have an earlier committed output that row
-    reuse can copy rows from (Parquet output, `row_reuse` not off): one manifest read each."""
+@dataclass
+class ReuseCount:
+    """What row reuse will copy in the pending partitions (see `reuse_counts`)."""
+
+    partitions: int = 0  # pending partitions with an earlier committed output
+    counted: int = 0  # of them, those whose changed rows were counted by input digest
+    rows: int = 0  # the counted partitions' rows
+    rows_to_compute: int = 0  # of those, rows no earlier output row has the digest of
+    fractions: dict[str, float] = field(default_factory=dict)  # counted: share to compute
+
+
+def reuse_counts(spec: InferenceSpec, pending: Sequence[str]) -> ReuseCount:
+    """Which rows of the `pending` partitions row reuse will copy: for each with an earlier
+    committed output (Parquet output, `row_reuse` not off; one manifest read), whose parts
+    record input digests under this spec's reuse scope and the model files as they are now,
+    and whose shard is a whole Parquet or JSONL file (`MAX_REUSE_READ_BYTES` in all):
+    the shard's rows are digested as the worker does (`storage.digests`: the columns the
+    worker reads, or the line) and those whose digest no earlier keyed row has are the
+    rows to compute. Exact but for two cases, both counted as computed (an upper bound):
+    a JSONL line changed only in its `custom_id`, and in-run duplicates. Image rows (their
+    bytes lie behind references), Delta tables and ranges of a file are counted in full."""
+    count = ReuseCount()
+    budget = [MAX_REUSE_READ_BYTES]  # shard bytes left to read
     if spec.row_reuse == "off" or spec.output.format != "parquet":
-        return 0
-    found = 0
+        return count
+    try:
+        now = (model_version(spec), adapter_versions(spec))
+    except FileNotFoundError:  # not visible here (a pod's cache): taken as recorded, as
+        now = None  # `committed_manifests` does; the worker checks them
     for key in pending:
         fs, path = filesystem_for(partition_dir(spec.output, key), spec.storage)
         try:
-            found += read_manifest(fs, path) is not None
+            manifest = read_manifest(fs, path)
         except (OSError, ValueError):
             continue
-    return found
+        if manifest is None:
+            continue
+        count.partitions += 1
+        if now is not None and (manifest.source.model, manifest.source.adapters) != now:
+            continue  # new model files: every key changes, every row is computed
+        try:
+            found = _rows_to_compute(spec, key, fs, path, manifest, budget)
+        except (OSError, ValueError) as exc:
+            log.info("estimate: %s counted in full (%s)", key, exc)
+            continue
+        if found is not None:
+            count.counted += 1
+            count.rows += found[1]
+            count.rows_to_compute += found[0]
+            count.fractions[key] = found[0] / found[1] if found[1] else 0.0
+    return count
+
+
+def _discount_reuse(
+    spec: InferenceSpec, pending: Sequence[str], work: dict[str, float | None]
+) -> ReuseCount:
+    """`reuse_counts`, and each counted partition's `work` cut to the share of its rows
+    that row reuse will not copy."""
+    reuse = reuse_counts(spec, pending)
+    for key, share in reuse.fractions.items():
+        amount = work.get(key)
+        if amount is not None:
+            work[key] = amount * share
+    return reuse
+
+
+def _earlier_digests(
+    spec: InferenceSpec, fs: pafs.FileSystem, path: str, manifest: Any
+) -> tuple[set[str], list[str] | str] | None:
+    """The input digests of the earlier output's keyed rows and what they cover, or None
+    when a part records none or was keyed under another reuse scope."""
+    digests: set[str] = set()
+    covers: list[str] | str | None = None
+    for part in manifest.parts:
+        if not part.name.endswith(".parquet"):
+            return None
+        with fs.open_input_file(posixpath.join(path, part.name)) as handle:
+            parquet = pq.ParquetFile(handle)
+            schema = parquet.schema_arrow
+            if not {INPUT_DIGEST_COLUMN, REUSE_KEY_COLUMN} <= set(schema.names):
+                return None
+            if reuse_scope_of(schema.metadata) != spec.reuse_scope():
+                return None
+            part_covers = digest_columns_of(schema.metadata)
+            if part_covers is None or covers not in (None, part_covers):
+                return None
+            covers = part_covers
+            table = parquet.read(columns=[INPUT_DIGEST_COLUMN, REUSE_KEY_COLUMN])
+        for digest, key in zip(*(c.to_pylist() for c in table.columns), strict=True):
+            if digest is not None and key is not None:  # unkeyed rows are always computed
+                digests.add(digest)
+    return None if covers is None else (digests, covers)
+
+
+def _rows_to_compute(
+    spec: InferenceSpec,
+    key: str,
+    fs: pafs.FileSystem,
+    path: str,
+    manifest: Any,
+    budget: list[int],
+) -> tuple[int, int] | None:
+    """(rows to compute, rows) of one pending partition (see `reuse_counts`), or None;
+    its shard's bytes come off `budget`."""
+    file_key, part = split_partition_key(key)
+    if part is not None or spec.input.is_table() or task_facts(spec.task).images:
+        return None
+    earlier = _earlier_digests(spec, fs, path, manifest)
+    if earlier is None:
+        return None
+    digests, covers = earlier
+    in_fs, in_path = filesystem_for(spec.input.shard_uri(file_key), spec.storage)
+    info = in_fs.get_file_info(in_path)
+    if info.type != pafs.FileType.File or (info.size or 0) > budget[0]:
+        return None
+    budget[0] -= info.size or 0
+    if covers == LINES:
+        with in_fs.open_input_stream(in_path) as stream:
+            lines = [line for line in stream.read().split(b"\n") if line.strip()]
+        shard = [line_digest(line) for line in lines]
+    else:
+        with in_fs.open_input_file(in_path) as handle:
+            parquet = pq.ParquetFile(handle)
+            present = [c for c in covers if c in parquet.schema_arrow.names]
+            table = parquet.read(columns=present)
+        values = [
+            table.column(c).to_pylist() if c in present else [None] * table.num_rows for c in covers
+        ]
+        shard = columns_digests(values, table.num_rows)
+    return sum(1 for digest in shard if digest not in digests), len(shard)
 
 
 def makespan(durations: Sequence[float], slots: int) -> float:
@@ -291,6 +452,7 @@ def estimate_backfill(
     work = input_work(spec, partition_keys)
     committed = committed_manifests(spec, partition_keys)
     pending = [key for key in partition_keys if key not in committed]
+    reuse = _discount_reuse(spec, pending, work)
     measured_work = 0.0
     measured_seconds = 0.0
     for key, manifest in committed.items():
@@ -328,7 +490,10 @@ def estimate_backfill(
         builds, wall, gpu_seconds = pool.cost(seconds, run_start_seconds + model_load_seconds)
         pool_slots = pool.max_workers
     return BackfillEstimate(
-        partitions_reusable=reusable_partitions(spec, pending),
+        partitions_reusable=reuse.partitions,
+        partitions_reuse_counted=reuse.counted,
+        reuse_rows=reuse.rows,
+        reuse_rows_to_compute=reuse.rows_to_compute,
         asset=asset,
         work_unit=unit,
         partitions=len(partition_keys),

@@ -27,9 +27,10 @@ PARTITION_FIGURES = """\
   overlap). `inference_seconds`: the union of the chunks' inference intervals, within
   `wall_seconds` (reading began to commit).
 - `rows_reused`, `rows_computed`, `rows_deduplicated`: output rows copied from the
-  partition's earlier output (same reuse key: model, settings, request, parameters and
-  seed), computed by the engine, and copied from an identical request computed once in
-  this run (`row_reuse`; unseeded sampling is computed unless the pipeline asks).
+  partition's earlier output (same reuse key: model, settings, request, images' bytes,
+  parameters and seed; with `row_reuse_scope="pipeline"` from any committed partition of
+  the pipeline), computed by the engine, and copied from an identical request computed
+  once in this run (`row_reuse`; unseeded sampling is computed unless the pipeline asks).
 - `input_version`, `model_files_version`: the shard and local model files the outputs were
   computed from; when either changes, the next materialization computes the partition again.
   `engine_versions`: the vLLM and torch versions that computed them (a spec's

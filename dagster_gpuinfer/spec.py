@@ -40,6 +40,14 @@ class RowReuse(StrEnum):
     off = "off"
 
 
+class RowReuseScope(StrEnum):
+    """`row_reuse_scope`: where a row's key is looked up: the partition's own earlier
+    output, or every committed partition of the pipeline's output."""
+
+    partition = "partition"
+    pipeline = "pipeline"
+
+
 PARTITION_KEY_PLACEHOLDER = "{partition_key}"
 
 # A large file split into several partitions: `<file key>@rows=<start>-<end>` (Parquet rows,
@@ -612,6 +620,15 @@ class InferenceSpec(_Strict):
         "rows too (a new sample is then never drawn for them); off: every row is computed. "
         "Part of the spec hash and code version when not auto.",
     )
+    row_reuse_scope: RowReuseScope = Field(
+        RowReuseScope.partition,
+        description="Where row reuse looks a row's key up. partition: the partition's own "
+        "earlier output (when its shard changed). pipeline: also every other committed "
+        "partition of this pipeline's output (a row repeated across daily snapshots or "
+        "shards is computed once); the run reads those partitions' key columns once, "
+        "about 100 bytes a row. Never part of the spec hash: a copied row equals a "
+        "computed one.",
+    )
 
     # Fields that are not a pipeline's own settings: the models the pipeline passes whole,
     # where its output goes (named by the pipeline, placed by the resource) and the run's
@@ -829,6 +846,7 @@ class InferenceSpec(_Strict):
                 payload["engine"].pop(name)
         if self.row_reuse == "auto":  # the default: likewise
             payload.pop("row_reuse")
+        payload.pop("row_reuse_scope")  # where rows are found, not what they are
         # image fields and the table's partition column at their defaults: likewise
         for name in ("image_column", "images", "partition_column"):
             if getattr(self.input, name) == InputSpec.model_fields[name].get_default(

@@ -121,8 +121,8 @@ def test_the_incremental_shard_gains_ten_percent_and_edits_one_percent_in_place(
     from bench.incremental import changed_texts
     from bench.workloads import embed_texts
 
-    texts = embed_texts(1000, seed=29)
-    new, edited, appended = changed_texts(texts, seed=3)
-    assert (edited, appended, len(new)) == (10, 100, 1100)
-    assert sum(a != b for a, b in zip(texts, new, strict=False)) == 10
+    texts = embed_texts(10_000, seed=29)  # the section's size
+    new, edited, appended = changed_texts(texts, seed=0)  # round 0
+    assert (edited, appended, len(new)) == (100, 1000, 11_000)
+    assert sum(a != b for a, b in zip(texts, new, strict=False)) == 100
     assert len(set(new)) == len(new)  # no appended or edited text repeats an earlier one

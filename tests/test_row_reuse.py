@@ -18,7 +18,12 @@ from test_engine_loop import FakeEngine, _serve
 
 from dagster_gpuinfer import InferenceSpec, read_partition
 from dagster_gpuinfer.storage import SourceVersion
-from dagster_gpuinfer.worker.loop.reuse import REUSE_KEY_COLUMN, RowKeys, RowReuse
+from dagster_gpuinfer.worker.loop.reuse import (
+    REUSE_KEY_COLUMN,
+    RowKeys,
+    RowReuse,
+    pipeline_outputs,
+)
 from dagster_gpuinfer.worker.rows.validate import ValidChunk
 from dagster_gpuinfer.worker.tasks.params import RowRequest
 from dagster_gpuinfer.worker.tasks.pooling import ScorePairs
@@ -40,12 +45,12 @@ def _spec(root: Path, out: str = "out", **fields) -> InferenceSpec:
     )
 
 
-def _write(root: Path, rows: list[tuple[str, int]]) -> None:
-    """The shard `s0`: (id, number) rows; the fake engine's embedding of a row is
+def _write(root: Path, rows: list[tuple[str, int]], key: str = "s0") -> None:
+    """The shard `key`: (id, number) rows; the fake engine's embedding of a row is
     [number, prompt length]."""
     (root / "in").mkdir(parents=True, exist_ok=True)
     table = pa.table({"id": [i for i, _ in rows], "text": [f"row {n}" for _, n in rows]})
-    pq.write_table(table, root / "in" / "s0.parquet")
+    pq.write_table(table, root / "in" / f"{key}.parquet")
 
 
 def _numbers(table: pa.Table) -> list[int]:
@@ -119,6 +124,59 @@ def test_the_default_keeps_the_spec_hash_of_specs_written_before_row_reuse(tmp_p
     assert _spec(tmp_path, row_reuse="auto").spec_hash() == spec.spec_hash()
 
 
+def _in(spec: InferenceSpec, key: str, **fields) -> InferenceSpec:
+    return InferenceSpec.model_validate({**spec.model_dump(), "partition_keys": [key], **fields})
+
+
+def test_pipeline_scope_copies_rows_other_partitions_computed_and_partition_scope_not(tmp_path):
+    """Daily snapshots that repeat rows: with `row_reuse_scope="pipeline"` a new partition
+    computes only the rows no committed partition of the pipeline holds; by default (the
+    partition's own output only) it computes them all. Outputs equal either way."""
+    _write(tmp_path, [(f"a{i}", 100 + i) for i in range(8)], "s0")
+    _write(tmp_path, [(f"b{i}", 104 + i) for i in range(8)], "s1")  # 4 of s0's, 4 new
+    spec = _spec(tmp_path)
+    _, done, error = _serve(_in(spec, "s0"), FakeEngine())
+    assert error is None and done
+
+    default = FakeEngine()
+    _, done, error = _serve(_in(spec, "s1"), default)
+    assert error is None and done and len(default.submitted) == 8
+    by_partition = read_partition(spec.output, "s1")
+
+    wide = _spec(tmp_path, out="wide", row_reuse_scope="pipeline")
+    assert wide.spec_hash() == _spec(tmp_path, out="wide").spec_hash()  # not in the hash
+    _, done, error = _serve(_in(wide, "s0"), FakeEngine())
+    assert error is None and done
+    engine = FakeEngine()
+    ((manifest, _),), done, error = _serve(_in(wide, "s1"), engine)
+    assert error is None and done
+    assert sorted(engine.submitted) == [108, 109, 110, 111]
+    assert (manifest.rows_out, manifest.rows_reused, manifest.rows_deduplicated) == (8, 4, 0)
+    table = read_partition(wide.output, "s1")
+    assert table.column("id").to_pylist() == [f"b{i}" for i in range(8)]
+    assert table.equals(by_partition)  # ids, outputs and keys as computed in full
+
+
+def test_pipeline_scope_computes_rows_whose_other_partition_was_replaced(tmp_path):
+    """A part file of another partition that a commit replaced after the index was read is
+    not copied from: those rows are computed, the chunk is not failed."""
+    _write(tmp_path, [(f"a{i}", 100 + i) for i in range(4)], "s0")
+    _write(tmp_path, [(f"b{i}", 100 + i) for i in range(4)], "s1")
+    spec = _spec(tmp_path, row_reuse_scope="pipeline")
+    _serve(_in(spec, "s0"), FakeEngine())
+    tokens = [ord(c) for c in "row 100"]  # the fake tokenizer's: one token a character
+    valid = ValidChunk(index=0, rows=[0], ids=["b0"], token_ids=[tokens], spans=[1])
+    found = RowReuse(_in(spec, "s1")).plan("s1", SourceVersion(input="v1"), valid)
+    assert found.compute == [] and found.sources[0][0] == "reuse" and found.pinned
+
+    reuse = RowReuse(_in(spec, "s1"))
+    reuse._pipeline = pipeline_outputs(spec)
+    for path in {ref.path for ref in reuse._pipeline.values()}:
+        Path(path).unlink()
+    plan = reuse.plan("s1", SourceVersion(input="v1"), valid)
+    assert plan.compute == [0] and not plan.pinned
+
+
 # --------------------------------------------------------------------------- sampling
 
 
@@ -185,18 +243,23 @@ TEXT = st.text(max_size=12)
     params=st.one_of(st.none(), TEXT),
     model=st.one_of(st.none(), TEXT),
     adapter=st.one_of(st.none(), TEXT),
-    change=st.sampled_from(["prompt", "params", "model", "adapter", "seed_top", "split"]),
+    images=st.one_of(st.none(), st.lists(st.text("0123456789abcdef,", max_size=8), max_size=3)),
+    change=st.sampled_from(["prompt", "params", "model", "adapter", "seed_top", "split", "image"]),
 )
 def test_equal_requests_have_equal_keys_and_any_change_another(
-    tmp_path_factory, prompts, params, model, adapter, change
+    tmp_path_factory, prompts, params, model, adapter, images, change
 ):
     keys = RowKeys(_spec(Path("/k")))
     request = RowRequest(reuse_params=params)
     same = RowRequest(reuse_params=params)
-    key = keys.key(model, prompts, request, adapter=adapter)
+    key = keys.key(model, prompts, request, adapter=adapter, images=images)
     assert key is not None
-    assert key == keys.key(model, [list(p) for p in prompts], same, adapter=adapter)
+    same_images = None if images is None else list(images)
+    assert key == keys.key(
+        model, [list(p) for p in prompts], same, adapter=adapter, images=same_images
+    )
     other_prompts, other_request, other_model, other_adapter = prompts, request, model, adapter
+    other_images = images
     if change == "prompt":
         other_prompts = [*prompts[:-1], [*prompts[-1], 1]]
     elif change == "params":
@@ -207,10 +270,68 @@ def test_equal_requests_have_equal_keys_and_any_change_another(
         other_adapter = (adapter or "") + "x"
     elif change == "seed_top":
         other_request = dataclasses.replace(request, top_logprobs=2)
+    elif change == "image":  # another image's bytes (or one more) under any reference
+        other_images = [*(images or [""])[:-1], (images or [""])[-1] + "f"]
     else:  # the same tokens split into other prompts
         flat = [t for p in prompts for t in p]
         other_prompts = [flat] if len(prompts) > 1 else [flat[:1], flat[1:]]
-    assert key != keys.key(other_model, other_prompts, other_request, adapter=other_adapter)
+    other = keys.key(
+        other_model, other_prompts, other_request, adapter=other_adapter, images=other_images
+    )
+    assert key != other
+
+
+def _image_spec(tmp_path: Path) -> InferenceSpec:
+    return InferenceSpec.model_validate({**_spec(tmp_path).model_dump(), "task": "image_embed"})
+
+
+def test_image_rows_are_keyed_by_their_images_bytes_not_their_references(tmp_path):
+    """An image row's key holds its images' digests (`DecodedImage.digest`, of the bytes):
+    the same path with other bytes is another key; without digests no key (computed)."""
+    from assets.images import draw_shape, encode
+    from dagster_gpuinfer.image_options import ImageOptions
+    from dagster_gpuinfer.worker.tasks.images import decode_image
+
+    one = decode_image(encode(draw_shape("circle", "red", (40, 30)), "PNG"), ImageOptions())
+    two = decode_image(encode(draw_shape("square", "red", (40, 30)), "PNG"), ImageOptions())
+    again = decode_image(encode(draw_shape("circle", "red", (40, 30)), "PNG"), ImageOptions())
+    assert one.digest == again.digest != two.digest
+    keys = RowKeys(_image_spec(tmp_path))
+
+    def chunk(digests):
+        return ValidChunk(
+            index=0,
+            rows=[0, 1],
+            ids=["a", "b"],
+            token_ids=[[5, 6], [5, 6]],
+            spans=[1, 1],
+            images=[["img/a.png"], ["img/b.png"]],
+            image_digests=digests,
+        )
+
+    first = keys.chunk_keys(chunk([one.digest, one.digest]), "m")
+    edited = keys.chunk_keys(chunk([one.digest, two.digest]), "m")
+    assert first[0] == first[1] == edited[0] != edited[1] and None not in first
+    assert keys.chunk_keys(chunk([]), "m") == [None, None]
+
+
+def test_every_output_row_carries_its_input_digest_and_what_it_covers(tmp_path):
+    """The digest the backfill estimate compares a changed shard with: of the row's text
+    (not its id), named in the part file's schema metadata; copied rows get their own."""
+    from dagster_gpuinfer.storage.digests import digest_columns_of, row_digest
+
+    rows = [(f"r{i}", 100 + i) for i in range(6)]
+    _write(tmp_path, rows)
+    spec = _spec(tmp_path)
+    _serve(spec, FakeEngine())
+    _write(tmp_path, [("renamed", 100), *rows[1:], ("r6", 106)])
+    _serve(spec, FakeEngine())
+    table = read_partition(spec.output, "s0")
+    assert table.column("input_digest").to_pylist() == [
+        row_digest([f"row {n}"]) for n in [100, 101, 102, 103, 104, 105, 106]
+    ]
+    part = next((tmp_path / "out").rglob("part-*.parquet"))
+    assert digest_columns_of(pq.read_schema(part).metadata) == ["text"]
 
 
 @pytest.mark.parametrize(
@@ -333,3 +454,81 @@ def test_a_rows_adapter_and_its_version_are_in_its_key(tmp_path):
     after = keys.chunk_keys(chunk, "m", "legal=v1;support=v2")
     assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
     assert keys.chunk_keys(chunk, "m", "legal=v1")[1] is None  # unknown: computed
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+def _estimate(spec: InferenceSpec):
+    from dagster_gpuinfer.estimate import estimate_backfill
+
+    return estimate_backfill(spec, ["s0"], asset="emb", partitions_per_run=1)
+
+
+def test_the_estimate_counts_the_rows_a_re_run_will_compute(tmp_path):
+    """A committed shard gains 3 rows and has 1 edited and 1 renamed (same text): the
+    estimate reads the shard and the earlier output's digests and counts 4 of 13 rows to
+    compute (a renamed Parquet row is the same input); the run then computes exactly those."""
+    rows = [(f"r{i}", 1000 + i) for i in range(10)]
+    _write(tmp_path, rows)
+    spec = _spec(tmp_path)
+    _serve(spec, FakeEngine())
+    rows[3] = ("r3", 2003)
+    rows[5] = ("renamed", 1005)
+    rows += [(f"r{i}", 1000 + i) for i in range(10, 13)]
+    _write(tmp_path, rows)
+    estimate = _estimate(spec)
+    assert (estimate.partitions_reusable, estimate.partitions_reuse_counted) == (1, 1)
+    assert (estimate.reuse_rows_to_compute, estimate.reuse_rows) == (4, 13)
+    assert estimate.pending_work == 4
+    assert "4 of 13 rows are new or changed" in estimate.summary()
+    engine = FakeEngine()
+    _serve(spec, engine)
+    assert sorted(engine.submitted) == [1010, 1011, 1012, 2003]
+
+    # Under another reuse scope (another model) the keys all change: counted in full.
+    other = InferenceSpec.model_validate({**spec.model_dump(), "model": "/other"})
+    _write(tmp_path, rows[:-1])
+    estimate = _estimate(other)
+    assert estimate.partitions_reuse_counted == 0 and estimate.pending_work == 12
+    assert "1 counted in full" in estimate.summary()
+
+
+def test_the_estimate_counts_changed_jsonl_lines(tmp_path, monkeypatch):
+    """JSONL lines by their bytes: one edited and one appended of 9 (its share of the
+    file's bytes is the work counted)."""
+    import json
+
+    def write(lines: list[tuple[str, int]]) -> None:
+        (tmp_path / "in").mkdir(exist_ok=True)
+        text = "".join(json.dumps({"id": i, "text": f"row {n}"}) + "\n" for i, n in lines)
+        (tmp_path / "in" / "s0.jsonl").write_text(text)
+
+    lines = [(f"r{i}", 100 + i) for i in range(8)]
+    write(lines)
+    uri = str(tmp_path / "in" / "{partition_key}.jsonl")
+    spec = InferenceSpec.model_validate({**_spec(tmp_path).model_dump(), "input": {"uri": uri}})
+    _serve(spec, FakeEngine())
+    write([*lines[:6], ("r6", 206), ("r7", 107), ("r8", 108)])
+    estimate = _estimate(spec)
+    assert (estimate.reuse_rows_to_compute, estimate.reuse_rows) == (2, 9)
+    size = (tmp_path / "in" / "s0.jsonl").stat().st_size
+    assert estimate.pending_work == pytest.approx(size * 2 / 9)
+    import dagster_gpuinfer.estimate as estimate_module
+
+    monkeypatch.setattr(estimate_module, "MAX_REUSE_READ_BYTES", size - 1)  # over budget
+    over = _estimate(spec)
+    assert over.partitions_reuse_counted == 0 and over.pending_work == size
+
+
+def test_a_chunk_whose_every_row_is_quarantined_commits(tmp_path):
+    """No row of the second chunk reaches the engine or a copy: its part holds no rows
+    (the assembly took an empty index list as nulls and failed the worker)."""
+    (tmp_path / "in").mkdir()
+    texts = ["row 1", "row 2", "row 3", "row 4", None, None, None, None]
+    table = pa.table({"id": [f"r{i}" for i in range(8)], "text": pa.array(texts, pa.string())})
+    pq.write_table(table, tmp_path / "in" / "s0.parquet")
+    spec = _spec(tmp_path)
+    ((manifest, _),), done, error = _serve(spec, FakeEngine())
+    assert error is None and done
+    assert (manifest.rows_out, manifest.rows_errored) == (4, 4)

@@ -33,6 +33,7 @@ from dagster_gpuinfer.storage import (
     write_chunk_files,
     write_chunk_marker,
 )
+from dagster_gpuinfer.storage.digests import INPUT_DIGEST_COLUMN, digest_columns_metadata
 from dagster_gpuinfer.worker.errors import ShardError
 from dagster_gpuinfer.worker.metrics import current_metrics
 from dagster_gpuinfer.worker.rows.readers import RawChunk
@@ -66,6 +67,21 @@ def partition_reading(
             partition_key=partition_key,
         ) from None
     return PartitionOutput.of(spec, partition_key, source=source)
+
+
+def with_input_digests(table: pa.Table, chunk: RawChunk, valid: ValidChunk, scope: str) -> pa.Table:
+    """`table` with each row's input digest (`storage.digests`) and, in its schema metadata,
+    the input columns the digests cover and the reuse scope (`scope`): what the backfill
+    estimate compares a changed shard with. Unchanged when the reader gave none."""
+    if INPUT_DIGEST_COLUMN in table.column_names:  # copied rows' earlier digests: replaced
+        table = table.drop_columns([INPUT_DIGEST_COLUMN])
+    if not chunk.digests:
+        return table
+    digests = pa.array([chunk.digests.get(row) for row in valid.rows], pa.string())
+    table = table.append_column(INPUT_DIGEST_COLUMN, digests)
+    metadata = dict(table.schema.metadata or {})
+    metadata.update(digest_columns_metadata(chunk.digest_columns, scope))
+    return table.replace_schema_metadata(metadata)
 
 
 def write_chunk(
@@ -103,6 +119,7 @@ def write_chunk(
             data = encode_openai_batch(spec.task, spec.served_model, where.spec_hash, table, valid)
             part = (data, ".jsonl", table.num_rows)
         else:
+            table = with_input_digests(table, chunk, valid, spec.reuse_scope())
             part = (table_to_parquet_bytes(table), ".parquet", table.num_rows)
     errors = errors_table(valid.errors) if valid.errors else None
     part_entry, errors_entry = write_chunk_files(

@@ -6,9 +6,10 @@ A row's key (`RowKeys.key`) is a digest of what determines its output: the spec'
 output-shaping engine arguments, the pipeline's sampling defaults and templates), the local
 model folder's version (`SourceVersion.model`), an adapter name (empty: the base model),
 the request as validated (its token ids, or a score row's pairs), and the row's own
-parameters including its seed (`RowRequest.reuse_params`). Rows whose output is not a
-function of that (unseeded sampling; image rows, whose bytes are not keyed yet) get no key,
-unless the pipeline asks (`row_reuse="sampled"`) for the first.
+parameters including its seed (`RowRequest.reuse_params`), and an image row's images by
+a digest of their encoded bytes (`DecodedImage.digest`: an image edited under the same URL
+or path gets a new key). Rows whose output is not a function of that (unseeded sampling)
+get no key, unless the pipeline asks (`row_reuse="sampled"`).
 
 Every Parquet output row carries its key in the `reuse_key` column. When a partition is
 computed again (its shard changed: rows appended or edited) the loop reads the key column of
@@ -19,6 +20,10 @@ chunk (`dedup`: the chunk waits until that one is written); only the other rows 
 engine. The chunk's part file holds all its rows, reused or computed, in input order
 (`RowReuse.assemble`), and commits through the same marker: exactly-once and resume do not
 change. Memory: the earlier output's keys (about 100 bytes a row) and a few part files.
+
+With `row_reuse_scope="pipeline"` the keys of every committed partition of the pipeline's
+output are indexed too (`pipeline_outputs`, once per loop, at most `MAX_PIPELINE_KEYS`): a
+row found there is copied from that partition's part file, read when its chunk is planned.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from dagster_gpuinfer.storage import (
     partition_dir,
     read_manifest,
 )
+from dagster_gpuinfer.storage.digests import INPUT_DIGEST_COLUMN, REUSE_KEY_COLUMN
 from dagster_gpuinfer.task_table import task_facts
 from dagster_gpuinfer.worker.errors import RowError
 from dagster_gpuinfer.worker.rows.validate import ValidChunk
@@ -53,12 +59,13 @@ from dagster_gpuinfer.worker.tasks.params import RowRequest
 
 log = logging.getLogger("dagster_gpuinfer.worker")
 
-REUSE_KEY_COLUMN = "reuse_key"
 # Part of every key: bump it when an output schema or what a row's output holds changes,
 # so rows written before are never copied into the new shape.
 KEY_VERSION = b"gpuinfer-row-1"
 # Keys of this run's computed rows kept for dedup, at most (about 100 bytes each).
 MAX_RUN_KEYS = 1_000_000
+# Keys of the pipeline's committed partitions indexed, at most (`row_reuse_scope="pipeline"`).
+MAX_PIPELINE_KEYS = 1_000_000
 # Earlier part files kept decoded while chunks copy rows from them.
 PART_CACHE = 4
 
@@ -77,7 +84,8 @@ class RowKeys:
     def __init__(self, spec: InferenceSpec) -> None:
         self.scope = spec.reuse_scope().encode()
         facts = task_facts(spec.task)
-        self.keyed = spec.output.format == "parquet" and not facts.images
+        self.keyed = spec.output.format == "parquet"
+        self.images = facts.images
         self.sampled = spec.row_reuse == "sampled"
         sampling = spec.sampling
         self.default_deterministic = (
@@ -91,13 +99,17 @@ class RowKeys:
         request: RowRequest | None,
         pairs: Any = None,
         adapter: str | None = None,
+        images: list[str] | None = None,
     ) -> str | None:
-        """The key of one row (`prompts`: its token id lists; `pairs`: a score row's), or
-        None when its output is not a function of it."""
+        """The key of one row (`prompts`: its token id lists; `pairs`: a score row's;
+        `images`: an image row's, each prompt's images' digests), or None when its output
+        is not a function of it (an image row without its images' digests)."""
         request = request or RowRequest()
         built = request.reuse_params is not None
         deterministic = request.deterministic if built else self.default_deterministic
         if not self.keyed or not (deterministic or self.sampled):
+            return None
+        if self.images and images is None:
             return None
         digest = hashlib.blake2b(KEY_VERSION, digest_size=16)
         for part in (
@@ -114,6 +126,9 @@ class RowKeys:
         if pairs is not None:
             text = repr((list(pairs.queries), list(pairs.documents), bool(pairs.rerank)))
             digest.update(text.encode())
+        for prompt_images in images or ():
+            data = f"image:{prompt_images}".encode()
+            digest.update(struct.pack("<Q", len(data)) + data)
         return digest.hexdigest()
 
     def chunk_keys(
@@ -138,6 +153,9 @@ class RowKeys:
                         request,
                         pairs=valid.pairs[i] if valid.pairs else None,
                         adapter=f"{name}={versions[name]}" if name else None,
+                        images=valid.image_digests[start : start + span]
+                        if len(valid.image_digests) == len(valid.token_ids)
+                        else None,
                     )
                 )
             except Exception as exc:  # the row boundary: no key, the row is computed
@@ -164,21 +182,61 @@ def previous_outputs(
         return {}
     index: dict[str, RowRef] = {}
     try:
-        for part in manifest.parts:
-            if not part.name.endswith(".parquet"):
-                return {}
-            part_path = posixpath.join(path, part.name)
-            with fs.open_input_file(part_path) as handle:
-                parquet = pq.ParquetFile(handle)
-                if REUSE_KEY_COLUMN not in parquet.schema_arrow.names:
-                    continue
-                keys = parquet.read(columns=[REUSE_KEY_COLUMN]).column(0).to_pylist()
-            for row, key in enumerate(keys):
-                if key is not None:
-                    index.setdefault(key, RowRef(part_path, row))
+        if not _index_parts(fs, path, manifest, index, limit=None):
+            return {}
     except OSError as exc:  # pulled by a concurrent commit: compute everything
         log.warning("partition %s: earlier output unreadable, no reuse (%s)", partition_key, exc)
         return {}
+    return index
+
+
+def _index_parts(
+    fs: pafs.FileSystem, path: str, manifest: Any, index: dict[str, RowRef], limit: int | None
+) -> bool:
+    """Adds the keyed rows of a committed partition (its folder `path`) to `index`, first
+    found kept; False when the output is not Parquet or `limit` keys are reached."""
+    for part in manifest.parts:
+        if not part.name.endswith(".parquet"):
+            return False
+        part_path = posixpath.join(path, part.name)
+        with fs.open_input_file(part_path) as handle:
+            parquet = pq.ParquetFile(handle)
+            if REUSE_KEY_COLUMN not in parquet.schema_arrow.names:
+                continue
+            keys = parquet.read(columns=[REUSE_KEY_COLUMN]).column(0).to_pylist()
+        for row, key in enumerate(keys):
+            if key is not None:
+                index.setdefault(key, RowRef(part_path, row))
+        if limit is not None and len(index) >= limit:
+            return False
+    return True
+
+
+def pipeline_outputs(spec: InferenceSpec, limit: int = MAX_PIPELINE_KEYS) -> dict[str, RowRef]:
+    """The keyed rows of every committed partition of the pipeline's output (key -> row;
+    `row_reuse_scope="pipeline"`): the partition folders under the output's asset folder,
+    each manifest's parts' key columns. A partition that cannot be read is left out (its
+    rows are computed, as without it); at `limit` keys the rest are left out, with a
+    warning."""
+    asset_uri = partition_dir(spec.output, "x").rsplit("/", 1)[0]
+    fs, root = filesystem_for(asset_uri, spec.storage)
+    index: dict[str, RowRef] = {}
+    infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    for info in sorted(infos, key=lambda i: i.path):
+        if info.type != pafs.FileType.Directory:
+            continue
+        try:
+            manifest = read_manifest(fs, info.path)
+            if manifest is not None:
+                _index_parts(fs, info.path, manifest, index, limit)
+        except Exception as exc:  # one partition: its rows are computed
+            log.warning("pipeline reuse: %s left out (%s)", info.path, exc)
+        if len(index) >= limit:
+            log.warning(
+                "pipeline reuse: %d keys indexed, the limit; later partitions left out", limit
+            )
+            break
+    log.info("pipeline reuse: %d keyed rows of committed partitions", len(index))
     return index
 
 
@@ -194,6 +252,9 @@ class ChunkPlan:
     compute: list[int] = field(default_factory=list)
     waits_on: list[ChunkPlan] = field(default_factory=list)
     queued: bool = False  # handed to the writer (chunks waiting on it may follow)
+    # Part files of other partitions this chunk copies rows from, read when it was planned
+    # (a run committing that partition may replace them before this chunk is written).
+    pinned: dict[str, pa.Table] = field(default_factory=dict)
     table: pa.Table | None = None  # once written: the chunk's rows, and each position's row
     row_of: dict[int, int] = field(default_factory=dict)
 
@@ -211,6 +272,7 @@ class RowReuse:
         self._pending: dict[str, tuple[ChunkPlan, int]] = {}
         self._written: dict[str, RowRef] = {}
         self._parts: OrderedDict[str, pa.Table] = OrderedDict()
+        self._pipeline: dict[str, RowRef] | None = None  # row_reuse_scope="pipeline"
         self.fs: pafs.FileSystem = filesystem_for(spec.output.root, spec.storage)[0]
 
     def _earlier(self, partition_key: str, source: SourceVersion) -> dict[str, RowRef]:
@@ -221,15 +283,42 @@ class RowReuse:
                 self._previous.popitem(last=False)
         return self._previous[place]
 
+    def _elsewhere(self, keys: list[str | None], plan: ChunkPlan) -> dict[str, RowRef]:
+        """`row_reuse_scope="pipeline"`: the chunk's keys found in the pipeline's other
+        committed partitions (indexed once per loop), their part files read into the plan
+        now; a part that cannot be read leaves its rows to compute."""
+        if self.spec.row_reuse_scope != "pipeline":
+            return {}
+        if self._pipeline is None:
+            self._pipeline = pipeline_outputs(self.spec)
+        found: dict[str, RowRef] = {}
+        for key in keys:
+            ref = self._pipeline.get(key) if key is not None else None
+            if ref is None:
+                continue
+            if ref.path not in plan.pinned:
+                try:
+                    with self.fs.open_input_file(ref.path) as handle:
+                        plan.pinned[ref.path] = pq.read_table(handle)
+                except OSError as exc:  # replaced by a commit since: compute those rows
+                    log.info("pipeline reuse: %s gone (%s)", ref.path, exc)
+                    self._pipeline = {k: r for k, r in self._pipeline.items() if r.path != ref.path}
+                    continue
+            found[key] = ref
+        return found
+
     def plan(self, partition_key: str, source: SourceVersion, valid: ValidChunk) -> ChunkPlan:
         """Each valid row's source (see `ChunkPlan`); the rows to compute are `compute`."""
         keys = self.keys.chunk_keys(valid, source.model, source.adapters) if self.keys.keyed else []
         keys = keys or [None] * len(valid.ids)
         plan = ChunkPlan(full=valid, keys=keys, sources=[])
         earlier = self._earlier(partition_key, source) if self.enabled else {}
+        elsewhere = (
+            self._elsewhere([k for k in keys if k not in earlier], plan) if self.enabled else {}
+        )
         with self._lock:
             for position, key in enumerate(keys):
-                found = self._source_of(key, earlier) if self.enabled else None
+                found = self._source_of(key, earlier, elsewhere) if self.enabled else None
                 if found is None:
                     plan.sources.append(("compute", None))
                     plan.compute.append(position)
@@ -242,7 +331,9 @@ class RowReuse:
                     plan.waits_on.append(twin)
         return plan
 
-    def _source_of(self, key: str | None, earlier: dict[str, RowRef]) -> tuple[str, Any] | None:
+    def _source_of(
+        self, key: str | None, earlier: dict[str, RowRef], elsewhere: dict[str, RowRef]
+    ) -> tuple[str, Any] | None:
         if key is None:
             return None
         if key in earlier:
@@ -251,6 +342,8 @@ class RowReuse:
             return ("run", self._written[key])
         if key in self._pending:
             return ("dup", self._pending[key])
+        if key in elsewhere:
+            return ("reuse", elsewhere[key])
         return None
 
     def _part(self, path: str) -> pa.Table:
@@ -287,7 +380,7 @@ class RowReuse:
             if kind == "dup" and ref[0] is plan:  # its twin is an earlier row of this chunk
                 pick = local.get(ref[1])
             else:
-                pick = self._pick(kind, ref, full.ids[position], table, computed_row)
+                pick = self._pick(kind, ref, full.ids[position], table, computed_row, plan)
             if pick is None:
                 if kind == "dup":
                     kept.errors.append(_twin_refused(full, position, source))
@@ -300,6 +393,7 @@ class RowReuse:
             kept.rows.append(full.rows[position])
             kept.ids.append(full.ids[position])
         plan.table = _gather(picks, table, kept.ids, keys)
+        plan.pinned = {}
         return kept, plan.table, counts["reuse"], counts["run"] + counts["dup"]
 
     def _pick(
@@ -309,6 +403,7 @@ class RowReuse:
         row_id: str,
         table: pa.Table | None,
         computed_row: dict[str, int],
+        plan: ChunkPlan,
     ) -> tuple[pa.Table, int] | None:
         if kind == "compute":
             row = computed_row.get(row_id)
@@ -317,7 +412,8 @@ class RowReuse:
             twin, position = ref
             row = twin.row_of.get(position)
             return None if row is None or twin.table is None else (twin.table, row)
-        return self._part(ref.path), ref.row
+        pinned = plan.pinned.get(ref.path)
+        return (pinned if pinned is not None else self._part(ref.path)), ref.row
 
     def written(self, plan: ChunkPlan, where: PartitionOutput, marker: ChunkMarker) -> None:
         """The chunk is written: its keyed rows serve later chunks of the run from its part
@@ -354,7 +450,9 @@ def _gather(
         schema = computed.schema
     elif tables:
         first = next(iter(tables.values()))[0]
-        schema = first.drop_columns([REUSE_KEY_COLUMN]).schema
+        schema = first.drop_columns(
+            [c for c in (REUSE_KEY_COLUMN, INPUT_DIGEST_COLUMN) if c in first.column_names]
+        ).schema
     else:
         schema = computed.schema if computed is not None else pa.schema([("id", pa.string())])
     pieces, offsets, start = [], {}, 0
@@ -363,7 +461,7 @@ def _gather(
         offsets[name] = start
         start += len(rows)
     joined = pa.concat_tables(pieces) if pieces else schema.empty_table()
-    joined = joined.take([offsets[name] + k for name, k in order])
+    joined = joined.take(pa.array([offsets[name] + k for name, k in order], pa.int64()))
     joined = joined.set_column(
         schema.get_field_index("id"), schema.field("id"), pa.array(ids, pa.string())
     )

@@ -38,6 +38,7 @@ from pydantic import ValidationError
 from dagster_gpuinfer.spec import InferenceSpec, split_partition_key
 from dagster_gpuinfer.storage import display_uri, filesystem_for
 from dagster_gpuinfer.storage.delta import DeltaUnavailable, table_partition
+from dagster_gpuinfer.storage.digests import columns_digests, line_digest
 from dagster_gpuinfer.worker.errors import (
     SURROGATE_ESCAPE,
     RowError,
@@ -117,6 +118,10 @@ class RawChunk:
     params: dict[int, Any] = field(default_factory=dict)
     adapters: dict[int, Any] = field(default_factory=dict)
     shard_uri: str | None = None  # the shard's file: image paths relative to it resolve there
+    # Each parsed row's input digest, by row number, and the columns it covers (None: the
+    # JSONL line): written beside its output for the backfill estimate (`storage.digests`).
+    digests: dict[int, str] = field(default_factory=dict)
+    digest_columns: list[str] | None = None
 
 
 class ShardReader:
@@ -375,6 +380,16 @@ class ShardReader:
         else:
             ids = [self._default_id(first_row + i) for i in range(table.num_rows)]
         chunk = RawChunk(index=index, source=self.source, rows_in=len(table), shard_uri=self.uri)
+        chunk.digest_columns = [c for c in self._required_columns() if c != id_column]
+        read = dict(zip(self.payload_columns, columns, strict=True))
+        values = [
+            read[name] if name in read else column_values(table, name, broken)
+            for name in chunk.digest_columns
+        ]
+        chunk.digests = {
+            first_row + i: digest
+            for i, digest in enumerate(columns_digests(values, table.num_rows))
+        }
         for column, by_row in (
             (self.spec.input.params_column, chunk.params),
             (self.spec.input.adapter_column, chunk.adapters),
@@ -507,6 +522,7 @@ class ShardReader:
                 if len(parsed) > 4 and parsed[4] is not None:
                     chunk.adapters[row] = parsed[4]
                 chunk.rows.append(parsed[:3])
+                chunk.digests[row] = line_digest(line)
         if chunk.rows_in:
             yield chunk
 

@@ -54,6 +54,8 @@ class ValidChunk:
     # Image tasks: each prompt's decoded images (beside `token_ids`), the images and encoded
     # bytes the chunk's rows carried (quarantined rows' included).
     images: list[list[Any]] = field(default_factory=list)
+    # Beside `images`: a digest of each prompt's images' bytes (its rows' reuse keys).
+    image_digests: list[str] = field(default_factory=list)
     image_count: int = 0
     image_bytes: int = 0
 
@@ -78,6 +80,8 @@ class ValidChunk:
                 part.token_ids.extend(self.token_ids[p] for p in positions)
             if self.images:
                 part.images.extend(self.images[p] for p in positions)
+            if self.image_digests:
+                part.image_digests.extend(self.image_digests[p] for p in positions)
         return part
 
     def without_prompts(
@@ -118,6 +122,8 @@ class ValidChunk:
             kept.token_ids.extend(self.token_ids[p] for p in positions)
             if self.images:
                 kept.images.extend(self.images[p] for p in positions)
+            if self.image_digests:
+                kept.image_digests.extend(self.image_digests[p] for p in positions)
             kept_outputs.extend(outputs[p] for p in positions)
         return kept, kept_outputs
 
@@ -130,6 +136,7 @@ class _Candidate:
     prompts: list[str | list[int]]  # text to tokenize, or token ids already
     pairs: ScorePairs | None = None
     images: list[Any] | None = None  # image tasks: references, then decoded images
+    image_digests: list[str] | None = None  # their encoded bytes' digests, once decoded
 
 
 class RowValidator:
@@ -307,6 +314,8 @@ class RowValidator:
             out.token_ids.extend(token_lists)
             if self.task.facts.images:
                 out.images.extend([candidate.images or []] * len(token_lists))
+                digests = ",".join(candidate.image_digests or [])
+                out.image_digests.extend([digests] * len(token_lists))
 
     def _length_problem(self, candidate: _Candidate) -> tuple[str, str] | None:
         """`prompt_too_long` when a prompt (a chat: its contents together; a score row: a
@@ -576,6 +585,8 @@ def screen_ids(chunk: RawChunk, seen_ids: set[str]) -> RawChunk:
         params=chunk.params,
         adapters=chunk.adapters,
         shard_uri=chunk.shard_uri,
+        digests=chunk.digests,
+        digest_columns=chunk.digest_columns,
     )
 
 

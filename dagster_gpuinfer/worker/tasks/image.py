@@ -159,6 +159,7 @@ def admit_image_rows(
             continue
         out.image_bytes += sum(image.encoded_bytes for image in result)
         candidate.images = [image.image for image in result]
+        candidate.image_digests = [image.digest for image in result]
     kept = [c for c in candidates if id(c) not in failed]
     if render:  # vision_chat: the messages through the chat template
         rendered = []

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import http.client
 import io
 import os
@@ -81,6 +82,9 @@ class DecodedImage:
     image: Image.Image
     encoded_bytes: int
     original_size: tuple[int, int]
+    # A digest of the encoded bytes: the image's part of its row's reuse key (its pixels
+    # follow from the bytes, the pipeline's image options and the model, all in the key).
+    digest: str = ""
 
 
 def describe(ref: Any) -> str:
@@ -341,7 +345,12 @@ def decode_image(data: bytes, options: ImageOptions, what: str = "image") -> Dec
         ) from None
     if max_side is not None and max(image.size) > max_side:
         image.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
-    return DecodedImage(image=image, encoded_bytes=len(data), original_size=(width, height))
+    return DecodedImage(
+        image=image,
+        encoded_bytes=len(data),
+        original_size=(width, height),
+        digest=hashlib.blake2b(data, digest_size=16).hexdigest(),
+    )
 
 
 def _upright_rgb(image: Image.Image) -> Image.Image:
