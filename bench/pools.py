@@ -46,6 +46,7 @@ from bench.context import KV_CACHE_BYTES, BenchContext
 from bench.platform_run import PlatformPipeline, RunTiming, local_resource
 from bench.workloads import embed_texts, write_shard
 from dagster_gpuinfer import EngineArgs, PoolSettings
+from dagster_gpuinfer.launchers.pool import RANGE_MARK
 from dagster_gpuinfer.pools import open_lease_queue
 from dagster_gpuinfer.storage import filesystem_for, partition_dir, read_manifest
 from dagster_gpuinfer.storage.layout import Manifest
@@ -553,7 +554,7 @@ def _kill(bench: PoolBench, watch: PoolWatch) -> dict[str, Any]:
     with open_lease_queue(str(bench.queue)) as queue:
         items = {item.key: item for item in queue.job_items(job_id)}
         expired = queue.pool_stats(killed["pool_key"]).expired_leases
-    victim = items[killed["partition"]]
+    victim = items[killed["item"]]  # the partition, or the range of it, the victim held
     return {
         "partitions": len(keys),
         "rows_per_partition": sizes.pools_kill_rows,
@@ -598,13 +599,16 @@ def _kill_mid_partition(
                 worker = workers.get(item.worker_id or "")
                 if item.state != "leased" or worker is None or "pid" not in worker.info:
                     continue
-                committed, counts = partition_progress(pipeline.output(), item.key)
-                if committed or not 0 < counts.rows_in < rows[item.key]:
+                # A big partition is leased as chunk ranges (`<key>#chunks=a-b`).
+                partition = item.key.partition(RANGE_MARK)[0]
+                committed, counts = partition_progress(pipeline.output(), partition)
+                if committed or not 0 < counts.rows_in < rows[partition]:
                     continue
                 os.kill(int(worker.info["pid"]), signal.SIGKILL)
                 killed.update(
                     pool_key=pool_key,
-                    partition=item.key,
+                    partition=partition,
+                    item=item.key,
                     worker_id=worker.worker_id,
                     pid=int(worker.info["pid"]),
                     rows_committed_at_kill=counts.rows_in,

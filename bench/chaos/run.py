@@ -207,14 +207,22 @@ def verify(found: Any, prefix: str, keys: list[str], phase: Phase) -> None:
         phase.unexpected += sum(1 for i in seen if i not in set(expected))
 
 
+# Python's own helpers of this process (multiprocessing's resource tracker, forkserver):
+# they live as long as this process does and leave with it, whatever the pods did.
+OWN_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
 def leftovers(executor: Any, wait_s: float = 60.0) -> list[str]:
-    """Processes of pods still alive, and children of this process, after the backfill."""
+    """Processes of pods still alive, and children of this process (not Python's own
+    helpers, `OWN_HELPERS`), after the backfill."""
     deadline = time.monotonic() + wait_s
     while True:
         alive = [
-            f"{p.pid} {' '.join(p.cmdline())[:80]}"
+            f"{p.pid} {command[:80]}"
             for p in psutil.Process(os.getpid()).children(recursive=True)
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            for command in [" ".join(p.cmdline())]
+            if not any(helper in command for helper in OWN_HELPERS)
         ]
         live_pods = [name for name, pod in executor.pods.items() if not pod.terminated]
         if (not alive and not live_pods) or time.monotonic() > deadline:

@@ -133,9 +133,13 @@ def footer_rows(spec: InferenceSpec, partition_key: str) -> int | None:
     return rows if part is None else max(0, min(part.end, rows) - part.start)
 
 
+# Between a partition key and its chunk range in a range item's key.
+RANGE_MARK = "#chunks="
+
+
 def range_item_key(partition_key: str, span: ChunkRange) -> str:
     """A chunk range's work item key: `<partition key>#chunks=<start>-<last>`."""
-    return f"{partition_key}#chunks={span.start}-{span.end - 1}"
+    return f"{partition_key}{RANGE_MARK}{span.start}-{span.end - 1}"
 
 
 class PoolLauncher:
