@@ -241,11 +241,35 @@ def postgres_server_url() -> str:
     return url
 
 
+def pgvector_server_url() -> str:
+    """The suite's PostgreSQL server with pgvector (GPUINFER_TEST_PGVECTOR_URL, which `make
+    test` starts). Fails, saying how to start one, when none is given."""
+    url = os.environ.get("GPUINFER_TEST_PGVECTOR_URL")
+    if not url:
+        pytest.fail(
+            "GPUINFER_TEST_PGVECTOR_URL is not set: run the suite with `make test`, or start a "
+            "server with `PY=.venv/bin/python bash deploy/local/test-pgvector.sh` and export "
+            "the URL it prints"
+        )
+    return url
+
+
+def pg_query(url: str, statement: str, params=()) -> list[tuple]:
+    """The rows `statement` returns on the database at `url`."""
+    import psycopg2
+
+    with psycopg2.connect(url) as conn, conn.cursor() as cur:
+        cur.execute(statement, params)
+        rows = cur.fetchall()
+    conn.close()
+    return rows
+
+
 @contextlib.contextmanager
-def fresh_postgres_database(prefix: str) -> Iterator[str]:
-    """A new database on the suite's PostgreSQL server (`postgres_server_url`), dropped
-    afterwards; yields its URL."""
-    url = postgres_server_url()
+def fresh_postgres_database(prefix: str, *, pgvector: bool = False) -> Iterator[str]:
+    """A new database on the suite's PostgreSQL server (`postgres_server_url`), or its
+    pgvector server (`pgvector_server_url`), dropped afterwards; yields its URL."""
+    url = pgvector_server_url() if pgvector else postgres_server_url()
     import psycopg2
 
     database = f"{prefix}_{uuid.uuid4().hex[:10]}"

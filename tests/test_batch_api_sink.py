@@ -10,8 +10,6 @@ the storage layer's own calls; the batch is created and read back with the opena
 from __future__ import annotations
 
 import json
-import os
-import uuid
 
 import dagster as dg
 import numpy as np
@@ -19,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from batch_api_support import client, jsonl_ids, live_service, request_lines
+from support import fresh_postgres_database, pg_query
 
 from dagster_gpuinfer.batch_api.files import FileBytes
 from dagster_gpuinfer.batch_api.routing import Route, RoutingTable, load_routing_table
@@ -54,33 +53,13 @@ SPEC_HASH = "feedc0de00000000"
 def database(monkeypatch):
     """A fresh database on the pgvector server; its URL in URL_ENV, as a deployment puts it
     in the batch API service's environment."""
-    psycopg2 = pytest.importorskip("psycopg2")
-    url = os.environ.get("GPUINFER_TEST_PGVECTOR_URL")
-    if not url:
-        pytest.skip(
-            "GPUINFER_TEST_PGVECTOR_URL is not set: run the suite with `make test`, or start a "
-            "server with `PY=.venv/bin/python bash deploy/local/test-pgvector.sh` and export "
-            "the URL it prints"
-        )
-    name = f"route_sink_{uuid.uuid4().hex[:10]}"
-    admin = psycopg2.connect(url)
-    admin.autocommit = True
-    admin.cursor().execute(f"CREATE DATABASE {name}")
-    db_url = url.rsplit("/", 1)[0] + f"/{name}"
-    monkeypatch.setenv(URL_ENV, db_url)
-    yield db_url
-    admin.cursor().execute(f"DROP DATABASE {name} WITH (FORCE)")
-    admin.close()
+    with fresh_postgres_database("route_sink", pgvector=True) as db_url:
+        monkeypatch.setenv(URL_ENV, db_url)
+        yield db_url
 
 
 def query(url: str, statement: str, params=()) -> list[tuple]:
-    import psycopg2
-
-    with psycopg2.connect(url) as conn, conn.cursor() as cur:
-        cur.execute(statement, params)
-        rows = cur.fetchall()
-    conn.close()
-    return rows
+    return pg_query(url, statement, params)
 
 
 def pg_sink(**changes) -> PgVectorSink:

@@ -10,12 +10,11 @@ file, under the batch id and the tenant, with the output file's vectors.
 from __future__ import annotations
 
 import json
-import os
-import uuid
 
 import numpy as np
 import pytest
 from batch_api_support import client, jsonl_ids
+from support import fresh_postgres_database, pg_query
 from test_batch_api_engine import MODEL, Stack, embedding_lines, finished_run, poll
 
 from dagster_gpuinfer.batch_api.store import BatchStore
@@ -27,31 +26,12 @@ URL_ENV = "BATCH_VECTORS_DB_URL"
 
 @pytest.fixture(scope="module")
 def database():
-    psycopg2 = pytest.importorskip("psycopg2")
-    url = os.environ.get("GPUINFER_TEST_PGVECTOR_URL")
-    if not url:
-        pytest.skip(
-            "GPUINFER_TEST_PGVECTOR_URL is not set: run the suite with `make test`, or start a "
-            "server with `PY=.venv/bin/python bash deploy/local/test-pgvector.sh` and export "
-            "the URL it prints"
-        )
-    name = f"route_sink_{uuid.uuid4().hex[:10]}"
-    admin = psycopg2.connect(url)
-    admin.autocommit = True
-    admin.cursor().execute(f"CREATE DATABASE {name}")
-    yield url.rsplit("/", 1)[0] + f"/{name}"
-    admin.cursor().execute(f"DROP DATABASE {name} WITH (FORCE)")
-    admin.close()
+    with fresh_postgres_database("route_sink", pgvector=True) as url:
+        yield url
 
 
 def query(url: str, statement: str, params=()) -> list[tuple]:
-    import psycopg2
-
-    with psycopg2.connect(url) as conn, conn.cursor() as cur:
-        cur.execute(statement, params)
-        rows = cur.fetchall()
-    conn.close()
-    return rows
+    return pg_query(url, statement, params)
 
 
 @pytest.fixture(scope="module")

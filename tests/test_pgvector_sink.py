@@ -13,10 +13,8 @@ the sink, as it does after a worker reports its commits.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +26,10 @@ from support import (
     embed_pipeline,
     embedding_rows,
     failure_message,
+    fresh_postgres_database,
     materialize_partitions,
     partition_metadata,
+    pg_query,
     write_text_shard,
 )
 
@@ -54,33 +54,13 @@ URL_ENV = "GPUINFER_SINK_TEST_DB_URL"
 def database(monkeypatch):
     """A fresh database on the pgvector server; its URL is in URL_ENV, as a deployment
     would put it in the code location's environment."""
-    psycopg2 = pytest.importorskip("psycopg2")
-    url = os.environ.get("GPUINFER_TEST_PGVECTOR_URL")
-    if not url:
-        pytest.skip(
-            "GPUINFER_TEST_PGVECTOR_URL is not set: run the suite with `make test`, or start a "
-            "server with `PY=.venv/bin/python bash deploy/local/test-pgvector.sh` and export "
-            "the URL it prints"
-        )
-    name = f"sink_{uuid.uuid4().hex[:10]}"
-    admin = psycopg2.connect(url)
-    admin.autocommit = True
-    admin.cursor().execute(f"CREATE DATABASE {name}")
-    db_url = url.rsplit("/", 1)[0] + f"/{name}"
-    monkeypatch.setenv(URL_ENV, db_url)
-    yield db_url
-    admin.cursor().execute(f"DROP DATABASE {name} WITH (FORCE)")
-    admin.close()
+    with fresh_postgres_database("sink", pgvector=True) as db_url:
+        monkeypatch.setenv(URL_ENV, db_url)
+        yield db_url
 
 
 def _query(url: str, statement: str, params=()) -> list[tuple]:
-    import psycopg2
-
-    with psycopg2.connect(url) as conn, conn.cursor() as cur:
-        cur.execute(statement, params)
-        rows = cur.fetchall()
-    conn.close()
-    return rows
+    return pg_query(url, statement, params)
 
 
 def _sink(**changes) -> PgVectorSink:
