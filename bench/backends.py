@@ -266,7 +266,6 @@ class RayLlmProcessorBackend:
             "chat_template_stage": False,
             "log_engine_metrics": False,
         }
-        self.pooling = task_facts(task).pooling
         if self.pooling:  # nothing to detokenize (Ray's embedding example turns it off)
             self.config_kwargs["detokenize_stage"] = False
         self.info = {
@@ -276,6 +275,11 @@ class RayLlmProcessorBackend:
             "vllm": _vllm_version(),
             "config": dict(self.config_kwargs),
         }
+
+    @property
+    def pooling(self) -> bool:
+        """The task pools (`task_type` embed: no sampling, no generated text)."""
+        return task_facts(self.task).pooling
 
     def _start_ray(self) -> None:
         # Ray's engine actor asks for a GPU: one logical GPU lets it start on a CPU host.

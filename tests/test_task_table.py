@@ -166,3 +166,28 @@ def test_score_and_classify_rows_come_out_in_their_own_schemas():
     assert body["data"] == [
         {"index": 0, "label": "positive", "probs": [0.25, 0.75], "num_classes": 2}
     ]
+
+
+def test_every_bench_workload_runs_a_task_of_the_table_as_its_facts_say():
+    from bench.context import SMOKE
+    from bench.task_workloads import WORKLOADS, counted_tokens, workload
+
+    assert {"embed", "generate", "longtail", "image_embed"} <= set(WORKLOADS)
+    for name, entry in WORKLOADS.items():
+        assert entry.facts is TASKS[entry.task], name
+        if entry.facts.images:  # its rows are the images section's shard
+            with pytest.raises(ValueError, match="no text rows"):
+                entry.rows(SMOKE)
+            continue
+        texts, _engine, sampling = entry.rows(SMOKE)
+        assert texts, name
+        # A pooling workload gets no sampling parameters; a sampling one always has them.
+        assert (sampling is None) == entry.facts.pooling, name
+    assert counted_tokens("embed") == workload("embed").counted_tokens == "prompt_tokens"
+    assert workload("longtail").counted_tokens == "generated_tokens"
+    assert workload("longtail").sampled_lengths and not workload("generate").sampled_lengths
+    assert workload("longtail").chunk_size(SMOKE) == SMOKE.longtail_chunk_sizes[0]
+    with pytest.raises(ValueError, match="unknown bench workload 'rank'; the workloads are embed"):
+        workload("rank")
+    with pytest.raises(ValueError, match="unknown task 'rank'"):
+        counted_tokens("rank")
