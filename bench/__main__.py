@@ -102,7 +102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(DEFAULT_SECTIONS),
         help=f"comma-separated sections among {', '.join(SECTIONS)}",
     )
-    parser.add_argument("--tasks", default="embed,generate", help="throughput tasks")
+    parser.add_argument(
+        "--tasks", default="embed,generate", help="throughput workloads (bench/task_workloads.py)"
+    )
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default: 3 full, 2 smoke)")
     parser.add_argument(
         "--results",

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dagster_gpuinfer.task_table import task_facts
+
 if TYPE_CHECKING:
     from dagster_gpuinfer.storage import Manifest
     from dagster_gpuinfer.worker.errors import ShardError
@@ -66,7 +68,7 @@ class VllmBackend:
         from vllm import LLM, SamplingParams
 
         imported = time.perf_counter()
-        self.task = task
+        self.pooling = task_facts(task).pooling  # `LLM.embed`; else `LLM.generate`, sampled
         self.llm = LLM(model=model, **engine_kwargs)
         self.info = {
             "engine_seconds": time.perf_counter() - started,
@@ -74,18 +76,18 @@ class VllmBackend:
             "pid": os.getpid(),
             "vllm": _vllm_version(),
         }
-        self.sampling = SamplingParams(**(sampling or {})) if task != "embed" else None
+        self.sampling = None if self.pooling else SamplingParams(**(sampling or {}))
         self.row_seeds = row_seeds
 
     def run(self, texts: list[str]) -> dict[str, Any]:
         params = self.sampling
-        if self.row_seeds and self.task != "embed":
+        if self.row_seeds and not self.pooling:
             # row i sampled with seed i, as every contestant's row i; built before the clock
             # starts (2,048 clones of the long tail's params take 0.48 s, which raw's timed
             # span carried in the 11:55 run)
             params = [_with_seed(self.sampling, i) for i in range(len(texts))]
         started = time.perf_counter()
-        if self.task == "embed":
+        if self.pooling:
             outputs = self.llm.embed(texts, use_tqdm=False)
             seconds = time.perf_counter() - started
             prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
@@ -142,11 +144,11 @@ class TransformersBackend:
             torch.set_num_threads(threads)
         started = time.perf_counter()
         self.torch = torch
-        self.task = task
+        self.pooling = task_facts(task).pooling  # mean-pooled encoder; else a causal LM
         self.batch_size = batch_size
         self.max_tokens = max_tokens
         torch_dtype = getattr(torch, dtype)
-        if task == "embed":
+        if self.pooling:
             self.tokenizer = AutoTokenizer.from_pretrained(model)
             self.model = AutoModel.from_pretrained(model, dtype=torch_dtype).eval()
         else:
@@ -167,11 +169,11 @@ class TransformersBackend:
             for i in range(0, len(texts), self.batch_size):
                 batch = texts[i : i + self.batch_size]
                 enc = self.tokenizer(batch, padding=True, truncation=True, return_tensors="pt")
-                if self.task != "embed":
+                if not self.pooling:
                     enc.pop("token_type_ids", None)  # a BERT tokenizer's; Llama takes none
                 mask = enc["attention_mask"]
                 prompt_tokens += int(mask.sum())
-                if self.task == "embed":
+                if self.pooling:
                     hidden = self.model(**enc).last_hidden_state
                     weights = mask.unsqueeze(-1).to(hidden.dtype)
                     pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
@@ -264,7 +266,7 @@ class RayLlmProcessorBackend:
             "chat_template_stage": False,
             "log_engine_metrics": False,
         }
-        if task == "embed":  # nothing to detokenize (Ray's embedding example turns it off)
+        if self.pooling:  # nothing to detokenize (Ray's embedding example turns it off)
             self.config_kwargs["detokenize_stage"] = False
         self.info = {
             "engine_seconds": time.perf_counter() - started,
@@ -273,6 +275,11 @@ class RayLlmProcessorBackend:
             "vllm": _vllm_version(),
             "config": dict(self.config_kwargs),
         }
+
+    @property
+    def pooling(self) -> bool:
+        """The task pools (`task_type` embed: no sampling, no generated text)."""
+        return task_facts(self.task).pooling
 
     def _start_ray(self) -> None:
         # Ray's engine actor asks for a GPU: one logical GPU lets it start on a CPU host.
@@ -294,7 +301,7 @@ class RayLlmProcessorBackend:
             **self.config_kwargs,
         )
         sampling = self.sampling
-        if self.task == "embed":
+        if self.pooling:
 
             def preprocess(row: dict[str, Any]) -> dict[str, Any]:
                 return {"prompt": row["text"]}
@@ -331,7 +338,7 @@ class RayLlmProcessorBackend:
             "generated_tokens": sum(r["generated_tokens"] for r in rows),
             "batches": len({r["batch_uuid"] for r in rows}),
         }
-        if self.task != "embed":
+        if not self.pooling:
             ordered = sorted(rows, key=lambda r: r["index"])
             result["fingerprint"] = _fingerprint([r["generated_text"] for r in ordered])
         return result
@@ -434,19 +441,21 @@ class RayDataBackend:
 def _make_ray_actor(
     model: str, task: str, engine_kwargs: dict[str, Any], sampling: dict[str, Any]
 ) -> type:
+    pooling = task_facts(task).pooling  # resolved here: the actor closes over a bool
+
     class VllmActor:
         def __init__(self) -> None:
             started = time.perf_counter()  # vLLM's import + LLM(...), as the worker's build
             from vllm import LLM, SamplingParams
 
             self.llm = LLM(model=model, **engine_kwargs)
-            self.sampling = SamplingParams(**sampling) if task != "embed" else None
+            self.sampling = None if pooling else SamplingParams(**sampling)
             self.ready_at = time.time()
             self.load_seconds = time.perf_counter() - started
 
         def __call__(self, batch: Any) -> Any:
             texts = batch["text"].tolist()
-            if task == "embed":
+            if pooling:
                 outputs = self.llm.embed(texts, use_tqdm=False)
                 batch["embedding"] = [np.asarray(o.outputs.embedding, np.float32) for o in outputs]
                 batch["generated_tokens"] = 0

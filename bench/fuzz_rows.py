@@ -40,6 +40,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from dagster_gpuinfer.task_table import TASKS, task_facts
+
 # --------------------------------------------------------------------------- generators
 
 big_ints = st.one_of(
@@ -109,14 +111,32 @@ messages = st.one_of(
     json_values,
 )
 ids = st.one_of(st.just("same"), texts, scalars)
-URLS = {"chat": "/v1/chat/completions", "generate": "/v1/completions", "embed": "/v1/embeddings"}
-BODY_FIELD = {"chat": "messages", "generate": "prompt", "embed": "input"}
+# The tasks fuzzed here, from the task table: those whose rows are text or chat lines of an
+# OpenAI endpoint streamed to the engine (score's pairs and image rows have their own tests).
+FUZZED = [
+    name for name, facts in TASKS.items() if facts.streams and facts.endpoints and not facts.images
+]
+# Each task's own endpoint and the body field that carries its input (its first in the table).
+URL = {name: next(iter(TASKS[name].endpoints)) for name in FUZZED}
+BODY_FIELD = {name: TASKS[name].endpoints[URL[name]] for name in FUZZED}
+# Payloads by body field: messages lists (chat); otherwise texts and token id lists.
+PAYLOADS = {"messages": messages}
+TEXT_PAYLOADS = st.one_of(contents, st.lists(st.integers(-2, 40_000), max_size=5))
+# Shards' tasks: message lines drawn twice as often (theirs have the most shapes).
+SHARD_TASKS = [*FUZZED, *(name for name in FUZZED if BODY_FIELD[name] in PAYLOADS)]
 
 
 def _payload(draw: Any, task: str) -> Any:
-    if task == "chat":
-        return draw(messages)
-    return draw(st.one_of(contents, st.lists(st.integers(-2, 40_000), max_size=5)))
+    return draw(PAYLOADS.get(BODY_FIELD[task], TEXT_PAYLOADS))
+
+
+def _payload_column(task: str) -> str:
+    """The Parquet/JSONL column of `task`'s payload: the default of the `InputSpec` field
+    its worker entry reads (`text`, chat's `messages`)."""
+    from dagster_gpuinfer.spec import InputSpec
+    from dagster_gpuinfer.worker.tasks.table import worker_task
+
+    return InputSpec.model_fields[worker_task(task).payload_settings[0]].default
 
 
 def _encode(draw: Any, record: Any) -> bytes:
@@ -137,7 +157,7 @@ def _openai_line(draw: Any, task: str, index: int) -> bytes:
         return b'{"custom_id": "d", "body": {"messages": ' + b"[" * depth + b"]" * depth + b"}}"
     if kind == "value":
         return _encode(draw, draw(json_values))
-    url = URLS[draw(st.sampled_from([task, task, task, "chat", "generate", "embed"]))]
+    url = URL[draw(st.sampled_from([task, task, task, *FUZZED]))]
     body = {BODY_FIELD[task]: _payload(draw, task), **draw(_params())}
     record: dict[str, Any] = {
         "custom_id": draw(st.one_of(st.just(f"id-{index}"), ids)),
@@ -151,7 +171,7 @@ def _openai_line(draw: Any, task: str, index: int) -> bytes:
 
 
 def _table_record(draw: Any, task: str, index: int) -> dict[str, Any]:
-    column = "messages" if task == "chat" else "text"
+    column = _payload_column(task)
     params = draw(st.one_of(st.none(), _params(), json_values))
     return {
         "id": draw(st.one_of(st.just(f"id-{index}"), ids)),
@@ -164,7 +184,7 @@ def _table_record(draw: Any, task: str, index: int) -> dict[str, Any]:
 def shards(draw: Any, max_rows: int = 120) -> dict[str, Any]:
     """One shard: its format, task and rows (lines of bytes, or Parquet column values)."""
     fmt = draw(st.sampled_from(["openai_batch", "openai_batch", "jsonl", "parquet"]))
-    task = draw(st.sampled_from(["chat", "chat", "generate", "embed"]))
+    task = draw(st.sampled_from(SHARD_TASKS))
     count = draw(st.integers(1, max_rows))
     if fmt == "openai_batch":
         rows = [_openai_line(draw, task, i) for i in range(count)]
@@ -261,7 +281,7 @@ def _engine_result(task: str, valid: Any, text: str) -> Any:
 
     from dagster_gpuinfer.worker.stage_messages import ChunkResult
 
-    if task == "embed":
+    if task_facts(task).embeds:
         n = len(valid.token_ids)
         return ChunkResult(
             embeddings=np.zeros((n, 4), np.float32),
@@ -309,7 +329,7 @@ class ShardRunner:
         from dagster_gpuinfer.worker.rows.validate import RowValidator
 
         if spec.task not in self.validators:
-            defaults = SamplingParams().to_vllm_kwargs() if spec.task != "embed" else {}
+            defaults = SamplingParams().to_vllm_kwargs() if task_facts(spec.task).samples else {}
             self.validators[spec.task] = RowValidator(
                 task=spec.task,
                 tokenizer=self.tokenizer,

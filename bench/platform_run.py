@@ -26,6 +26,7 @@ from dagster_gpuinfer import (
 )
 from dagster_gpuinfer.spec import InferenceSpec, OutputSpec
 from dagster_gpuinfer.storage import filesystem_for, partition_dir, read_manifest
+from dagster_gpuinfer.task_table import task_facts
 
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
@@ -132,7 +133,7 @@ class PlatformPipeline:
             output_root=self.output_root,
             partitions_def=partitions_def,
             engine=engine,
-            sampling=sampling if task != "embed" else None,
+            sampling=sampling if task_facts(task).samples else None,
             chunk_size=chunk_size,
             replicas=replicas,
             backfill_policy=dg.BackfillPolicy.multi_run(partitions_per_run or len(keys)),

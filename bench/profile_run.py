@@ -45,11 +45,12 @@ from bench.cpu_profile import (
     PySpy,
     parse_pyspy_raw,
 )
+from bench.task_workloads import WORKLOADS, Workload, sampling_kwargs, workload
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("task", choices=("generate", "embed", "image_embed", "longtail"))
+    parser.add_argument("task", choices=tuple(WORKLOADS), help="a workload of bench.task_workloads")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks it runs")
     parser.add_argument(
         "--rate",
@@ -118,7 +119,7 @@ def profile(ctx: BenchContext, task: str, *, rate: int, with_raw: bool) -> dict[
         "whole_run": split(sampler, run_started, run_ended),
         "pyspy_seconds": {k: v / rate for k, v in sorted(stacks.items())},
     }
-    if task == "longtail":  # sampled lengths: rates compare generated tokens
+    if workload(task).sampled_lengths:  # rates compare generated tokens
         from bench.longtail import generated_lengths
 
         report["platform"]["generated_tokens"] = sum(generated_lengths(pipeline))
@@ -129,70 +130,72 @@ def profile(ctx: BenchContext, task: str, *, rate: int, with_raw: bool) -> dict[
 
 
 def _workload(ctx: BenchContext, task: str, root: Path) -> tuple[Any, Any, int]:
-    """`(platform pipeline, raw contestant factory, rows)` of `task`: the throughput
-    section's uniform rows (embed, generate) or the images section's shard (image_embed).
-    The factory takes the platform's engine kwargs and worker spec, so raw runs the same
-    engine on the same rows, and gives `(start the contestant, its run argument)`."""
+    """`(platform pipeline, raw contestant factory, rows)` of workload `task`: its text rows
+    (`Workload.rows`), or the images section's shard where its task takes images. The
+    factory takes the platform's engine kwargs and worker spec, so raw runs the same engine
+    on the same rows, and gives `(start the contestant, its run argument)`."""
+    chosen = workload(task)
+    if chosen.facts.images:
+        return _image_workload(ctx, chosen, root)
+    return _text_workload(ctx, chosen, root)
+
+
+def _image_workload(ctx: BenchContext, chosen: Workload, root: Path) -> tuple[Any, Any, int]:
+    """The images section's shard, its platform pipeline and raw `ImageVllmBackend`."""
+    from bench.images import _platform_pipeline, write_image_shard
     from bench.server import ContestantProcess
 
-    if task == "image_embed":
-        from assets.models import make_tiny_clip
-        from bench.images import _platform_pipeline, write_image_shard
+    model = chosen.model(ctx.work_dir)
+    shard = root / "inputs" / "shard-0.parquet"
+    rows = write_image_shard(shard, 64 if ctx.smoke else 960)["rows"]
+    pipeline = _platform_pipeline(model, root)
 
-        model = make_tiny_clip(ctx.work_dir / "models" / "tiny-clip")
-        shard = root / "inputs" / "shard-0.parquet"
-        rows = write_image_shard(shard, 64 if ctx.smoke else 960)["rows"]
-        pipeline = _platform_pipeline(model, root)
+    def raw_images(kwargs: dict[str, Any], spec: Any) -> tuple[Any, Any]:
+        def start() -> ContestantProcess:
+            return ContestantProcess(
+                f"profile-{chosen.name}-raw",
+                "bench.images:ImageVllmBackend",
+                {"model": model, "engine_kwargs": kwargs},
+                env=ctx.engine_env(),
+                log_dir=ctx.log_dir,
+            )
 
-        def raw_images(kwargs: dict[str, Any], spec: Any) -> tuple[Any, Any]:
-            def start() -> ContestantProcess:
-                return ContestantProcess(
-                    "profile-image_embed-raw",
-                    "bench.images:ImageVllmBackend",
-                    {"model": model, "engine_kwargs": kwargs},
-                    env=ctx.engine_env(),
-                    log_dir=ctx.log_dir,
-                )
+        return start, str(shard)
 
-            return start, str(shard)
+    return pipeline, raw_images, rows
 
-        return pipeline, raw_images, rows
+
+def _text_workload(ctx: BenchContext, chosen: Workload, root: Path) -> tuple[Any, Any, int]:
+    """The workload's text rows as one shard, its platform pipeline and raw `VllmBackend`."""
     from bench.platform_run import PlatformPipeline, local_resource
-    from bench.throughput import uniform_workload
+    from bench.server import ContestantProcess
     from bench.workloads import write_shard
 
-    model = ctx.embed_model() if task == "embed" else ctx.generate_model()
-    chunk_size = ctx.sizes.chunk_size
-    if task == "longtail":
-        from bench.longtail import longtail_workload
-
-        texts, engine, sampling = longtail_workload(ctx.sizes)
-        chunk_size = ctx.sizes.longtail_chunk_sizes[len(ctx.sizes.longtail_chunk_sizes) // 2]
-    else:
-        texts, engine, sampling = uniform_workload(task, ctx.sizes)
-    engine_task = "embed" if task == "embed" else "generate"
+    task = chosen.name
+    model = chosen.model(ctx.work_dir)
+    texts, engine, sampling = chosen.rows(ctx.sizes)
     write_shard(root / "inputs" / "shard-0.parquet", texts, id_prefix=task)
     pipeline = PlatformPipeline(
         name=f"profile_{task}",
         model=model,
-        task=engine_task,
+        task=chosen.task,
         input_uri=str(root / "inputs" / "{partition_key}.parquet"),
         root=root,
         keys=["shard-0"],
         resource=local_resource(env=ctx.engine_env()),
         engine=engine,
         sampling=sampling,
-        chunk_size=chunk_size,
+        chunk_size=chosen.chunk_size(ctx.sizes),
     )
 
     def raw_text(kwargs: dict[str, Any], spec: Any) -> tuple[Any, Any]:
-        sampling = spec.sampling.to_vllm_kwargs() if engine_task != "embed" else None
+        sampling = sampling_kwargs(chosen.task, spec.sampling)
 
         def start() -> ContestantProcess:
             return ContestantProcess(
                 f"profile-{task}-raw",
                 "bench.backends:VllmBackend",
-                dict(model=model, task=engine_task, engine_kwargs=kwargs, sampling=sampling),
+                dict(model=model, task=chosen.task, engine_kwargs=kwargs, sampling=sampling),
                 env=ctx.engine_env(),
                 log_dir=ctx.log_dir,
             )

@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from bench.task_workloads import workload
+
 HEADLINE_TARGET = 0.95
 
 
@@ -245,7 +247,7 @@ def _peer_line(name: str, info: dict[str, Any], results: dict[str, Any]) -> str:
 def _throughput(throughput: dict[str, Any]) -> list[str]:
     lines = ["## Throughput: platform, raw engine, alternatives", ""]
     for task, res in throughput.items():
-        unit = "prompt tokens/s" if task == "embed" else "generated tokens/s"
+        unit = workload(task).counted_tokens.replace("_", " ") + "/s"
         lines += [
             f"### {task}: {res['rows']} rows, {res.get('model_name', Path(res['model']).name)}",
             "",

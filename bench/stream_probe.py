@@ -31,19 +31,20 @@ import argparse
 import statistics
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from bench.backends import EngineBackend
 from bench.context import FULL
 from bench.cpu_profile import CpuSteal
-from bench.longtail import longtail_workload
-from bench.throughput import uniform_workload
+from bench.task_workloads import WORKLOADS, workload
 from dagster_gpuinfer.spec import InferenceSpec, InputSpec, OutputSpec, SamplingParams
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("task", choices=("generate", "embed", "longtail"))
+    texts = [name for name, entry in WORKLOADS.items() if not entry.facts.images]
+    parser.add_argument("task", choices=texts, help="a text workload of bench.task_workloads")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--chunk-size", type=int, default=512)
     parser.add_argument(
@@ -58,21 +59,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _probe_spec(args: argparse.Namespace, work: str) -> tuple[InferenceSpec, list[str]]:
     """The probe's spec (its model made or found under `work`) and its rows' texts."""
-    if args.task in ("generate", "longtail"):
-        from assets.models import make_tiny_llama
-
-        model = make_tiny_llama(f"{work}/tiny-llama")
-    else:
-        from assets.models import minilm_path
-
-        model = minilm_path()
-    if args.task == "longtail":
-        texts, engine, sampling = longtail_workload(FULL)
-    else:
-        texts, engine, sampling = uniform_workload(args.task, FULL)
+    chosen = workload(args.task)
+    texts, engine, sampling = chosen.rows(FULL)
     spec = InferenceSpec(
-        model=model,
-        task="embed" if args.task == "embed" else "generate",
+        model=chosen.model(Path(work)),
+        task=chosen.task,
         engine=engine,
         sampling=sampling or SamplingParams(),
         input=InputSpec(uri=f"{work}/in/{{partition_key}}.parquet"),
@@ -84,13 +75,14 @@ def _probe_spec(args: argparse.Namespace, work: str) -> tuple[InferenceSpec, lis
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    seeded = args.task == "longtail" and not args.unseeded
+    chosen = workload(args.task)
+    seeded = chosen.sampled_lengths and not args.unseeded
     with tempfile.TemporaryDirectory(prefix="stream-probe-") as work:
         spec, texts = _probe_spec(args, work)
         backend = EngineBackend(spec_json=spec.model_dump_json())
 
         def raw() -> dict[str, Any]:
-            if args.task != "embed":
+            if chosen.facts.samples:
                 return backend.raw_generate(texts, row_seeds=seeded)
             started = time.perf_counter()
             outputs = backend.engine.llm.embed(texts, use_tqdm=False)
@@ -101,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 texts, chunk_size=args.chunk_size, group_prefixes=True, row_seeds=seeded
             )
 
-        unit = "generated_tokens" if args.task == "longtail" else "rows"
+        unit = "generated_tokens" if chosen.sampled_lengths else "rows"
         name = "raw-a" if args.control else "stream"
         order = ((name, raw if args.control else stream), ("raw", raw))
         ratios = []
@@ -122,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"CPU stolen {'n/a' if stolen is None else f'{stolen:.1%}'})",
                         flush=True,
                     )
-                if args.task != "embed":
+                if chosen.facts.samples:
                     same = outs[name]["fingerprint"] == outs["raw"]["fingerprint"]
                     print(f"round {round_index} same outputs: {same}", flush=True)
                 ratios.append(rates[name] / rates["raw"])

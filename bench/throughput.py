@@ -1,6 +1,7 @@
 """Benchmarks 1 and 2: the platform against the raw engine and against the alternatives.
 
-Per task (embed with MiniLM, generate with the tiny Llama), the same shard goes through:
+Per workload (`bench.task_workloads`: embed with MiniLM, generate with the tiny Llama), the
+same shard goes through:
 
 - platform: a Dagster run of an `inference_assets` pipeline (local launcher, worker over
   Pipes, Parquet in and out); its rate is rows / the partition's wall time in the worker
@@ -25,12 +26,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.context import KV_CACHE_BYTES, RAY_NAMES, BenchContext, Sizes, ray_contestants
+from bench.context import RAY_NAMES, BenchContext, ray_contestants
 from bench.platform_run import PlatformPipeline, local_resource, raw_engine_kwargs
 from bench.server import ContestantProcess, FreshEachRound
 from bench.stats import paired_ratios, rotations, summarize
-from bench.workloads import embed_texts, generate_texts, write_shard
-from dagster_gpuinfer import EngineArgs, SamplingParams
+from bench.task_workloads import sampling_kwargs, workload
+from bench.workloads import write_shard
 
 log = logging.getLogger("bench")
 
@@ -38,19 +39,6 @@ PLATFORM = "platform"
 RAW = "raw-vllm"
 RAW_WARM = "raw-vllm warm"  # raw's second call on its round's engine
 HF = "transformers"
-
-
-def uniform_workload(
-    task: str, sizes: Sizes
-) -> tuple[list[str], EngineArgs, SamplingParams | None]:
-    """The section's rows, engine arguments and sampling for `task` (also the workload of
-    `bench.stream_probe`)."""
-    if task == "embed":
-        engine = EngineArgs(dtype="float32", extra={"kv_cache_memory_bytes": KV_CACHE_BYTES})
-        return embed_texts(sizes.embed_rows), engine, None
-    engine = EngineArgs(max_model_len=256, extra={"kv_cache_memory_bytes": KV_CACHE_BYTES})
-    sampling = SamplingParams(temperature=0.0, max_tokens=sizes.max_tokens)
-    return generate_texts(sizes.generate_rows), engine, sampling
 
 
 @dataclass
@@ -146,7 +134,7 @@ def _peer_turn(
 
 def _start_peers(
     ctx: BenchContext,
-    task: str,
+    label: str,
     model: str,
     engine: dict[str, Any],
     env: dict[str, str],
@@ -154,21 +142,22 @@ def _start_peers(
 ) -> None:
     """Start the long-lived peers into `contestants` (the caller closes what started, even
     when a later one fails): transformers, and Ray Data LLM's processors where Ray is.
-    `engine` holds the raw engine's `engine_kwargs` and `sampling`."""
-    log.info("%s: starting transformers", task)
+    `engine` holds the raw engine's `task`, `engine_kwargs` and `sampling`; `label` names
+    the workload in logs and process names."""
+    log.info("%s: starting transformers", label)
     contestants[HF] = ContestantProcess(
-        f"{task}-{HF}",
+        f"{label}-{HF}",
         "bench.backends:TransformersBackend",
-        dict(model=model, task=task, batch_size=64, max_tokens=ctx.sizes.max_tokens),
+        dict(model=model, task=engine["task"], batch_size=64, max_tokens=ctx.sizes.max_tokens),
         env=env,
         log_dir=ctx.log_dir,
     )
     for name, (backend, extra) in ray_contestants(ctx, map_batch_size=ctx.sizes.chunk_size).items():
-        log.info("%s: starting %s", task, name)
+        log.info("%s: starting %s", label, name)
         contestants[name] = ContestantProcess(
-            f"{task}-{name}",
+            f"{label}-{name}",
             backend,
-            dict(model=model, task=task, **engine, **extra),
+            dict(model=model, **engine, **extra),
             env=env,
             python=ctx.ray_python,
             log_dir=ctx.log_dir,
@@ -214,14 +203,15 @@ def _ratios(tally: _Tally, raw_engine_seconds: list[float]) -> dict[str, Any]:
 def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
     sizes = ctx.sizes
     root = ctx.fresh_dir(f"throughput-{task}")
-    model = ctx.embed_model() if task == "embed" else ctx.generate_model()
-    texts, engine, sampling = uniform_workload(task, sizes)
+    chosen = workload(task)
+    model = chosen.model(ctx.work_dir)
+    texts, engine, sampling = chosen.rows(sizes)
     write_shard(root / "inputs" / "shard-0.parquet", texts, id_prefix=task)
     resource = local_resource(env=ctx.engine_env())
     platform = PlatformPipeline(
         name=f"bench_{task}",
         model=model,
-        task=task,
+        task=chosen.task,
         input_uri=str(root / "inputs" / "{partition_key}.parquet"),
         root=root,
         keys=["shard-0"],
@@ -232,23 +222,23 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
     )
     spec = platform.worker_spec()
     kwargs = raw_engine_kwargs(spec)
-    sampling_kwargs = spec.sampling.to_vllm_kwargs() if task != "embed" else None
-    raw_engine = dict(engine_kwargs=kwargs, sampling=sampling_kwargs)
+    raw_sampling = sampling_kwargs(chosen.task, spec.sampling)
+    raw_engine = dict(task=chosen.task, engine_kwargs=kwargs, sampling=raw_sampling)
     env = dict(resource.env)
     result: dict[str, Any] = {
         "task": task,
         "model": model,
         "rows": len(texts),
         "rounds": sizes.rounds,
-        "model_name": "all-MiniLM-L6-v2" if task == "embed" else "tiny Llama (2 layers, random)",
+        "model_name": chosen.model_name,
         "engine_kwargs": kwargs,
-        "sampling": sampling_kwargs,
+        "sampling": raw_sampling,
         "chunk_size": sizes.chunk_size,
     }
     raw = FreshEachRound(
         f"{task}-{RAW}",
         "bench.backends:VllmBackend",
-        dict(model=model, task=task, **raw_engine),
+        dict(model=model, **raw_engine),
         env=env,
         log_dir=ctx.log_dir,
     )
@@ -260,7 +250,7 @@ def run_throughput(ctx: BenchContext, task: str) -> dict[str, Any]:
         result["peers"] = peers
         names = [PLATFORM, RAW, HF] + [n for n in RAY_NAMES if n in contestants]
         tally = _Tally.of(names)
-        token_key = "prompt_tokens" if task == "embed" else "generated_tokens"
+        token_key = chosen.counted_tokens
         call = {"raw": raw, "contestants": contestants, "peers": peers}
         for round_index, order in enumerate(rotations(names, sizes.rounds)):
             for name in order:
