@@ -35,6 +35,7 @@ from dagster_gpuinfer.storage.layout import (
     partition_dir,
     read_chunk_markers,
     read_manifest,
+    reuse_part_name,
 )
 from dagster_gpuinfer.storage.versions import SourceVersion
 
@@ -83,7 +84,7 @@ class PartitionOutput:
         """Another worker committed this partition while this one ran: remove this attempt's
         own files that the manifest does not name, and leave everything else alone."""
         log.info("partition %s was committed by another worker; stopping", self.partition_key)
-        named = {part.name for part in manifest.parts}
+        named = {part.name for part in [*manifest.parts, *manifest.reuse_parts]}
         own = [
             posixpath.join(self.path, name)
             for name in list_names(self.fs, self.path)
@@ -118,6 +119,16 @@ def write_chunk_files(
             errors.num_rows,
         )
     return part_entry, errors_entry
+
+
+def write_reuse_part(
+    where: PartitionOutput, index: int, attempt: str, table: pa.Table
+) -> FileEntry:
+    """Write the Parquet file beside chunk `index`'s `openai_batch` part: its output rows with
+    their reuse keys and input digests (`layout.reuse_part_name`), before the marker."""
+    name = reuse_part_name(where.spec_hash, index, attempt)
+    data = table_to_parquet_bytes(table)
+    return write_file_entry(where.fs, where.path, name, data, table.num_rows)
 
 
 def read_chunk_errors(where: PartitionOutput, marker: ChunkMarker) -> pa.Table:

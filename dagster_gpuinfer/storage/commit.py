@@ -134,7 +134,8 @@ def commit_partition(
         if existing is not None and existing.computed_from(manifest.spec_hash, manifest.source):
             raise CommitConflict(existing)
         raise OSError(f"could not create {display_uri(fs, target)}: it keeps reappearing")
-    keep = {MANIFEST_NAME, manifest.errors.name, *(part.name for part in manifest.parts)}
+    parts = [*manifest.parts, *manifest.reuse_parts]
+    keep = {MANIFEST_NAME, manifest.errors.name, *(part.name for part in parts)}
     if manifest.openai_errors is not None:
         keep.add(manifest.openai_errors.name)
     stale = [
@@ -161,6 +162,12 @@ def verify_manifest(fs: pafs.FileSystem, partition_path: str, manifest: Manifest
         counted_out += rows
         if rows != part.rows:
             problems.append(f"{part.name} holds {rows} rows, the manifest says {part.rows}")
+    for part in manifest.reuse_parts:
+        path = posixpath.join(partition_path, part.name)
+        if not exists(fs, path):
+            problems.append(f"reuse file {part.name} named by the manifest is missing")
+        elif count_rows(fs, path) != part.rows:
+            problems.append(f"{part.name} holds {count_rows(fs, path)} rows, manifest {part.rows}")
     errors_path = posixpath.join(partition_path, manifest.errors.name)
     counted_errors = count_rows(fs, errors_path) if exists(fs, errors_path) else -1
     if counted_errors < 0:
