@@ -222,3 +222,43 @@ def test_the_estimate_counts_changed_lines_of_an_openai_batch_output(tmp_path):
     estimate = estimate_backfill(spec, ["s0"], asset="emb", partitions_per_run=1)
     assert (estimate.partitions_reusable, estimate.partitions_reuse_counted) == (1, 1)
     assert (estimate.reuse_rows_to_compute, estimate.reuse_rows) == (2, 9)
+
+
+def test_a_rerank_line_assembled_by_reuse_still_names_its_documents_and_top_n(tmp_path):
+    """Every openai_batch chunk now goes through `RowReuse.assemble`: the rows it keeps
+    carry their pairs and requests, so a rerank body names its documents and honours its
+    `top_n` (without them: empty documents, every result)."""
+    import pyarrow as pa
+
+    from dagster_gpuinfer.worker.rows.writers import encode_openai_batch
+    from dagster_gpuinfer.worker.tasks.params import RowRequest
+    from dagster_gpuinfer.worker.tasks.pooling import ScorePairs
+    from dagster_gpuinfer.worker.tasks.table import SCORE_SCHEMA
+
+    spec = InferenceSpec.model_validate({**_spec(tmp_path).model_dump(), "task": "score"})
+    valid = ValidChunk(
+        index=0,
+        rows=[0, 1],
+        ids=["r0", "r1"],
+        pairs=[ScorePairs(["q", "q"], ["cold", "warm"], rerank=True)] * 2,
+        requests=[RowRequest(top_n=1), RowRequest()],
+    )
+    plan = RowReuse(spec).plan("s0", SourceVersion(input="v"), valid)
+    assert plan.compute == [0, 1] and None not in plan.keys
+    computed = pa.Table.from_pydict(
+        {
+            "id": ["r0", "r1"],
+            "score": [None, None],
+            "scores": [[0.1, 0.9], [0.1, 0.9]],
+            "endpoint": ["rerank", "rerank"],
+            "prompt_tokens": [4, 4],
+        },
+        schema=SCORE_SCHEMA,
+    )
+    kept, table, _, _ = RowReuse(spec).assemble(plan, valid.subset([0, 1]), computed, "s0")
+    lines = encode_openai_batch("score", "m", "h", table, kept).decode().splitlines()
+    results = [json.loads(line)["response"]["body"]["results"] for line in lines]
+    assert [[r["document"]["text"] for r in rows] for rows in results] == [
+        ["warm"],
+        ["warm", "cold"],
+    ]
