@@ -266,3 +266,99 @@ def test_manifest_creation_on_s3_is_exclusive(s3_server, bucket):
     assert create_exclusive(fs, path, b"first", options) is True
     assert create_exclusive(fs, path, b"second", options) is False
     assert s3_server.read(bucket, "out/p/_SUCCESS") == b"first"
+
+
+@pytest.mark.parametrize("variant", ["500-after", "reset-after"])
+def test_a_manifest_put_that_applied_but_failed_still_commits_the_partition(
+    s3_server, bucket, variant
+):
+    """S3 applied the manifest's PUT but answered 500 (or reset the connection); the client
+    retried it and its `If-None-Match` failed on the object it had just written. That is the
+    commit's own manifest, not a rival's: the commit stands, keeps the errors file the
+    manifest names and clears the leftovers (before the fix it raised `CommitConflict`, and
+    the worker's yield then deleted its own errors file under its own manifest)."""
+    from urllib.parse import urlparse
+
+    from bench.chaos.s3_proxy import FaultProxy
+
+    upstream = urlparse(s3_server.endpoint_url)
+    proxy = FaultProxy("127.0.0.1", (upstream.hostname, upstream.port), seed=1).start()
+    try:
+        through_proxy = StorageOptions(
+            endpoint_url=proxy.endpoint, region=s3_server.region, allow_http=True
+        )
+        spec = make_spec(bucket, through_proxy)
+        proxy.fail_once("PUT", "/_SUCCESS", variant)
+        manifest = commit_example(spec, "day/1")
+        assert proxy.injected[variant] == 1
+    finally:
+        proxy.stop()
+    spec = make_spec(
+        bucket,
+        StorageOptions(
+            endpoint_url=s3_server.endpoint_url, region=s3_server.region, allow_http=True
+        ),
+    )
+    fs, path = filesystem_for(partition_dir(spec.output, "day/1"), spec.storage)
+    assert committed_manifest(spec, "day/1", model=None) == manifest
+    assert verify_manifest(fs, path, manifest) == []
+    keys = s3_server.keys(bucket, "out/")
+    assert not [key for key in keys if "/_chunks/" in key], keys
+    assert read_errors(spec.output, "day/1", spec.storage).num_rows == 1
+
+
+def test_yielding_to_a_manifest_never_deletes_a_file_it_names(tmp_path):
+    """`yield_to` removes the attempt's own files the winner does not count; a file the
+    winning manifest names (its errors file too) stays, whoever wrote it."""
+    from dagster_gpuinfer.storage import PartitionOutput, error_file_names, list_names
+
+    spec = InferenceSpec(
+        model="m",
+        task="embed",
+        input=InputSpec(uri=str(tmp_path / "in" / "{partition_key}.jsonl")),
+        output={"root": str(tmp_path / "out"), "asset_name": "vectors"},
+        partition_keys=["p"],
+    )
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "p.jsonl").write_text('{"id": "a", "text": "x"}\n')
+    where = PartitionOutput.of(spec, "p", source=source_version(spec, "p", model=None))
+    part = write_file_entry(
+        where.fs,
+        where.path,
+        f"part-{spec.spec_hash()}-00000-abc.parquet",
+        table_to_parquet_bytes(pa.table({"id": ["a"]})),
+        1,
+    )
+    stray = write_file_entry(
+        where.fs,
+        where.path,
+        f"part-{spec.spec_hash()}-00001-abc.parquet",
+        table_to_parquet_bytes(pa.table({"id": ["b"]})),
+        1,
+    )
+    manifest = commit_partition(
+        where.fs,
+        where.path,
+        Manifest(
+            partition_key="p",
+            spec_hash=spec.spec_hash(),
+            source=where.source,
+            model="m",
+            task="embed",
+            output_format="parquet",
+            rows_in=1,
+            rows_out=1,
+            rows_errored=0,
+            parts=[part],
+            errors=FileEntry(name="errors.parquet", rows=0, bytes=0, sha256=""),
+        ),
+        [],
+        attempt="abc",
+    )
+    assert manifest.errors.name == error_file_names(spec.spec_hash(), "abc")[0]
+    assert where.is_own(manifest, "abc") and not where.is_own(manifest, "abd")
+    # A leftover of the same attempt that the manifest does not name.
+    write_file_entry(where.fs, where.path, stray.name, b"x", 1)
+    where.yield_to(manifest, "abc")
+    assert verify_manifest(where.fs, where.path, manifest) == []
+    assert stray.name not in list_names(where.fs, where.path)

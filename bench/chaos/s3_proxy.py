@@ -38,7 +38,8 @@ class _Reset(Exception):
 
 class FaultProxy:
     """`FaultProxy(host, upstream_port, seed)`; `start()`, `open_window(kind, seconds, rate)`,
-    `stop()`; `endpoint` is the URL clients use, `injected` counts what was done."""
+    `fail_once(method, key_suffix, variant)`, `stop()`; `endpoint` is the URL clients use,
+    `injected` counts what was done."""
 
     def __init__(self, host: str, upstream: tuple[str, int], seed: int) -> None:
         self.upstream = upstream
@@ -47,6 +48,7 @@ class FaultProxy:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._windows: list[tuple[str, float, float]] = []  # kind, until, rate; may overlap
+        self._once: list[tuple[str, str, str]] = []  # method, key suffix, variant
         self._server = ThreadingHTTPServer((host, 0), _handler_class(self))
         self._server.daemon_threads = True
         self._server.handle_error = lambda request, address: None  # resets are the point
@@ -71,10 +73,23 @@ class FaultProxy:
         with self._lock:
             self._windows.append((kind, time.monotonic() + seconds, rate))
 
-    def decide(self) -> tuple[str, str] | None:
-        """The fault for the next request, `(kind, variant)`, or None."""
+    def fail_once(self, method: str, key_suffix: str, variant: str) -> None:
+        """Hit the next `method` request whose path ends with `key_suffix` with `variant`
+        (`503-before`, `500-after`, `reset-before`, `reset-after`, `reset-mid-body`): a
+        fault aimed at one step of a protocol, for a test that must meet it."""
+        with self._lock:
+            self._once.append((method.upper(), key_suffix, variant))
+
+    def decide(self, method: str = "", path: str = "") -> tuple[str, str] | None:
+        """The fault for the next request (`method` on `path`), `(kind, variant)`, or None."""
         with self._lock:
             self.requests += 1
+            key = path.split("?", 1)[0]
+            for rule in self._once:
+                if rule[0] == method and key.endswith(rule[1]):
+                    self._once.remove(rule)
+                    self.injected[rule[2]] += 1
+                    return "once", rule[2]
             now = time.monotonic()
             self._windows = [w for w in self._windows if now <= w[1]]
             hit = [w for w in self._windows if self._rng.random() < w[2]]
@@ -115,7 +130,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def _serve(self) -> None:
         try:
             body = self._read_body()
-            fault = self.proxy.decide()
+            fault = self.proxy.decide(self.command, self.path)
             variant = fault[1] if fault else ""
             if variant == "503-before":
                 return self._error(503, "SlowDown")

@@ -46,7 +46,11 @@ builds on:
    (`commit.commit_partition`): the error files (named for the attempt), then the
    `_SUCCESS` manifest naming the part files and error files, created exclusively: of two
    attempts racing on one partition exactly one commits, the other gets `CommitConflict`
-   with the winner's manifest and removes only its own files (`PartitionOutput.yield_to`).
+   with the winner's manifest and removes only its own files that the manifest does not
+   name (`PartitionOutput.yield_to`). A manifest write that applied although the store
+   answered with an error (an S3 5xx or reset after the PUT; the client's retry then fails
+   its `If-None-Match` on the very object) is recognised as the committer's own by its
+   errors file's name, which is unique to the commit, and counts as committed.
    Files the manifest does not name (older specs, the loser, killed attempts, chunk
    markers) are deleted by the winner, after its manifest is in place, so a crash at any
    point leaves either the old committed state or the new one.
@@ -74,6 +78,9 @@ from dagster_gpuinfer.storage.chunks import (
 )
 from dagster_gpuinfer.storage.commit import (
     CommitConflict as CommitConflict,
+)
+from dagster_gpuinfer.storage.commit import (
+    clear_unnamed as clear_unnamed,
 )
 from dagster_gpuinfer.storage.commit import (
     commit_partition as commit_partition,

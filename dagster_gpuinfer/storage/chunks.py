@@ -32,6 +32,8 @@ from dagster_gpuinfer.storage.layout import (
     Manifest,
     chunk_dir,
     chunk_part_name,
+    error_file_names,
+    named_files,
     partition_dir,
     read_chunk_markers,
     read_manifest,
@@ -80,11 +82,17 @@ class PartitionOutput:
         """The chunks committed for this spec and source, by index."""
         return read_chunk_markers(self.fs, self.path, self.spec_hash, self.source)
 
+    def is_own(self, manifest: Manifest, attempt: str) -> bool:
+        """Whether `manifest` is this attempt's own commit (its errors file carries the
+        attempt's name): a manifest write that applied although the store answered with an
+        error, found in place afterwards."""
+        return manifest.errors.name == error_file_names(self.spec_hash, attempt)[0]
+
     def yield_to(self, manifest: Manifest, attempt: str) -> Manifest:
         """Another worker committed this partition while this one ran: remove this attempt's
         own files that the manifest does not name, and leave everything else alone."""
         log.info("partition %s was committed by another worker; stopping", self.partition_key)
-        named = {part.name for part in [*manifest.parts, *manifest.reuse_parts]}
+        named = named_files(manifest)
         own = [
             posixpath.join(self.path, name)
             for name in list_names(self.fs, self.path)

@@ -27,10 +27,10 @@ from dagster_gpuinfer.storage.files import (
 )
 from dagster_gpuinfer.storage.layout import (
     ERRORS_SCHEMA,
-    MANIFEST_NAME,
     Manifest,
     error_file_names,
     manifest_path,
+    named_files,
     read_manifest,
 )
 
@@ -125,6 +125,11 @@ def commit_partition(
         if create_exclusive(fs, target, data, storage):
             break
         existing = read_manifest(fs, partition_path)
+        if existing is not None and existing.errors.name == manifest.errors.name:
+            # This commit's own manifest (its errors file name is unique to the commit): an
+            # S3 PUT that applied but answered 5xx or a reset, retried by the client, whose
+            # `If-None-Match` then failed on this very object. The commit happened.
+            break
         if existing is not None and existing.computed_from(manifest.spec_hash, manifest.source):
             raise CommitConflict(existing)
         # The manifest of an older spec or source: its outputs no longer count; replace it.
@@ -134,17 +139,21 @@ def commit_partition(
         if existing is not None and existing.computed_from(manifest.spec_hash, manifest.source):
             raise CommitConflict(existing)
         raise OSError(f"could not create {display_uri(fs, target)}: it keeps reappearing")
-    parts = [*manifest.parts, *manifest.reuse_parts]
-    keep = {MANIFEST_NAME, manifest.errors.name, *(part.name for part in parts)}
-    if manifest.openai_errors is not None:
-        keep.add(manifest.openai_errors.name)
+    clear_unnamed(fs, partition_path, manifest)
+    return manifest
+
+
+def clear_unnamed(fs: pafs.FileSystem, partition_path: str, manifest: Manifest) -> None:
+    """The committer's last step, once its manifest is in place: delete every file in the
+    partition's folder that `manifest` does not name (chunks of an older spec or of a losing
+    attempt, temporary files of a killed one, chunk markers)."""
+    keep = named_files(manifest)
     stale = [
         posixpath.join(partition_path, name)
         for name in list_names(fs, partition_path)
         if name not in keep
     ]
     delete_quietly(fs, stale)
-    return manifest
 
 
 def verify_manifest(fs: pafs.FileSystem, partition_path: str, manifest: Manifest) -> list[str]:

@@ -257,6 +257,17 @@ def manifest_path(partition_path: str) -> str:
     return posixpath.join(partition_path, MANIFEST_NAME)
 
 
+def named_files(manifest: Manifest) -> set[str]:
+    """The file names a committed partition's manifest counts: its parts (and an
+    `openai_batch` output's reuse files), its error files and the manifest itself. Nothing
+    else in the partition's folder is kept."""
+    parts = [*manifest.parts, *manifest.reuse_parts]
+    names = {MANIFEST_NAME, manifest.errors.name, *(part.name for part in parts)}
+    if manifest.openai_errors is not None:
+        names.add(manifest.openai_errors.name)
+    return names
+
+
 def read_manifest(fs: pafs.FileSystem, partition_path: str) -> Manifest | None:
     path = manifest_path(partition_path)
     try:

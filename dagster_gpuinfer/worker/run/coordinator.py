@@ -39,6 +39,7 @@ from dagster_gpuinfer.storage import (
     Manifest,
     PartitionOutput,
     RowCounts,
+    clear_unnamed,
     input_version,
 )
 from dagster_gpuinfer.worker.commit import PartitionTimes, commit_chunks, partition_reading
@@ -387,6 +388,12 @@ class RunCoordinator:
             concurrent = where.committed()
             if concurrent is None:
                 raise
+            if where.is_own(concurrent, run.attempt):
+                # The manifest write applied though the store answered with an error: the
+                # commit happened; finish its clean-up.
+                clear_unnamed(where.fs, where.path, concurrent)
+                self.on_committed(concurrent, True)
+                return
             self.on_committed(where.yield_to(concurrent, run.attempt), False)
             return
         self.on_committed(manifest, True)
