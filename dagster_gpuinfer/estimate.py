@@ -293,7 +293,8 @@ class ReuseCount:
 
 def reuse_counts(spec: InferenceSpec, pending: Sequence[str]) -> ReuseCount:
     """Which rows of the `pending` partitions row reuse will copy: for each with an earlier
-    committed output (Parquet output, `row_reuse` not off; one manifest read), whose parts
+    committed output (`row_reuse` not off; one manifest read), whose keyed parts (Parquet
+    parts, or an `openai_batch` output's reuse files: `Manifest.keyed_parts`)
     record input digests under this spec's reuse scope and the model files as they are now,
     and whose shard is a whole Parquet or JSONL file (`MAX_REUSE_READ_BYTES` in all):
     the shard's rows are digested as the worker does (`storage.digests`: the columns the
@@ -303,7 +304,7 @@ def reuse_counts(spec: InferenceSpec, pending: Sequence[str]) -> ReuseCount:
     bytes lie behind references), Delta tables and ranges of a file are counted in full."""
     count = ReuseCount()
     budget = [MAX_REUSE_READ_BYTES]  # shard bytes left to read
-    if spec.row_reuse == "off" or spec.output.format != "parquet":
+    if spec.row_reuse == "off":
         return count
     try:
         now = (model_version(spec), adapter_versions(spec))
@@ -353,7 +354,7 @@ def _earlier_digests(
     when a part records none or was keyed under another reuse scope."""
     digests: set[str] = set()
     covers: list[str] | str | None = None
-    for part in manifest.parts:
+    for part in manifest.keyed_parts():
         if not part.name.endswith(".parquet"):
             return None
         with fs.open_input_file(posixpath.join(path, part.name)) as handle:

@@ -103,6 +103,8 @@ def batch_pipelines(
             engine=route.engine,
             sampling=route.sampling,
             chunk_size=route.chunk_size,
+            row_reuse=route.row_reuse,
+            row_reuse_scope=route.row_reuse_scope,
             retry_policy=retry_policy,
             pool=pool,
             launch=route.launch or launch,

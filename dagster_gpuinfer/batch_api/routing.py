@@ -90,6 +90,22 @@ class Route(BaseModel):
         "Unset: the deployment's choice (`batch_pipelines(launch=...)`, default `run`).",
     )
 
+    row_reuse: Literal["auto", "sampled", "off"] = Field(
+        "auto",
+        description="Row reuse, as a pipeline's `row_reuse`: a line whose request (as "
+        "rendered, with its parameters; not its custom_id) the batch's earlier output holds is "
+        "copied from it, identical lines of a batch are computed once. auto: where the output "
+        "is a function of the request (embeddings, score, greedy or seeded generation).",
+    )
+    row_reuse_scope: Literal["partition", "pipeline"] = Field(
+        "partition",
+        description="Where a line's request is looked up: `partition` (the batch's own "
+        "earlier output) or `pipeline` (every completed batch of this route: a batch "
+        "repeating earlier lines computes only the new ones). `pipeline` shares results "
+        "across tenants (only for identical requests, but a tenant may tell from a batch's "
+        "speed that another sent a line): set it where the tenants trust each other.",
+    )
+
     @field_validator("endpoint")
     @classmethod
     def _known_endpoint(cls, endpoint: str) -> str:

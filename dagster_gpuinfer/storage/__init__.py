@@ -15,6 +15,8 @@ Layout of one output partition::
         errors-<spec hash>-<attempt>.parquet         quarantined rows, with a reason
         errors-<spec hash>-<attempt>.jsonl           the same as OpenAI error lines
                                                      (openai_batch output only)
+        reuse-<spec hash>-<chunk>-<attempt>.parquet  openai_batch output only: each part's
+                                                     rows with their reuse keys, for row reuse
         _SUCCESS                                     the manifest, written last
         _chunks/<spec hash>/<chunk>.json             chunk markers (deleted at commit)
         _chunks/<spec hash>/errors-<chunk>-<attempt>.parquet
@@ -70,6 +72,9 @@ from dagster_gpuinfer.storage.chunks import (
 )
 from dagster_gpuinfer.storage.chunks import (
     write_chunk_files as write_chunk_files,
+)
+from dagster_gpuinfer.storage.chunks import (
+    write_reuse_part as write_reuse_part,
 )
 from dagster_gpuinfer.storage.commit import (
     CommitConflict as CommitConflict,

@@ -37,6 +37,7 @@ from dagster_gpuinfer.storage.layout import (
     partition_dir,
     read_chunk_markers,
     read_manifest,
+    reuse_part_name,
 )
 from dagster_gpuinfer.storage.versions import SourceVersion
 
@@ -126,6 +127,16 @@ def write_chunk_files(
             errors.num_rows,
         )
     return part_entry, errors_entry
+
+
+def write_reuse_part(
+    where: PartitionOutput, index: int, attempt: str, table: pa.Table
+) -> FileEntry:
+    """Write the Parquet file beside chunk `index`'s `openai_batch` part: its output rows with
+    their reuse keys and input digests (`layout.reuse_part_name`), before the marker."""
+    name = reuse_part_name(where.spec_hash, index, attempt)
+    data = table_to_parquet_bytes(table)
+    return write_file_entry(where.fs, where.path, name, data, table.num_rows)
 
 
 def read_chunk_errors(where: PartitionOutput, marker: ChunkMarker) -> pa.Table:

@@ -171,6 +171,12 @@ def verify_manifest(fs: pafs.FileSystem, partition_path: str, manifest: Manifest
         counted_out += rows
         if rows != part.rows:
             problems.append(f"{part.name} holds {rows} rows, the manifest says {part.rows}")
+    for part in manifest.reuse_parts:
+        path = posixpath.join(partition_path, part.name)
+        if not exists(fs, path):
+            problems.append(f"reuse file {part.name} named by the manifest is missing")
+        elif count_rows(fs, path) != part.rows:
+            problems.append(f"{part.name} holds {count_rows(fs, path)} rows, manifest {part.rows}")
     errors_path = posixpath.join(partition_path, manifest.errors.name)
     counted_errors = count_rows(fs, errors_path) if exists(fs, errors_path) else -1
     if counted_errors < 0:

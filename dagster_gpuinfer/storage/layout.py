@@ -148,6 +148,9 @@ class ChunkMarker(RowCounts):
     write_seconds: float = 0.0
     part: FileEntry | None = None
     errors: FileEntry | None = None
+    # openai_batch output: the part's rows again as Parquet, with their reuse keys and input
+    # digests (`reuse_part_name`), which row reuse reads; the JSONL part stays OpenAI's.
+    reuse_part: FileEntry | None = None
     # The pool job whose chunk-range lease wrote it (`pools/ranges.py`): the partition's
     # committer counts a job's own chunks as computed, whichever worker wrote them. None:
     # written by a run or a whole-partition lease.
@@ -162,6 +165,12 @@ def chunk_part_name(spec_hash: str, index: int, attempt: str, suffix: str) -> st
     """A chunk's part file name, unique to the attempt that wrote it: two workers racing on a
     partition never overwrite each other's files; the chunk marker says which one counts."""
     return f"part-{spec_hash}-{index:05d}-{attempt}{suffix}"
+
+
+def reuse_part_name(spec_hash: str, index: int, attempt: str) -> str:
+    """The name of the Parquet file beside an `openai_batch` chunk's JSONL part: the same
+    rows with their `reuse_key` and `input_digest` columns (`ChunkMarker.reuse_part`)."""
+    return f"reuse-{spec_hash}-{index:05d}-{attempt}.parquet"
 
 
 def write_chunk_marker(fs: pafs.FileSystem, partition_path: str, marker: ChunkMarker) -> None:
@@ -212,6 +221,8 @@ class Manifest(RowCounts):
     output_format: str
     rows_resumed: int = 0
     parts: list[FileEntry]
+    # openai_batch output: each part's rows as Parquet, with reuse keys (`reuse_part_name`).
+    reuse_parts: list[FileEntry] = Field(default_factory=list)
     errors: FileEntry
     # errors.jsonl: the quarantined rows as OpenAI Batch error lines (openai_batch output).
     openai_errors: FileEntry | None = None
@@ -227,6 +238,12 @@ class Manifest(RowCounts):
     # GPU utilization, engine saturation, KV-cache usage while it ran (worker/telemetry.py).
     telemetry: dict[str, Any] = Field(default_factory=dict)
 
+    def keyed_parts(self) -> list[FileEntry]:
+        """The Parquet files holding the output rows with their reuse keys and input digests:
+        the parts (Parquet output), or the reuse files beside an `openai_batch` output's JSONL
+        parts (none when committed before they were written: nothing is reused from it)."""
+        return self.parts if self.output_format != "openai_batch" else self.reuse_parts
+
     @property
     def balanced(self) -> bool:
         return self.rows_in == self.rows_out + self.rows_errored
@@ -241,9 +258,11 @@ def manifest_path(partition_path: str) -> str:
 
 
 def named_files(manifest: Manifest) -> set[str]:
-    """The file names a committed partition's manifest counts: its parts, its error files
-    and the manifest itself. Nothing else in the partition's folder is kept."""
-    names = {MANIFEST_NAME, manifest.errors.name, *(part.name for part in manifest.parts)}
+    """The file names a committed partition's manifest counts: its parts (and an
+    `openai_batch` output's reuse files), its error files and the manifest itself. Nothing
+    else in the partition's folder is kept."""
+    parts = [*manifest.parts, *manifest.reuse_parts]
+    names = {MANIFEST_NAME, manifest.errors.name, *(part.name for part in parts)}
     if manifest.openai_errors is not None:
         names.add(manifest.openai_errors.name)
     return names

@@ -32,8 +32,13 @@ from dagster_gpuinfer.storage import (
     table_to_parquet_bytes,
     write_chunk_files,
     write_chunk_marker,
+    write_reuse_part,
 )
-from dagster_gpuinfer.storage.digests import INPUT_DIGEST_COLUMN, digest_columns_metadata
+from dagster_gpuinfer.storage.digests import (
+    INPUT_DIGEST_COLUMN,
+    REUSE_KEY_COLUMN,
+    digest_columns_metadata,
+)
 from dagster_gpuinfer.worker.errors import ShardError
 from dagster_gpuinfer.worker.metrics import current_metrics
 from dagster_gpuinfer.worker.rows.readers import RawChunk
@@ -84,6 +89,16 @@ def with_input_digests(table: pa.Table, chunk: RawChunk, valid: ValidChunk, scop
     return table.replace_schema_metadata(metadata)
 
 
+def _keeps_keys(spec: InferenceSpec, table: pa.Table) -> bool:
+    """Whether an `openai_batch` chunk's rows are kept as Parquet beside its JSONL part
+    (`ChunkMarker.reuse_part`): row reuse is on and some row has a key (not every row is
+    unseeded sampling)."""
+    if spec.row_reuse == "off" or REUSE_KEY_COLUMN not in table.column_names:
+        return False
+    keys = table.column(REUSE_KEY_COLUMN)
+    return keys.null_count < len(keys)
+
+
 def write_chunk(
     spec: InferenceSpec,
     where: PartitionOutput,
@@ -106,10 +121,12 @@ def write_chunk(
     `table`: the chunk's output rows already built (row reuse: computed and copied rows
     together, `rows_reused` and `rows_deduplicated` of them copied); default: `result`'s.
     `job`: the pool job of the chunk-range lease that wrote it (`ChunkMarker.job`).
+    `openai_batch` output: the JSONL part holds OpenAI's lines only; the rows with their
+    reuse keys and input digests go to the reuse file beside it (`ChunkMarker.reuse_part`).
     """
     finished_at = time.time()
     started = time.perf_counter()
-    part = None
+    part = reuse_part = None
     invalid_outputs = 0
     if valid.ids:
         if table is None:
@@ -118,6 +135,9 @@ def write_chunk(
         if spec.output.format == "openai_batch":
             data = encode_openai_batch(spec.task, spec.served_model, where.spec_hash, table, valid)
             part = (data, ".jsonl", table.num_rows)
+            if _keeps_keys(spec, table):  # the keys go beside the JSONL, never into it
+                keyed = with_input_digests(table, chunk, valid, spec.reuse_scope())
+                reuse_part = write_reuse_part(where, chunk.index, attempt, keyed)
         else:
             table = with_input_digests(table, chunk, valid, spec.reuse_scope())
             part = (table_to_parquet_bytes(table), ".parquet", table.num_rows)
@@ -146,6 +166,7 @@ def write_chunk(
         write_seconds=time.perf_counter() - started,
         part=part_entry,
         errors=errors_entry,
+        reuse_part=reuse_part,
         job=job,
     )
     write_chunk_marker(where.fs, where.path, marker)
@@ -234,6 +255,7 @@ def commit_chunks(
         **RowCounts.total(ordered).model_dump(),
         rows_resumed=rows_resumed,
         parts=[m.part for m in ordered if m.part is not None],
+        reuse_parts=[m.reuse_part for m in ordered if m.reuse_part is not None],
         errors=FileEntry(name=ERRORS_NAME, rows=0, bytes=0, sha256=""),
         error_types=dict(error_types),
         inference_seconds=union,

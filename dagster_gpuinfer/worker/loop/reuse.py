@@ -11,7 +11,10 @@ a digest of their encoded bytes (`DecodedImage.digest`: an image edited under th
 or path gets a new key). Rows whose output is not a function of that (unseeded sampling)
 get no key, unless the pipeline asks (`row_reuse="sampled"`).
 
-Every Parquet output row carries its key in the `reuse_key` column. When a partition is
+Every Parquet output row carries its key in the `reuse_key` column; an `openai_batch`
+output's rows carry theirs in the Parquet file written beside each JSONL part
+(`ChunkMarker.reuse_part`: the part's rows as the Parquet output would hold them, so the
+JSONL a user downloads stays OpenAI's format), and reuse reads those. When a partition is
 computed again (its shard changed: rows appended or edited) the loop reads the key column of
 its earlier committed output (`PreviousOutputs`: the manifest still in place until the new
 commit) and plans each chunk (`RowReuse.plan`): a row whose key is there is copied from the
@@ -84,7 +87,8 @@ class RowKeys:
     def __init__(self, spec: InferenceSpec) -> None:
         self.scope = spec.reuse_scope().encode()
         facts = task_facts(spec.task)
-        self.keyed = spec.output.format == "parquet"
+        # Parquet rows carry their keys; openai_batch rows in their reuse files.
+        self.keyed = spec.output.format in ("parquet", "openai_batch")
         self.images = facts.images
         self.sampled = spec.row_reuse == "sampled"
         sampling = spec.sampling
@@ -169,9 +173,10 @@ def previous_outputs(
     spec: InferenceSpec, partition_key: str, source: SourceVersion
 ) -> dict[str, RowRef]:
     """The keyed rows of the partition's earlier committed output (key -> row), or none:
-    no manifest, one of this very source (committed: nothing to compute), JSONL output,
-    or parts written before rows carried keys. Only the key column is read. A part that
-    cannot be read makes the earlier output count for nothing (the rows are computed)."""
+    no manifest, one of this very source (committed: nothing to compute), or parts written
+    before rows carried keys (an `openai_batch` partition committed without reuse files).
+    Only the key column is read. A part that cannot be read makes the earlier output count
+    for nothing (the rows are computed)."""
     fs, path = filesystem_for(partition_dir(spec.output, partition_key), spec.storage)
     try:
         manifest = read_manifest(fs, path)
@@ -194,8 +199,9 @@ def _index_parts(
     fs: pafs.FileSystem, path: str, manifest: Any, index: dict[str, RowRef], limit: int | None
 ) -> bool:
     """Adds the keyed rows of a committed partition (its folder `path`) to `index`, first
-    found kept; False when the output is not Parquet or `limit` keys are reached."""
-    for part in manifest.parts:
+    found kept, from its Parquet parts or an `openai_batch` output's reuse files
+    (`Manifest.keyed_parts`); False when a part is not Parquet or `limit` keys are reached."""
+    for part in manifest.keyed_parts():
         if not part.name.endswith(".parquet"):
             return False
         part_path = posixpath.join(path, part.name)
@@ -370,7 +376,7 @@ class RowReuse:
             errors=list(full.errors) + list(computed.errors),
             image_count=full.image_count,
             image_bytes=full.image_bytes,
-        )
+        )  # with each kept row's request and pairs: OpenAI rerank bodies name documents
         computed_row = {row_id: i for i, row_id in enumerate(computed.ids)}
         picks: list[tuple[pa.Table, int]] = []
         keys: list[str | None] = []
@@ -392,6 +398,9 @@ class RowReuse:
             plan.row_of[position] = len(kept.ids)
             kept.rows.append(full.rows[position])
             kept.ids.append(full.ids[position])
+            for name in ("requests", "pairs"):
+                if getattr(full, name):
+                    getattr(kept, name).append(getattr(full, name)[position])
         plan.table = _gather(picks, table, kept.ids, keys)
         plan.pinned = {}
         return kept, plan.table, counts["reuse"], counts["run"] + counts["dup"]
@@ -420,7 +429,8 @@ class RowReuse:
         file (up to `MAX_RUN_KEYS`), no longer from memory."""
         if not self.enabled:
             return
-        part = posixpath.join(where.path, marker.part.name) if marker.part else None
+        keyed = marker.reuse_part if self.spec.output.format == "openai_batch" else marker.part
+        part = posixpath.join(where.path, keyed.name) if keyed else None
         with self._lock:
             for position, key in enumerate(plan.keys):
                 if key is None:
