@@ -1,0 +1,159 @@
+"""The chaos run's store faults (bench/chaos/store_faults.py), without an engine: the
+harness's own PostgreSQL server restarted under a Dagster instance, the batch API service
+SIGKILLed with a batch in flight and started again, the injector's hand for both, and the
+verdict on batches. (`make chaos` injects them during the backfill; tests/test_chaos.py
+keeps a short seed.)"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import dagster as dg
+import psutil
+import pytest
+from dagster._core.test_utils import create_run_for_test
+
+from bench.chaos.faults import KINDS, Fault, Injector, schedule
+from bench.chaos.store_faults import (
+    FINAL,
+    STORE_FAULTS,
+    BatchApi,
+    Postgres,
+    Stores,
+    batch_lines,
+    inject,
+    instance_storage,
+    routes,
+    verdict,
+)
+
+
+def gone(pid: int, wait_s: float = 10.0) -> bool:
+    """The process `pid` has ended (it may take a moment to leave once stopped)."""
+    try:
+        psutil.Process(pid).wait(wait_s)
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.TimeoutExpired:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def server():
+    found = Postgres().start()
+    try:
+        yield found
+    finally:
+        found.close()
+
+
+def test_the_store_kinds_are_scheduled_like_the_others():
+    assert set(STORE_FAULTS) <= set(KINDS)
+    faults = schedule(11, len(KINDS), 300.0)
+    assert {f.kind for f in faults} == set(KINDS)
+    store = [f for f in faults if f.kind in STORE_FAULTS]
+    assert all(1 <= f.seconds <= 5 and f.rate == 0 for f in store)  # a down time, no rate
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_a_restart_is_a_new_server_process_and_the_instance_goes_on(server, tmp_path, mode):
+    url = server.database(f"restart_{mode}")
+    with dg.instance_for_test(overrides=instance_storage(url), temp_dir=str(tmp_path)) as instance:
+        run = create_run_for_test(instance, job_name="before_the_restart")
+        before = server.server_pid()
+        note = server.restart(0.5, mode)
+        assert server.server_pid() != before
+        assert psutil.pid_exists(server.server_pid())
+        assert gone(before)
+        assert f"-m {mode}" in note
+        assert instance.get_run_by_id(run.run_id).job_name == "before_the_restart"
+        create_run_for_test(instance, job_name="after_the_restart")
+        assert len(instance.get_runs()) == 2
+
+
+def test_the_harness_server_is_not_a_child_of_the_harness(server):
+    """`leftovers` counts this process's children: the server must not be among them."""
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert server.server_pid() not in children
+
+
+@pytest.fixture
+def api(server, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    url = server.database("api_dagster")
+    (home / "dagster.yaml").write_text(f"storage:\n  postgres:\n    postgres_url: {url}\n")
+    dg.DagsterInstance.from_config(str(home)).dispose()  # its tables, before the service
+    service = BatchApi(
+        folder=tmp_path,
+        store_url=server.database("api_batches"),
+        files_root=str(tmp_path / "files"),
+        routes=routes("/models/not-loaded-here", 4),
+        dagster_home=str(home),
+        s3_endpoint="",
+    )
+    service.create_key()
+    service.start()
+    try:
+        yield service
+    finally:
+        service.close()
+
+
+def test_a_killed_service_comes_back_with_its_batch_in_flight(api, server):
+    data, ids = batch_lines("b0", 5, random.Random(1))
+    batch_id = api.submit("b0", data, ids)
+    stores = Stores(server, "", api, seed=1)
+    first = api.process.pid
+    note = stores.inject("batch_api_restart", 0.2, random.Random(1))
+    assert note is not None and f"SIGKILL pid {first}" in note and "1 batch(es) in flight" in note
+    assert api.process.pid != first and gone(first)
+    assert api.statuses() == {batch_id: "in_progress"}  # no run yet: still in flight
+    assert api.kills == 1
+
+
+def test_no_batch_in_flight_means_no_restart(api, server):
+    stores = Stores(server, "", api, seed=1)
+    assert stores.inject("batch_api_restart", 0.1, random.Random(1)) is None
+    assert api.kills == 0
+
+
+def test_the_injector_skips_a_store_fault_it_cannot_do_and_records_one_done(server):
+    idle = Stores(server, "", None, seed=1)
+    injector = Injector([], None, None, None, 1, give_up_s=1.0, stores=idle)
+    inject(injector, Fault(0.0, "batch_api_restart", 0.1), random.Random(1), 0.0)
+    assert [f.kind for f in injector.skipped] == ["batch_api_restart"]
+    inject(injector, Fault(0.0, "postgres_restart", 0.2), random.Random(1), 0.0)
+    [done] = injector.done
+    assert done.target == "postgres" and "s down" in done.note
+
+
+def test_a_restart_that_does_not_come_back_is_a_problem_not_a_hang(tmp_path):
+    broken = Postgres(folder=tmp_path)  # never started: stop fails
+    stores = Stores(broken, "", None, seed=1)
+    injector = Injector([], None, None, None, 1, give_up_s=1.0, stores=stores)
+    inject(injector, Fault(0.0, "postgres_restart", 0.1), random.Random(1), 0.0)
+    assert [f.kind for f in injector.skipped] == ["postgres_restart"]
+    assert stores.failures and "pg_ctl stop" in stores.failures[0]
+
+
+def test_the_verdict_names_batches_not_completed_and_lines_lost_or_twice():
+    good = {
+        "submitted": 2,
+        "completed": 2,
+        "statuses": {"a": "completed", "b": "completed"},
+        "lines": 8,
+        "lines_lost": 0,
+        "lines_duplicated": 0,
+        "lines_unexpected": 0,
+    }
+    assert verdict(SimpleNamespace(batches=good)) == []
+    assert verdict(SimpleNamespace(batches={})) == []
+    bad = {**good, "completed": 1, "statuses": {"a": "completed", "b": "failed"}}
+    bad.update(lines_lost=2, lines_duplicated=1)
+    wrong = verdict(SimpleNamespace(batches=bad))
+    assert any("'b': 'failed'" in w for w in wrong)
+    assert "2 batch lines lost" in wrong and "1 batch lines duplicated" in wrong
+    assert "completed" in FINAL
