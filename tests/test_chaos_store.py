@@ -157,3 +157,31 @@ def test_the_verdict_names_batches_not_completed_and_lines_lost_or_twice():
     assert any("'b': 'failed'" in w for w in wrong)
     assert "2 batch lines lost" in wrong and "1 batch lines duplicated" in wrong
     assert "completed" in FINAL
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_short_store_chaos_seed_completes_every_batch_line_once(tmp_path):
+    """Four partitions in two runs and two batches through the batch API, with its service
+    SIGKILLed while they are in flight, the PostgreSQL server restarted and a preemption:
+    every row and every batch line answered once, nothing left."""
+    import json
+
+    from bench.chaos.__main__ import main
+
+    kinds = ("postgres_restart", "batch_api_restart", "pod_delete")
+    argv = ["--seed", "3", "--partitions", "4", "--per-run", "2", "--rows", "12"]
+    argv += ["--chunk-size", "4", "--faults", "3", "--kinds", ",".join(kinds)]
+    argv += ["--batches", "2", "--batch-lines", "8", "--span-s", "60", "--no-baseline"]
+    code = main([*argv, "--results", str(tmp_path)])
+    report = (tmp_path / "RESULTS.md").read_text()
+    assert code == 0, report
+    [chaos] = json.loads((tmp_path / "results.json").read_text())["phases"]
+    assert sorted(i["fault"]["kind"] for i in chaos["injected"]) == sorted(kinds), report
+    assert chaos["committed"] == chaos["asked"] == 4
+    assert chaos["lost"] == chaos["duplicated"] == 0
+    batches = chaos["batches"]
+    assert batches["submitted"] == batches["completed"] == 2, report
+    assert batches["lines"] == 16 and batches["api_kills"] == 1
+    assert batches["lines_lost"] == batches["lines_duplicated"] == 0
+    assert chaos["leftover_processes"] == []
