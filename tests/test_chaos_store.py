@@ -185,3 +185,34 @@ def test_a_short_store_chaos_seed_completes_every_batch_line_once(tmp_path):
     assert batches["lines"] == 16 and batches["api_kills"] == 1
     assert batches["lines_lost"] == batches["lines_duplicated"] == 0
     assert chaos["leftover_processes"] == []
+
+
+def test_the_batch_api_answers_503_with_retry_after_while_its_store_is_down(api, server):
+    """Seen in the chaos run's probe: with the store's server stopped every request was a
+    bare `500 Internal Server Error` (text, no `Retry-After`): a client could not tell a
+    store outage it should wait out from a bug. Now 503 in OpenAI's error shape, with
+    `Retry-After`, and the same objects once the server is back."""
+    import httpx
+
+    data, ids = batch_lines("b0", 3, random.Random(1))
+    batch_id = api.submit("b0", data, ids)
+    server.stop("fast")
+    try:
+        upload = {"files": {"file": ("x.jsonl", data)}, "data": {"purpose": "batch"}}
+        for method, path, extra in [
+            ("GET", f"/batches/{batch_id}", {}),
+            ("GET", "/files", {}),
+            ("POST", "/files", upload),
+        ]:
+            answer = api.request(method, path, **extra)
+            assert answer.status_code == 503, (method, path, answer.text)
+            error = answer.json()["error"]
+            assert error["code"] == "store_unavailable"
+            assert "store" in error["message"] and "retry" in error["message"].lower()
+            assert int(answer.headers["Retry-After"]) > 0
+        health = httpx.get(api.base_url.removesuffix("/v1") + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "store_unavailable"
+    finally:
+        server.start()
+    assert api.statuses() == {batch_id: "in_progress"}
+    assert api.request("GET", "/files").status_code == 200
