@@ -216,3 +216,20 @@ def test_the_batch_api_answers_503_with_retry_after_while_its_store_is_down(api,
         server.start()
     assert api.statuses() == {batch_id: "in_progress"}
     assert api.request("GET", "/files").status_code == 200
+
+
+def test_the_chaos_code_location_gains_the_batch_pipeline_and_its_sensor_with_a_batch_setup():
+    from bench.chaos.defs import TRANSIENT_RETRIES
+    from bench.chaos.store_faults import BatchSetup, batch_defs
+
+    assert batch_defs(SimpleNamespace(batch=None), TRANSIENT_RETRIES) == []
+    batch = BatchSetup(routes("/models/m", 4), "s3://bucket/chaos-batches", "sqlite:///x.db")
+    [defs] = batch_defs(SimpleNamespace(batch=batch), TRANSIENT_RETRIES)
+    [sensor] = defs.sensors
+    assert sensor.name == "batch_api_sensor" and sensor.minimum_interval_seconds == 1
+    [pipeline] = [
+        a
+        for a in defs.assets
+        if isinstance(a, dg.AssetsDefinition) and dg.AssetKey("chaos_batches") in a.keys
+    ]
+    assert pipeline.node_def.retry_policy == TRANSIENT_RETRIES
