@@ -233,3 +233,15 @@ def test_the_chaos_code_location_gains_the_batch_pipeline_and_its_sensor_with_a_
         if isinstance(a, dg.AssetsDefinition) and dg.AssetKey("chaos_batches") in a.keys
     ]
     assert pipeline.node_def.retry_policy == TRANSIENT_RETRIES
+
+
+def test_store_down_time_can_be_set_for_every_store_fault_and_only_those():
+    from bench.chaos.store_faults import with_down_time
+
+    faults = schedule(4, len(KINDS), 300.0)
+    assert with_down_time(faults, None) == faults
+    longer = with_down_time(faults, 20.0)
+    assert [f.kind for f in longer] == [f.kind for f in faults]
+    for before, after in zip(faults, longer, strict=True):
+        expected = 20.0 if before.kind in STORE_FAULTS else before.seconds
+        assert after.seconds == expected and after.at == before.at

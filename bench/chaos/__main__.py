@@ -35,6 +35,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="faults fall in this span (default: 0.6 x the baseline's wall time, else 300 s)",
     )
     parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument(
+        "--store-down-s",
+        type=float,
+        default=None,
+        help="down time of every store fault (default: the schedule's, 1-5 s)",
+    )
     parser.add_argument("--concurrent-runs", type=int, default=1)
     parser.add_argument("--timeout-s", type=float, default=3600.0)
     parser.add_argument("--no-baseline", action="store_true")
@@ -66,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         baseline = None if options.no_baseline else backfill(found, "baseline", keys, [], options)
         if options.span_s is None:  # the faults fall while the backfill is still running
             options.span_s = round(0.6 * baseline.wall_s) if baseline else 300.0
-        faults = schedule(options.seed, options.faults, options.span_s, kinds)
+        faults = store_faults.with_down_time(
+            schedule(options.seed, options.faults, options.span_s, kinds), options.store_down_s
+        )
         chaos = backfill(found, "chaos", keys, faults, options)
     print(write(options.results, options, faults, baseline, chaos))
     return 1 if verdict(chaos) or (baseline and verdict(baseline)) else 0

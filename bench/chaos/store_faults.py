@@ -21,6 +21,7 @@ Kinds:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -164,6 +165,15 @@ def postgres() -> Iterator[Postgres]:
         yield server
     finally:
         server.close()
+
+
+def with_down_time(faults: list[Any], seconds: float | None) -> list[Any]:
+    """`faults` with every store fault's down time set to `seconds` (unchanged if None)."""
+    if seconds is None:
+        return faults
+    return [
+        dataclasses.replace(f, seconds=seconds) if f.kind in STORE_FAULTS else f for f in faults
+    ]
 
 
 def instance_storage(url: str) -> dict[str, Any]:
