@@ -154,8 +154,12 @@ def wait_for_backfill(instance: Any, backfill_id: str, timeout_s: float) -> None
     about to be retried by the daemon."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        status = instance.get_backfill(backfill_id).status.value
-        runs = _backfill_runs(instance, backfill_id)
+        try:
+            status = instance.get_backfill(backfill_id).status.value
+            runs = _backfill_runs(instance, backfill_id)
+        except store_faults.STORE_DOWN:  # the instance's server restarts: ask again
+            time.sleep(2)
+            continue
         busy = [r for r in runs if r.status.value not in TERMINAL_RUN]
         retrying = [r for r in runs if r.tags.get("dagster/will_retry") == "true"]
         retried = {r.tags.get("dagster/parent_run_id") for r in runs}

@@ -38,7 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dagster_postgres.utils import DagsterPostgresException
+from sqlalchemy.exc import OperationalError
+
 STORE_FAULTS = ("postgres_restart", "batch_api_restart")
+# What the instance raises while its server is down (after its own retries, about 6 s).
+STORE_DOWN = (DagsterPostgresException, OperationalError)
 FINAL = ("completed", "failed", "expired", "cancelled")
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "chaos-minilm"  # the model the batch lines name (the route serves it)
@@ -456,7 +461,10 @@ class Stores:
         if self.api is None:
             return
         deadline = time.monotonic() + 60
-        while not ready() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(*STORE_DOWN):
+                if ready():
+                    break
             time.sleep(1)
         rng = random.Random(self.seed)
         for index in range(count):
