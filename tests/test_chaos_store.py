@@ -245,3 +245,25 @@ def test_store_down_time_can_be_set_for_every_store_fault_and_only_those():
     for before, after in zip(faults, longer, strict=True):
         expected = 20.0 if before.kind in STORE_FAULTS else before.seconds
         assert after.seconds == expected and after.at == before.at
+
+
+def test_the_harness_waits_out_a_store_that_is_down_longer_than_dagsters_retries():
+    """A 20 s PostgreSQL restart crashed the harness itself: `wait_for_backfill` got
+    Dagster's 'too many retries for DB connection' after about 6 s."""
+    from dagster_postgres.utils import DagsterPostgresException
+
+    from bench.chaos.run import wait_for_backfill
+
+    answers = [DagsterPostgresException("too many retries for DB connection")] * 2
+
+    class Instance:
+        def get_backfill(self, backfill_id):
+            if answers:
+                raise answers.pop()
+            return SimpleNamespace(status=SimpleNamespace(value="COMPLETED_SUCCESS"))
+
+        def get_runs(self, filters=None):
+            return []
+
+    wait_for_backfill(Instance(), "b1", timeout_s=60)
+    assert answers == []
