@@ -267,3 +267,18 @@ def test_the_harness_waits_out_a_store_that_is_down_longer_than_dagsters_retries
 
     wait_for_backfill(Instance(), "b1", timeout_s=60)
     assert answers == []
+
+
+def test_a_backfill_dagster_records_as_failed_is_no_pass_even_with_every_row_in_s3():
+    """The 20 s store-down probe printed PASS with its backfill COMPLETED_FAILED: the
+    worker had committed both partitions, then the step's output event could not be
+    written (Dagster's connection retries end after about 6 s)."""
+    from bench.chaos.report import verdict as report_verdict
+
+    phase = SimpleNamespace(
+        committed=4, asked=4, lost=0, duplicated=0, unexpected=0, leftover_processes=[],
+        backfill_status="COMPLETED_FAILED", runs_failed=1, problems=[], batches={},
+    )  # fmt: skip
+    assert report_verdict(phase) == ["backfill COMPLETED_FAILED: 1 run(s) failed"]
+    phase.backfill_status, phase.runs_failed = "COMPLETED_SUCCESS", 0
+    assert report_verdict(phase) == []

@@ -24,6 +24,8 @@ def verdict(phase: Any) -> list[str]:
             wrong.append(f"{getattr(phase, name)} rows {name}")
     if phase.leftover_processes:
         wrong.append(f"processes left: {phase.leftover_processes}")
+    if phase.backfill_status != "COMPLETED_SUCCESS":  # S3 complete, Dagster's record not
+        wrong.append(f"backfill {phase.backfill_status}: {phase.runs_failed} run(s) failed")
     return wrong + store_faults.verdict(phase) + phase.problems
 
 
