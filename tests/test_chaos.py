@@ -19,10 +19,11 @@ from bench.chaos.s3_proxy import FaultProxy
 
 
 def test_the_schedule_is_a_function_of_the_seed_and_names_every_kind():
-    first = schedule(7, 10, 300.0)
-    assert first == schedule(7, 10, 300.0)
-    assert first != schedule(8, 10, 300.0)
-    assert set(KINDS) <= {fault.kind for fault in first}  # 10 faults, 8 kinds: each once
+    count = len(KINDS) + 2
+    first = schedule(7, count, 300.0)
+    assert first == schedule(7, count, 300.0)
+    assert first != schedule(8, count, 300.0)
+    assert set(KINDS) <= {fault.kind for fault in first}  # more faults than kinds: each once
     assert [f.at for f in first] == sorted(f.at for f in first)
     assert all(0 < f.at < 300.0 for f in first)
     assert {f.kind for f in schedule(1, 2, 60.0, ("oom",))} == {"oom"}
@@ -123,7 +124,7 @@ def test_a_short_chaos_seed_commits_every_partition_once(tmp_path):
     kinds = ("pod_delete", "s3_5xx", "daemon_restart")
     argv = ["--seed", "3", "--partitions", "4", "--per-run", "2", "--rows", "12"]
     argv += ["--chunk-size", "4", "--faults", "3", "--kinds", ",".join(kinds)]
-    argv += ["--span-s", "60", "--no-baseline", "--results", str(tmp_path)]
+    argv += ["--span-s", "60", "--no-baseline", "--results", str(tmp_path), "--batches", "0"]
     code = main(argv)
     report = (tmp_path / "RESULTS.md").read_text()
     assert code == 0, report

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from bench.chaos import cluster as chaos_cluster
+from bench.chaos import store_faults
 from bench.chaos.faults import KINDS, schedule
 from bench.chaos.report import verdict, write
 from bench.chaos.run import backfill
@@ -24,7 +25,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, default=40, help="documents per partition")
     parser.add_argument("--per-run", type=int, default=25, help="max_partitions_per_run")
     parser.add_argument("--chunk-size", type=int, default=8)
-    parser.add_argument("--faults", type=int, default=8)
+    parser.add_argument("--faults", type=int, default=10)
+    parser.add_argument("--batches", type=int, default=3, help="batch API batches beside it")
+    parser.add_argument("--batch-lines", type=int, default=12, help="lines per batch")
     parser.add_argument(
         "--span-s",
         type=float,
@@ -32,6 +35,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="faults fall in this span (default: 0.6 x the baseline's wall time, else 300 s)",
     )
     parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument(
+        "--store-down-s",
+        type=float,
+        default=None,
+        help="down time of every store fault (default: the schedule's, 1-5 s)",
+    )
     parser.add_argument("--concurrent-runs", type=int, default=1)
     parser.add_argument("--timeout-s", type=float, default=3600.0)
     parser.add_argument("--no-baseline", action="store_true")
@@ -57,12 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("dagster.daemon").setLevel(logging.WARNING)  # a line per run queue tick
     keys = [f"docs-{i:03d}" for i in range(options.partitions)]
     kinds = tuple(options.kinds.split(","))
-    with chaos_cluster.cluster(options.seed) as found:
+    with chaos_cluster.cluster(options.seed) as found, store_faults.postgres() as server:
+        found.postgres = server
         chaos_cluster.write_shards(found, "inputs", keys, options.rows, options.seed)
         baseline = None if options.no_baseline else backfill(found, "baseline", keys, [], options)
         if options.span_s is None:  # the faults fall while the backfill is still running
             options.span_s = round(0.6 * baseline.wall_s) if baseline else 300.0
-        faults = schedule(options.seed, options.faults, options.span_s, kinds)
+        faults = store_faults.with_down_time(
+            schedule(options.seed, options.faults, options.span_s, kinds), options.store_down_s
+        )
         chaos = backfill(found, "chaos", keys, faults, options)
     print(write(options.results, options, faults, baseline, chaos))
     return 1 if verdict(chaos) or (baseline and verdict(baseline)) else 0

@@ -38,6 +38,7 @@ class Setup:
     partition_keys: list[str]
     per_run: int
     chunk_size: int
+    batch: Any = None  # bench/chaos/store_faults.py's BatchSetup: the batch pipelines
 
 
 _CURRENT: list[Setup] = []
@@ -90,6 +91,7 @@ class Cluster:
     client: Any  # boto3, straight to moto (the harness's own reads never meet a fault)
     bucket: str
     inputs: dict[str, list[str]] = field(default_factory=dict)  # partition -> input ids
+    postgres: Any = None  # bench/chaos/store_faults.py's Postgres, under every phase
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Dagster's own daemons (backfill, run queue, run retries) on a timer in a thread, and run
+"""Dagster's own daemons (backfill, sensors, run queue, run retries) on a timer in a thread, and run
 workers in threads: the pods' cluster (the pod executor) lives in this process, so the run
 workers that talk to it must too.
 
@@ -32,6 +32,7 @@ from dagster._daemon.backfill import execute_backfill_iteration
 from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import (
     QueuedRunCoordinatorDaemon,
 )
+from dagster._daemon.sensor import execute_sensor_iteration
 from dagster._serdes import ConfigurableClass
 from dagster._serdes.config_class import ConfigurableClassData
 from dagster._utils.hosted_user_process import recon_job_from_origin
@@ -144,6 +145,7 @@ class Daemon:
             while not self._stop.is_set():
                 for step in (
                     lambda: list(execute_backfill_iteration(context, LOGGER)),
+                    lambda: list(execute_sensor_iteration(context, LOGGER, None, None)),
                     lambda: list(queue.run_iteration(context)),
                     lambda: list(retries.run_iteration(context)),
                 ):

@@ -9,6 +9,7 @@ run workers'); what it points at comes from `bench.chaos.cluster.current()`.
 import dagster as dg
 
 from bench.chaos.cluster import current, k8s_resource
+from bench.chaos.store_faults import batch_defs
 from dagster_gpuinfer import EngineArgs, InputSpec, inference_assets
 
 TRANSIENT_RETRIES = dg.RetryPolicy(  # assets/definitions.py's, kept equal by a test
@@ -35,8 +36,9 @@ def defs() -> dg.Definitions:
         retry_policy=TRANSIENT_RETRIES,
         group_name="embeddings",
     )
-    return dg.Definitions(
+    backfill = dg.Definitions(
         assets=pipeline.assets,
         resources={"gpu": k8s_resource(setup)},
         executor=dg.in_process_executor,
     )
+    return dg.Definitions.merge(backfill, *batch_defs(setup, TRANSIENT_RETRIES))

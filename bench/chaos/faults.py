@@ -8,7 +8,8 @@ Kinds (every one a thing a fleet meets):
 - `oom`: the kernel's OOM killer: every process of the pod SIGKILLed, reason OOMKilled;
 - `s3_5xx`, `s3_slow`, `s3_reset`: a window of S3 faults from the proxy (bench/chaos/s3_proxy.py),
   opened once a worker pod has built its engine (when S3 is in use);
-- `daemon_restart`: the Dagster daemon stopped and started again (runs in flight go on).
+- `daemon_restart`: the Dagster daemon stopped and started again (runs in flight go on);
+- `postgres_restart`, `batch_api_restart`: bench/chaos/store_faults.py.
 
 The schedule is a pure function of the seed: times, kinds and parameters. A pod fault waits
 for a worker pod to hit (chosen by the seeded generator among the live ones) and keeps within
@@ -29,9 +30,12 @@ from typing import Any
 
 import psutil
 
+from bench.chaos import store_faults
+from bench.chaos.store_faults import STORE_FAULTS
+
 POD_FAULTS = ("pod_delete", "engine_kill", "worker_kill", "oom")
 S3_FAULTS = ("s3_5xx", "s3_slow", "s3_reset")
-KINDS = (*POD_FAULTS, *S3_FAULTS, "daemon_restart")
+KINDS = (*POD_FAULTS, *S3_FAULTS, "daemon_restart", *STORE_FAULTS)
 READY = "engine ready in"  # the worker's log line once its engine is built
 
 
@@ -78,6 +82,7 @@ class Injector:
     seed: int
     max_pod_faults_per_run: int = 2
     give_up_s: float = 600.0
+    stores: Any = None  # bench/chaos/store_faults.py's Stores: STORE_FAULTS' target
     done: list[Injected] = field(default_factory=list)
     skipped: list[Fault] = field(default_factory=list)
     _per_run: Counter = field(default_factory=Counter)
@@ -100,6 +105,8 @@ class Injector:
                 return
             if fault.kind in S3_FAULTS:
                 self._s3_window(fault, started)
+            elif fault.kind in STORE_FAULTS:
+                store_faults.inject(self, fault, rng, started)
             elif fault.kind == "daemon_restart":
                 self.daemon.restart(fault.seconds)
                 self.done.append(Injected(fault, time.monotonic() - started, "daemon"))

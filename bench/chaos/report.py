@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from bench.chaos import store_faults
 from bench.chaos.faults import KINDS, Fault
 
 
@@ -23,7 +24,9 @@ def verdict(phase: Any) -> list[str]:
             wrong.append(f"{getattr(phase, name)} rows {name}")
     if phase.leftover_processes:
         wrong.append(f"processes left: {phase.leftover_processes}")
-    return wrong + phase.problems
+    if phase.backfill_status != "COMPLETED_SUCCESS":  # S3 complete, Dagster's record not
+        wrong.append(f"backfill {phase.backfill_status}: {phase.runs_failed} run(s) failed")
+    return wrong + store_faults.verdict(phase) + phase.problems
 
 
 def faults_table(schedule: list[Fault], phase: Any) -> list[str]:
@@ -51,6 +54,7 @@ def summary_table(baseline: Any | None, chaos: Any) -> list[str]:
         ("step retries (RetryPolicy)", lambda p: str(p.step_retries)),
         ("pods (OOM step-down relaunches)", lambda p: f"{p.pods} ({p.step_down_pods})"),
         ("backfill status", lambda p: p.backfill_status),
+        *store_faults.summary_rows(),
         ("processes left", lambda p: str(len(p.leftover_processes))),
     ]
     lines = ["| | " + " | ".join(p.label for p in phases) + " |"]

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from bench.chaos import cluster as chaos_cluster
 from bench.chaos import daemon as chaos_daemon
+from bench.chaos import store_faults
 from bench.chaos.faults import Fault, Injector
 
 ASSET = "doc_embeddings"
@@ -52,6 +53,7 @@ class Phase:
     proxy_hits: dict[str, int] = field(default_factory=dict)
     daemon_errors: list[str] = field(default_factory=list)
     leftover_processes: list[str] = field(default_factory=list)
+    batches: dict[str, Any] = field(default_factory=dict)  # store_faults.BatchApi.tally
 
 
 def backfill(found: Any, label: str, keys: list[str], faults: list[Fault], options: Any) -> Phase:
@@ -72,24 +74,36 @@ def backfill(found: Any, label: str, keys: list[str], faults: list[Fault], optio
     phase = Phase(label, asked=len(keys))
     pods_before = len(found.executor.created)
     hits_before = Counter(found.proxy.injected)
-    overrides = chaos_daemon.instance_overrides(options.concurrent_runs)
-    with tempfile.TemporaryDirectory(prefix=f"chaos-{label}-") as home:
+    with (
+        store_faults.phase_stores(found, label, options, setup) as stores,
+        tempfile.TemporaryDirectory(prefix=f"chaos-{label}-") as home,
+    ):
+        overrides = chaos_daemon.instance_overrides(options.concurrent_runs)
+        overrides.update(stores.instance_overrides())  # the instance on PostgreSQL
         with dg.instance_for_test(overrides=overrides, temp_dir=home) as instance:
             daemon = chaos_daemon.Daemon(instance)
             injector = Injector(faults, found.executor, found.proxy, daemon, options.seed)
+            injector.stores = stores
             try:
+                stores.start_api(home)
                 begun = time.monotonic()
                 backfill_id = submit_backfill(instance, daemon, keys)
                 daemon.start()
                 injector.run(begun)
+                runs = -(-len(keys) // options.per_run)
+                queued = lambda: len(_backfill_runs(instance, backfill_id)) >= runs  # noqa: E731
+                stores.submit_batches(queued, options.batches, options.batch_lines)
                 wait_for_backfill(instance, backfill_id, options.timeout_s)
+                phase.batches = stores.tally(options.timeout_s)
                 phase.wall_s = time.monotonic() - begun
             finally:
                 injector.stop()
+                stores.close()
                 daemon.close()
                 join_runs(options.timeout_s)
             tally_runs(instance, backfill_id, phase)
             phase.daemon_errors = daemon.errors
+            phase.problems += stores.failures
     pods = found.executor.created[pods_before:]
     phase.pods = len(pods)
     phase.step_down_pods = sum(1 for p in pods if _label(p, "/launch") == "1")
@@ -140,8 +154,12 @@ def wait_for_backfill(instance: Any, backfill_id: str, timeout_s: float) -> None
     about to be retried by the daemon."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        status = instance.get_backfill(backfill_id).status.value
-        runs = _backfill_runs(instance, backfill_id)
+        try:
+            status = instance.get_backfill(backfill_id).status.value
+            runs = _backfill_runs(instance, backfill_id)
+        except store_faults.STORE_DOWN:  # the instance's server restarts: ask again
+            time.sleep(2)
+            continue
         busy = [r for r in runs if r.status.value not in TERMINAL_RUN]
         retrying = [r for r in runs if r.tags.get("dagster/will_retry") == "true"]
         retried = {r.tags.get("dagster/parent_run_id") for r in runs}

@@ -28,6 +28,7 @@ from dagster_gpuinfer.batch_api.dependencies import ServiceDep
 from dagster_gpuinfer.batch_api.routers import batches, files
 from dagster_gpuinfer.batch_api.schemas import Health, error_response
 from dagster_gpuinfer.batch_api.service import ApiError, BatchService
+from dagster_gpuinfer.batch_api.unavailable import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ def create_app(service: BatchService, *, reconcile_interval: float | None = 5.0)
     app = FastAPI(title="dagster-gpuinfer batch API", lifespan=lifespan)
     app.state.service = service
     app.add_middleware(AuthenticateFirst)
+    app.add_middleware(StoreUnavailable)  # added last: outermost, around the key check too
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.include_router(files.router)
