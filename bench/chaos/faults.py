@@ -8,7 +8,9 @@ Kinds (every one a thing a fleet meets):
 - `oom`: the kernel's OOM killer: every process of the pod SIGKILLed, reason OOMKilled;
 - `s3_5xx`, `s3_slow`, `s3_reset`: a window of S3 faults from the proxy (bench/chaos/s3_proxy.py),
   opened once a worker pod has built its engine (when S3 is in use);
-- `daemon_restart`: the Dagster daemon stopped and started again (runs in flight go on).
+- `daemon_restart`: the Dagster daemon stopped and started again (runs in flight go on);
+- `pool_worker_kill`, `follower_kill` (`--mode pools` only, bench/chaos/pool_faults.py):
+  SIGKILL to a pool worker holding a lease; the follower pod of a 2-node group lost.
 
 The schedule is a pure function of the seed: times, kinds and parameters. A pod fault waits
 for a worker pod to hit (chosen by the seeded generator among the live ones) and keeps within
@@ -32,6 +34,7 @@ import psutil
 POD_FAULTS = ("pod_delete", "engine_kill", "worker_kill", "oom")
 S3_FAULTS = ("s3_5xx", "s3_slow", "s3_reset")
 KINDS = (*POD_FAULTS, *S3_FAULTS, "daemon_restart")
+POOL_KINDS = ("pool_worker_kill", "follower_kill")  # --mode pools (bench/chaos/pool_faults.py)
 READY = "engine ready in"  # the worker's log line once its engine is built
 
 
@@ -78,6 +81,7 @@ class Injector:
     seed: int
     max_pod_faults_per_run: int = 2
     give_up_s: float = 600.0
+    pools: Any = None  # pool_faults.PoolChaos in --mode pools: targets and hits of POOL_KINDS
     done: list[Injected] = field(default_factory=list)
     skipped: list[Fault] = field(default_factory=list)
     _per_run: Counter = field(default_factory=Counter)
@@ -137,7 +141,7 @@ class Injector:
     def _targets(self, kind: str) -> list[Any]:
         with self.executor._lock:  # noqa: SLF001 - the executor's own state lock
             pods = list(self.executor.pods.values())
-        return [
+        live = [
             pod
             for pod in pods
             if pod.process is not None
@@ -146,6 +150,9 @@ class Injector:
             and not pod.oom_injected
             and (kind != "engine_kill" or _engine_processes(pod))
         ]
+        if kind in POOL_KINDS:
+            return self.pools.targets(kind, live) if self.pools is not None else []
+        return live
 
     def _allowed(self, pod: Any, fault: Fault) -> bool:
         run = pod.labels.get("dagster/run-id", pod.name)
@@ -163,6 +170,8 @@ class Injector:
     def _hit(self, pod: Any, kind: str) -> str | None:
         """Do it; None when the pod went away first (the injector tries another)."""
         try:
+            if kind in POOL_KINDS:
+                return self.pools.hit(pod, kind)
             if kind == "pod_delete":
                 self.executor.preempt(pod.name)
                 return "DisruptionTarget, graceful delete"

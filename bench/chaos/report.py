@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.chaos.faults import KINDS, Fault
+from bench.chaos.faults import KINDS, POOL_KINDS, Fault
 
 
 def verdict(phase: Any) -> list[str]:
@@ -31,7 +31,7 @@ def faults_table(schedule: list[Fault], phase: Any) -> list[str]:
     done = Counter(i.fault.kind for i in phase.injected)
     skipped = Counter(f.kind for f in phase.skipped)
     lines = ["| fault | scheduled | injected | skipped |", "|---|---:|---:|---:|"]
-    for kind in KINDS:
+    for kind in (*KINDS, *POOL_KINDS):
         if planned[kind]:
             lines.append(f"| {kind} | {planned[kind]} | {done[kind]} | {skipped[kind]} |")
     lines.append(f"| **all** | {len(schedule)} | {len(phase.injected)} | {len(phase.skipped)} |")
@@ -53,6 +53,8 @@ def summary_table(baseline: Any | None, chaos: Any) -> list[str]:
         ("backfill status", lambda p: p.backfill_status),
         ("processes left", lambda p: str(len(p.leftover_processes))),
     ]
+    extra = [name for p in phases for name in getattr(p, "extra", {})]  # pool mode's rows
+    rows += [(n, lambda p, n=n: p.extra.get(n, "")) for n in dict.fromkeys(extra)]
     lines = ["| | " + " | ".join(p.label for p in phases) + " |"]
     lines.append("|---|" + "---:|" * len(phases))
     lines += [f"| {name} | " + " | ".join(cell(p) for p in phases) + " |" for name, cell in rows]
