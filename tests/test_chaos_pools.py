@@ -30,6 +30,7 @@ from bench.chaos.run import Phase, backfill_params
 from dagster_gpuinfer.pools import JobSubmission, WorkItem, open_lease_queue
 
 POOL_KEY = "pool-a"
+GONE_PID = 2**22 + 7  # above Linux's default pid_max: no such process, never hit
 BUCKET = "chaos-pools"
 
 
@@ -101,6 +102,8 @@ def s3(monkeypatch):
     host, port = server.get_host_and_port()
     client = boto3.client("s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1")
     client.create_bucket(Bucket=BUCKET)
+    for listed in client.list_objects_v2(Bucket=BUCKET).get("Contents", []):
+        client.delete_object(Bucket=BUCKET, Key=listed["Key"])  # moto's state is per process
     try:
         yield client
     finally:
@@ -132,13 +135,13 @@ def pool_pod(worker_id: str, process: Any = None) -> FakePod:
         f"gpuinfer-pool-{worker_id}",
         {"gpuinfer/pool": POOL_KEY},
         {"gpuinfer/worker-id": worker_id},
-        process or SimpleNamespace(pid=1),
+        process or SimpleNamespace(pid=GONE_PID),
     )
 
 
 def follower_pod(process: Any = None) -> FakePod:
     labels = {"gpuinfer/group-role": "follower", "dagster/run-id": "r1"}
-    return FakePod("gpuinfer-gen-f", labels, process=process or SimpleNamespace(pid=1))
+    return FakePod("gpuinfer-gen-f", labels, process=process or SimpleNamespace(pid=GONE_PID))
 
 
 def test_only_live_lease_holders_are_listed(pools):
@@ -176,12 +179,18 @@ class FakeExecutor:
         self.pods = {p.name: p for p in pods}
 
 
-def run_injector(faults: list[Fault], executor: FakeExecutor, pools: Any) -> Injector:
-    injector = Injector(faults, executor, proxy=None, daemon=None, seed=1, give_up_s=20)
+def run_injector(
+    faults: list[Fault], executor: FakeExecutor, pools: Any, daemon: Any = None, give_up_s=20
+) -> Injector:
+    """Until every fault is done or skipped (a pool kind waits in its own thread)."""
+    injector = Injector(faults, executor, None, daemon, seed=1, give_up_s=give_up_s)
     injector.pools = pools
-    started = time.monotonic()
-    thread = injector.run(started)
-    thread.join(30)
+    injector.run(time.monotonic()).join(30)
+    deadline = time.monotonic() + 30
+    while len(injector.done) + len(injector.skipped) < len(faults):
+        assert time.monotonic() < deadline, f"{injector.done}, {injector.skipped}"
+        time.sleep(0.05)
+    injector.stop()
     return injector
 
 
@@ -244,9 +253,30 @@ def live_in_group(pgid: int, wait_s: float = 10.0) -> list[int]:
 
 def test_a_pool_kind_without_pool_mode_is_skipped_not_raised():
     executor = FakeExecutor([pool_pod("w1")])
-    injector = Injector([Fault(0.0, "pool_worker_kill")], executor, None, None, 1, give_up_s=1)
-    injector.run(time.monotonic()).join(10)
+    injector = run_injector([Fault(0.0, "pool_worker_kill")], executor, None, give_up_s=1)
     assert injector.done == [] and [f.kind for f in injector.skipped] == ["pool_worker_kill"]
+
+
+def test_a_pool_kind_waiting_for_its_run_does_not_hold_back_the_faults_after_it(pools, s3):
+    """Seen in a pool-mode smoke run: a follower kill waited for the group's run, which came
+    last, and the pool worker kill behind it in the schedule never happened."""
+    restarts: list[float] = []
+    daemon = SimpleNamespace(restart=restarts.append)
+    chaos = PoolChaos(pools, s3, BUCKET, "chaos")  # no chunk committed: no follower to hit yet
+    faults = [Fault(0.0, "follower_kill"), Fault(0.1, "daemon_restart", seconds=2.0)]
+    executor = FakeExecutor([follower_pod()])
+    injector = Injector(faults, executor, None, daemon, seed=1, give_up_s=600)
+    injector.pools = chaos
+    injector.run(time.monotonic())
+    deadline = time.monotonic() + 20
+    while not restarts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    injector.stop()  # the backfill ended: the follower kill is skipped
+    assert restarts == [2.0], "the daemon restart waited behind the follower kill"
+    assert [i.fault.kind for i in injector.done] == ["daemon_restart"]
+    while not injector.skipped and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [f.kind for f in injector.skipped] == ["follower_kill"]
 
 
 def test_pool_facts_count_leases_and_the_items_leased_again(pools):

@@ -104,6 +104,10 @@ class Injector:
                 return
             if fault.kind in S3_FAULTS:
                 self._s3_window(fault, started)
+            elif fault.kind in POOL_KINDS:  # waits in its own thread: its run may come later
+                child = random.Random(rng.random())
+                args = (fault, child, started)
+                threading.Thread(target=self._pod_fault, args=args, daemon=True).start()
             elif fault.kind == "daemon_restart":
                 self.daemon.restart(fault.seconds)
                 self.done.append(Injected(fault, time.monotonic() - started, "daemon"))

@@ -53,7 +53,7 @@ class PoolsSetup:
     max_workers: int = 2
     idle_ttl_s: float = 10.0
     lease_ttl_s: float = 15.0
-    max_tokens: int = 16
+    max_tokens: int = 32
 
     @property
     def queue(self) -> str:
@@ -143,7 +143,9 @@ def pipelines(setup: Any, retry_policy: Any) -> list[Any]:
         input_asset_key="group_prompts",
         output_root=setup.output_root,
         partitions_def=dg.StaticPartitionsDefinition(pools.group_keys),
-        engine=EngineArgs(dtype="float32"),
+        # one chunk's rows in the engine at a time: chunks commit one after another, and
+        # the follower is lost with chunks left (as tests/test_k8s_multinode_e2e.py)
+        engine=EngineArgs(dtype="float32", max_num_seqs=setup.chunk_size),
         sampling={"max_tokens": pools.max_tokens},
         chunk_size=setup.chunk_size,
         tensor_parallel_size=2,
@@ -224,6 +226,8 @@ class PoolChaos:
     def hit(self, pod: Any, kind: str) -> str | None:
         """Do it; None when the pod went away first."""
         if kind == "follower_kill":
+            if os.getpgid(pod.process.pid) != pod.process.pid:
+                return None  # not a container's process group leader (gone, pid reused)
             os.killpg(pod.process.pid, signal.SIGKILL)
             return f"SIGKILL follower process group {pod.process.pid}"
         holders = self.lease_holders()

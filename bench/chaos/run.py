@@ -82,6 +82,8 @@ def backfill(found: Any, label: str, keys: list[str], faults: list[Fault], optio
             daemon = chaos_daemon.Daemon(instance)
             injector = Injector(faults, found.executor, found.proxy, daemon, options.seed)
             injector.pools = pool_chaos(found, prefix, setup.pools)
+            if setup.pools:  # a pool kind waits for its pipeline's run, which may come last
+                injector.give_up_s = options.timeout_s
             submitted_at = time.time()
             try:
                 begun = time.monotonic()
