@@ -133,15 +133,36 @@ class FakePod:
 def pool_pod(worker_id: str, process: Any = None) -> FakePod:
     return FakePod(
         f"gpuinfer-pool-{worker_id}",
-        {"gpuinfer/pool": POOL_KEY},
+        {"gpuinfer/pool": POOL_KEY, "gpuinfer.dagster.io/pool": "gpu"},
         {"gpuinfer/worker-id": worker_id},
         process or SimpleNamespace(pid=GONE_PID),
     )
 
 
 def follower_pod(process: Any = None) -> FakePod:
-    labels = {"gpuinfer/group-role": "follower", "dagster/run-id": "r1"}
+    labels = {
+        "gpuinfer.dagster.io/group-role": "follower",
+        "gpuinfer.dagster.io/pool": "gpu",
+        "dagster/run-id": "r1",
+    }
     return FakePod("gpuinfer-gen-f", labels, process=process or SimpleNamespace(pid=GONE_PID))
+
+
+def test_pods_are_told_apart_by_their_exact_labels():
+    """Seen in seed 1 of pool mode: every worker pod carries `gpuinfer.dagster.io/pool` (its
+    Dagster pool), which a suffix match took for the engine pool's label: the follower read
+    as a pool pod and was never hit."""
+    from dagster_gpuinfer.k8s.pool_pod import build_pool_pod
+    from resources.k8s import k8s_launcher_config
+
+    config = k8s_launcher_config({"GPUINFER_WORKER_IMAGE": "registry.example.com/w:1"})
+    pool = build_pool_pod("model-abc", "w-1", config)
+    assert pool_faults.pod_role(SimpleNamespace(manifest=pool)) == "pool"
+    assert pool_faults.pool_worker_id(SimpleNamespace(manifest=pool)) == "w-1"
+    run = {"gpuinfer.dagster.io/pool": "gpu", "dagster/run-id": "r1"}
+    assert pool_faults.pod_role(FakePod("run", run)) == "run"
+    follower = {**run, "gpuinfer.dagster.io/group-role": "follower"}
+    assert pool_faults.pod_role(FakePod("f", follower)) == "follower"
 
 
 def test_only_live_lease_holders_are_listed(pools):
@@ -165,7 +186,11 @@ def test_a_pool_worker_mid_partition_is_hit_first_then_any_lease_holder(pools, s
 
 def test_a_follower_is_hit_once_its_group_committed_a_chunk(pools, s3):
     chaos = PoolChaos(pools, s3, BUCKET, "chaos")
-    pods = [pool_pod("w1"), follower_pod(), FakePod("leader", {"gpuinfer/group-role": "leader"})]
+    pods = [
+        pool_pod("w1"),
+        follower_pod(),
+        FakePod("leader", {"gpuinfer.dagster.io/group-role": "leader"}),
+    ]
     assert chaos.targets("follower_kill", pods) == []
     s3.put_object(Bucket=BUCKET, Key=f"base/{GROUP_ASSET}/g-0/_chunks/00000.json", Body=b"{}")
     assert chaos.targets("follower_kill", pods) == []  # another phase's prefix

@@ -180,11 +180,15 @@ def resource_fields(config: Any, pools: PoolsSetup) -> tuple[Any, dict[str, Any]
 
 
 def pod_role(pod: Any) -> str:
-    """`pool`, `leader`, `follower` or `run` (a per-run worker pod)."""
+    """`pool`, `leader`, `follower` or `run` (a per-run worker pod). By the exact label
+    keys: every worker pod also carries `gpuinfer.dagster.io/pool` (its Dagster pool)."""
+    from dagster_gpuinfer.k8s.group import ROLE_LABEL
+    from dagster_gpuinfer.k8s.pool_pod import POOL_LABEL
+
     labels = pod.manifest["metadata"].get("labels", {})
-    if any(k.endswith("/pool") for k in labels):
+    if POOL_LABEL in labels:
         return "pool"
-    return next((v for k, v in labels.items() if k.endswith("/group-role")), "run")
+    return labels.get(ROLE_LABEL, "run")
 
 
 def pool_worker_id(pod: Any) -> str | None:
