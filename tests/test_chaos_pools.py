@@ -173,6 +173,8 @@ def test_only_live_lease_holders_are_listed(pools):
 def test_a_pool_worker_mid_partition_is_hit_first_then_any_lease_holder(pools, s3):
     clock = SimpleNamespace(now=0.0)
     chaos = PoolChaos(pools, s3, BUCKET, "chaos", clock=lambda: clock.now)
+    assert chaos.targets("pool_worker_kill", [follower_pod()]) == []  # no pool pod yet
+    clock.now += 2 * pool_faults.MID_PARTITION_WAIT_S  # waiting for the pool's run
     pods = [pool_pod("w1"), pool_pod("w2"), pool_pod("w3"), follower_pod()]
     assert chaos.targets("pool_worker_kill", pods) == []  # no chunk committed anywhere
     s3.put_object(Bucket=BUCKET, Key=f"chaos/{POOL_ASSET}/pool-000/_chunks/00000.json", Body=b"{}")

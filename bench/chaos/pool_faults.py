@@ -7,7 +7,8 @@ and two more fault kinds that hit them.
   the run's partitions are one job whose big partitions are leased as chunk ranges.
   Fault `pool_worker_kill`: SIGKILL to the main process of a pool worker pod that holds a
   lease, preferably on a partition with committed chunks and rows left (else any lease
-  after `MID_PARTITION_WAIT_S`); the lease must lapse, another worker (or a new one the
+  holder, `MID_PARTITION_WAIT_S` after the first was seen: a worker leases before its
+  engine is built); the lease must lapse, another worker (or a new one the
   step's reconciler starts) take it, and the partition commit once.
 - `group_generate`: generation on the tiny Llama with tensor parallel 2 across two pods
   (`nodes=2`: a leader worker pod and a follower pod, as tests/test_k8s_multinode_e2e.py).
@@ -221,6 +222,8 @@ class PoolChaos:
             return followers if followers and self.chunks_committed(GROUP_ASSET) else []
         holders = self.lease_holders()
         pool_pods = [p for p in pods if pod_role(p) == "pool" and pool_worker_id(p) in holders]
+        if not pool_pods:
+            return []  # the wait for a mid-partition holder starts with the first holder
         since = self._waiting_since.setdefault(kind, self.clock())
         mid = [p for p in pool_pods if self.mid_partition(holders[pool_worker_id(p)])]
         if mid or self.clock() - since < MID_PARTITION_WAIT_S:
