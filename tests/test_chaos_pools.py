@@ -121,13 +121,14 @@ class FakePod:
     terminated: bool = False
     deletion_requested_at: Any = None
     oom_injected: bool = False
+    log: str = ""
 
     @property
     def manifest(self) -> dict[str, Any]:
         return {"metadata": {"labels": self.labels, "annotations": self.annotations}}
 
     def text(self) -> str:
-        return ""
+        return self.log
 
 
 def pool_pod(worker_id: str, process: Any = None) -> FakePod:
@@ -312,3 +313,22 @@ def test_pool_facts_count_leases_and_the_items_leased_again(pools):
     facts = pool_faults.pool_facts(pools, since=0.0)
     assert facts["pool jobs / items / leases"] == "1 / 4 / 4"
     assert facts["pool items leased again (leases expired)"] == "1 (1)"
+
+
+def test_an_s3_window_spends_one_retry_of_the_run_at_work():
+    """Seeds 1 and 2 of pool mode: a run met an S3 window that failed an attempt, then two
+    pod faults, three failures against two retries: its partitions were lost. A window now
+    counts against the runs at work, like a failing pod fault."""
+    pod = FakePod("run-pod", {"dagster/run-id": "r1"}, process=SimpleNamespace(pid=GONE_PID))
+    pod.log = "engine ready in 30.0s"
+    executor = FakeExecutor([pod])
+    preempted: list[str] = []
+    executor.preempt = preempted.append
+    windows: list[str] = []
+    proxy = SimpleNamespace(open_window=lambda kind, seconds, rate: windows.append(kind))
+    faults = [Fault(0.0, "s3_5xx", 10, 0.3), Fault(0.1, "pod_delete"), Fault(0.2, "pod_delete")]
+    injector = Injector(faults, executor, proxy, None, seed=1, give_up_s=2)
+    injector.run(time.monotonic()).join(30)
+    assert windows == ["s3_5xx"]
+    assert preempted == ["run-pod"]  # the run's second retry went to the window
+    assert [f.kind for f in injector.skipped] == ["pod_delete"]

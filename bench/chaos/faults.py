@@ -14,9 +14,10 @@ Kinds (every one a thing a fleet meets):
 
 The schedule is a pure function of the seed: times, kinds and parameters. A pod fault waits
 for a worker pod to hit (chosen by the seeded generator among the live ones) and keeps within
-what the deployment promises to absorb: at most `max_retries` failing pod faults per run
-(the assets' RetryPolicy) and one OOMKilled per run (a second out-of-memory in one step is, by
-design, a non-retryable Failure: the step-down did not help).
+what the deployment promises to absorb: at most `max_retries` failing faults per run (the
+assets' RetryPolicy; an S3 window counts against the runs at work when it opens) and one
+OOMKilled per run (a second out-of-memory in one step is, by design, a non-retryable
+Failure: the step-down did not help).
 """
 
 from __future__ import annotations
@@ -119,11 +120,16 @@ class Injector:
         a window during an engine build would meet no request."""
         deadline = time.monotonic() + self.give_up_s
         while not self._stop.is_set() and time.monotonic() < deadline:
-            working = [p.name for p in self._targets(fault.kind) if READY in p.text()]
+            working = [p for p in self._targets(fault.kind) if READY in p.text()]
             if working:
                 self.proxy.open_window(fault.kind, fault.seconds, fault.rate)
+                # A window can fail an attempt of the runs at work (a worker's or the step's
+                # own S3 call past its retries): it spends one of their retries.
+                for run in {p.labels.get("dagster/run-id", p.name) for p in working}:
+                    self._per_run[run] += 1
                 elapsed = time.monotonic() - started
-                self.done.append(Injected(fault, elapsed, "proxy", f"while {working[0]} works"))
+                note = f"while {working[0].name} works"
+                self.done.append(Injected(fault, elapsed, "proxy", note))
                 return
             self._stop.wait(0.5)
         self.skipped.append(fault)
