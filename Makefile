@@ -110,10 +110,13 @@ fuzz: prepare
 # A seeded chaos backfill (bench/chaos/, bench/README.md "Chaos backfill"): 50 partitions
 # through the k8s launcher on the pod executor (root, as test-cluster), first without faults,
 # then under the seed's fault schedule; exits 1 unless every row is committed exactly once.
+# MODE=pools: part of the backfill on an engine pool and a 2-node group, with pool worker
+# and follower kills (bench/chaos/pool_faults.py; four engines at times: room for two slots).
 SEED ?= 1
+MODE ?= run
 CHAOS_ARGS ?=
 chaos: prepare
-	$(PY) -m bench.chaos --seed $(SEED) $(CHAOS_ARGS)
+	$(PY) -m bench.chaos --seed $(SEED) --mode $(MODE) $(CHAOS_ARGS)
 
 # Regenerate the lock after changing dependencies: pins every package of a fresh install.
 lock:

@@ -39,6 +39,7 @@ class Setup:
     per_run: int
     chunk_size: int
     batch: Any = None  # bench/chaos/store_faults.py's BatchSetup: the batch pipelines
+    pools: Any = None  # pool_faults.PoolsSetup in --mode pools: the pool and group pipelines
 
 
 _CURRENT: list[Setup] = []
@@ -73,6 +74,11 @@ def k8s_resource(setup: Setup) -> Any:
     )
     placement = config.placement.model_copy(update={"gpu_resource_name": None})
     config = config.model_copy(update={"placement": placement, "poll_interval": 1.0})
+    extra: dict[str, Any] = {}
+    if setup.pools is not None:
+        from bench.chaos.pool_faults import resource_fields
+
+        config, extra = resource_fields(config, setup.pools)
     return executor_resource(
         setup.executor,
         k8s=config,
@@ -81,6 +87,7 @@ def k8s_resource(setup: Setup) -> Any:
         s3_allow_http=True,
         engine_overrides={"gpu_memory_utilization": 0.2, "enforce_eager": True},
         env={"VLLM_LOGGING_LEVEL": "WARNING"},
+        **extra,
     )
 
 

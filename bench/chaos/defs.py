@@ -36,8 +36,13 @@ def defs() -> dg.Definitions:
         retry_policy=TRANSIENT_RETRIES,
         group_name="embeddings",
     )
+    pipelines = [pipeline]
+    if setup.pools is not None:  # --mode pools: bench/chaos/pool_faults.py
+        from bench.chaos.pool_faults import pipelines as pool_pipelines
+
+        pipelines += pool_pipelines(setup, TRANSIENT_RETRIES)
     backfill = dg.Definitions(
-        assets=pipeline.assets,
+        assets=[asset for p in pipelines for asset in p.assets],
         resources={"gpu": k8s_resource(setup)},
         executor=dg.in_process_executor,
     )

@@ -10,12 +10,15 @@ Kinds (every one a thing a fleet meets):
   opened once a worker pod has built its engine (when S3 is in use);
 - `daemon_restart`: the Dagster daemon stopped and started again (runs in flight go on);
 - `postgres_restart`, `batch_api_restart`: bench/chaos/store_faults.py.
+- `pool_worker_kill`, `follower_kill` (`--mode pools` only, bench/chaos/pool_faults.py):
+  SIGKILL to a pool worker holding a lease; the follower pod of a 2-node group lost.
 
 The schedule is a pure function of the seed: times, kinds and parameters. A pod fault waits
 for a worker pod to hit (chosen by the seeded generator among the live ones) and keeps within
-what the deployment promises to absorb: at most `max_retries` failing pod faults per run
-(the assets' RetryPolicy) and one OOMKilled per run (a second out-of-memory in one step is, by
-design, a non-retryable Failure: the step-down did not help).
+what the deployment promises to absorb: at most `max_retries` failing faults per run (the
+assets' RetryPolicy; an S3 window counts against the runs at work when it opens) and one
+OOMKilled per run (a second out-of-memory in one step is, by design, a non-retryable
+Failure: the step-down did not help).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from bench.chaos.store_faults import STORE_FAULTS
 POD_FAULTS = ("pod_delete", "engine_kill", "worker_kill", "oom")
 S3_FAULTS = ("s3_5xx", "s3_slow", "s3_reset")
 KINDS = (*POD_FAULTS, *S3_FAULTS, "daemon_restart", *STORE_FAULTS)
+POOL_KINDS = ("pool_worker_kill", "follower_kill")  # --mode pools (bench/chaos/pool_faults.py)
 READY = "engine ready in"  # the worker's log line once its engine is built
 
 
@@ -83,6 +87,7 @@ class Injector:
     max_pod_faults_per_run: int = 2
     give_up_s: float = 600.0
     stores: Any = None  # bench/chaos/store_faults.py's Stores: STORE_FAULTS' target
+    pools: Any = None  # pool_faults.PoolChaos in --mode pools: targets and hits of POOL_KINDS
     done: list[Injected] = field(default_factory=list)
     skipped: list[Fault] = field(default_factory=list)
     _per_run: Counter = field(default_factory=Counter)
@@ -107,6 +112,10 @@ class Injector:
                 self._s3_window(fault, started)
             elif fault.kind in STORE_FAULTS:
                 store_faults.inject(self, fault, rng, started)
+            elif fault.kind in POOL_KINDS:  # waits in its own thread: its run may come later
+                child = random.Random(rng.random())
+                args = (fault, child, started)
+                threading.Thread(target=self._pod_fault, args=args, daemon=True).start()
             elif fault.kind == "daemon_restart":
                 self.daemon.restart(fault.seconds)
                 self.done.append(Injected(fault, time.monotonic() - started, "daemon"))
@@ -118,11 +127,16 @@ class Injector:
         a window during an engine build would meet no request."""
         deadline = time.monotonic() + self.give_up_s
         while not self._stop.is_set() and time.monotonic() < deadline:
-            working = [p.name for p in self._targets(fault.kind) if READY in p.text()]
+            working = [p for p in self._targets(fault.kind) if READY in p.text()]
             if working:
                 self.proxy.open_window(fault.kind, fault.seconds, fault.rate)
+                # A window can fail an attempt of the runs at work (a worker's or the step's
+                # own S3 call past its retries): it spends one of their retries.
+                for run in {p.labels.get("dagster/run-id", p.name) for p in working}:
+                    self._per_run[run] += 1
                 elapsed = time.monotonic() - started
-                self.done.append(Injected(fault, elapsed, "proxy", f"while {working[0]} works"))
+                note = f"while {working[0].name} works"
+                self.done.append(Injected(fault, elapsed, "proxy", note))
                 return
             self._stop.wait(0.5)
         self.skipped.append(fault)
@@ -144,7 +158,7 @@ class Injector:
     def _targets(self, kind: str) -> list[Any]:
         with self.executor._lock:  # noqa: SLF001 - the executor's own state lock
             pods = list(self.executor.pods.values())
-        return [
+        live = [
             pod
             for pod in pods
             if pod.process is not None
@@ -153,6 +167,9 @@ class Injector:
             and not pod.oom_injected
             and (kind != "engine_kill" or _engine_processes(pod))
         ]
+        if kind in POOL_KINDS:
+            return self.pools.targets(kind, live) if self.pools is not None else []
+        return live
 
     def _allowed(self, pod: Any, fault: Fault) -> bool:
         run = pod.labels.get("dagster/run-id", pod.name)
@@ -170,6 +187,8 @@ class Injector:
     def _hit(self, pod: Any, kind: str) -> str | None:
         """Do it; None when the pod went away first (the injector tries another)."""
         try:
+            if kind in POOL_KINDS:
+                return self.pools.hit(pod, kind)
             if kind == "pod_delete":
                 self.executor.preempt(pod.name)
                 return "DisruptionTarget, graceful delete"

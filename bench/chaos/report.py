@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos import store_faults
-from bench.chaos.faults import KINDS, Fault
+from bench.chaos.faults import KINDS, POOL_KINDS, Fault
 
 
 def verdict(phase: Any) -> list[str]:
@@ -34,7 +34,7 @@ def faults_table(schedule: list[Fault], phase: Any) -> list[str]:
     done = Counter(i.fault.kind for i in phase.injected)
     skipped = Counter(f.kind for f in phase.skipped)
     lines = ["| fault | scheduled | injected | skipped |", "|---|---:|---:|---:|"]
-    for kind in KINDS:
+    for kind in (*KINDS, *POOL_KINDS):
         if planned[kind]:
             lines.append(f"| {kind} | {planned[kind]} | {done[kind]} | {skipped[kind]} |")
     lines.append(f"| **all** | {len(schedule)} | {len(phase.injected)} | {len(phase.skipped)} |")
@@ -57,6 +57,8 @@ def summary_table(baseline: Any | None, chaos: Any) -> list[str]:
         *store_faults.summary_rows(),
         ("processes left", lambda p: str(len(p.leftover_processes))),
     ]
+    extra = [name for p in phases for name in getattr(p, "extra", {})]  # pool mode's rows
+    rows += [(n, lambda p, n=n: p.extra.get(n, "")) for n in dict.fromkeys(extra)]
     lines = ["| | " + " | ".join(p.label for p in phases) + " |"]
     lines.append("|---|" + "---:|" * len(phases))
     lines += [f"| {name} | " + " | ".join(cell(p) for p in phases) + " |" for name, cell in rows]

@@ -23,6 +23,7 @@ from bench.chaos import cluster as chaos_cluster
 from bench.chaos import daemon as chaos_daemon
 from bench.chaos import store_faults
 from bench.chaos.faults import Fault, Injector
+from bench.chaos.pool_faults import PoolChaos, pool_facts
 
 ASSET = "doc_embeddings"
 TERMINAL_RUN = {"SUCCESS", "FAILURE", "CANCELED"}
@@ -54,6 +55,7 @@ class Phase:
     daemon_errors: list[str] = field(default_factory=list)
     leftover_processes: list[str] = field(default_factory=list)
     batches: dict[str, Any] = field(default_factory=dict)  # store_faults.BatchApi.tally
+    extra: dict[str, str] = field(default_factory=dict)  # more summary rows (pool mode)
 
 
 def backfill(found: Any, label: str, keys: list[str], faults: list[Fault], options: Any) -> Phase:
@@ -69,9 +71,11 @@ def backfill(found: Any, label: str, keys: list[str], faults: list[Fault], optio
         partition_keys=keys,
         per_run=options.per_run,
         chunk_size=options.chunk_size,
+        pools=getattr(options, "pools", None),
     )
     chaos_cluster.use(setup)
-    phase = Phase(label, asked=len(keys))
+    targets = {ASSET: keys, **(setup.pools.targets() if setup.pools else {})}
+    phase = Phase(label, asked=sum(len(k) for k in targets.values()))
     pods_before = len(found.executor.created)
     hits_before = Counter(found.proxy.injected)
     with (
@@ -84,10 +88,14 @@ def backfill(found: Any, label: str, keys: list[str], faults: list[Fault], optio
             daemon = chaos_daemon.Daemon(instance)
             injector = Injector(faults, found.executor, found.proxy, daemon, options.seed)
             injector.stores = stores
+            injector.pools = pool_chaos(found, prefix, setup.pools)
+            if setup.pools:  # a pool kind waits for its pipeline's run, which may come last
+                injector.give_up_s = options.timeout_s
+            submitted_at = time.time()
             try:
                 stores.start_api(home)
                 begun = time.monotonic()
-                backfill_id = submit_backfill(instance, daemon, keys)
+                backfill_id = submit_backfill(instance, daemon, targets)
                 daemon.start()
                 injector.run(begun)
                 runs = -(-len(keys) // options.per_run)
@@ -109,17 +117,28 @@ def backfill(found: Any, label: str, keys: list[str], faults: list[Fault], optio
     phase.step_down_pods = sum(1 for p in pods if _label(p, "/launch") == "1")
     phase.injected, phase.skipped = injector.done, injector.skipped
     phase.proxy_hits = dict(Counter(found.proxy.injected) - hits_before)
-    verify(found, prefix, keys, phase)
+    for asset, asset_keys in targets.items():
+        verify(found, prefix, asset_keys, phase, asset)
     phase.leftover_processes = leftovers(found.executor)
+    if setup.pools is not None:
+        phase.extra = pool_facts(setup.pools, submitted_at)
     return phase
+
+
+def pool_chaos(found: Any, prefix: str, pools: Any) -> Any:
+    """The injector's hand for the pool kinds (`--mode pools`), else None."""
+    if pools is None:
+        return None
+    return PoolChaos(pools, found.client, found.bucket, prefix)
 
 
 def _label(pod: Any, suffix: str) -> str | None:
     return next((v for k, v in pod.labels.items() if k.endswith(suffix)), None)
 
 
-def submit_backfill(instance: Any, daemon: Any, keys: list[str]) -> str:
-    """The UI's launchPartitionBackfill mutation, over the daemon's code location."""
+def submit_backfill(instance: Any, daemon: Any, targets: dict[str, list[str]]) -> str:
+    """The UI's launchPartitionBackfill mutation, over the daemon's code location: the
+    partitions of each asset in `targets` (asset name -> partition keys)."""
     from dagster._core.test_utils import (
         InProcessTestWorkspaceLoadTarget,
         create_test_daemon_workspace_context,
@@ -132,14 +151,29 @@ def submit_backfill(instance: Any, daemon: Any, keys: list[str]) -> str:
         result = execute_dagster_graphql(
             workspace.create_request_context(),
             LAUNCH_PARTITION_BACKFILL_MUTATION,
-            variables={
-                "backfillParams": {"partitionNames": keys, "assetSelection": [{"path": [ASSET]}]}
-            },
+            variables={"backfillParams": backfill_params(targets)},
         )
     launched = result.data["launchPartitionBackfill"]
     if launched["__typename"] != "LaunchBackfillSuccess":
         raise RuntimeError(f"the backfill was refused: {launched}")
     return launched["backfillId"]
+
+
+def backfill_params(targets: dict[str, list[str]]) -> dict[str, Any]:
+    """One asset: its partition names, as the UI sends them; several (pool mode): each
+    asset's partitions (`partitionsByAssets`, one range: the keys are in their order)."""
+    if len(targets) == 1:
+        [(asset, keys)] = targets.items()
+        return {"partitionNames": keys, "assetSelection": [{"path": [asset]}]}
+    return {
+        "partitionsByAssets": [
+            {
+                "assetKey": {"path": [asset]},
+                "partitions": {"range": {"start": keys[0], "end": keys[-1]}},
+            }
+            for asset, keys in targets.items()
+        ]
+    }
 
 
 def _backfill_runs(instance: Any, backfill_id: str) -> list[Any]:
@@ -191,7 +225,7 @@ def tally_runs(instance: Any, backfill_id: str, phase: Phase) -> None:
         phase.step_retries += len(records)
 
 
-def verify(found: Any, prefix: str, keys: list[str], phase: Phase) -> None:
+def verify(found: Any, prefix: str, keys: list[str], phase: Phase, asset: str = ASSET) -> None:
     """Every input id exactly once in its partition's output or errors, from S3 itself."""
     from dagster_gpuinfer import Manifest
 
@@ -199,7 +233,7 @@ def verify(found: Any, prefix: str, keys: list[str], phase: Phase) -> None:
         return found.client.get_object(Bucket=found.bucket, Key=key)["Body"].read()
 
     for key in keys:
-        folder = f"{prefix}/{ASSET}/{key}/"
+        folder = f"{prefix}/{asset}/{key}/"
         expected = found.inputs[key]
         phase.rows_in += len(expected)
         try:
