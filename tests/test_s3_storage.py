@@ -362,3 +362,34 @@ def test_yielding_to_a_manifest_never_deletes_a_file_it_names(tmp_path):
     where.yield_to(manifest, "abc")
     assert verify_manifest(where.fs, where.path, manifest) == []
     assert stray.name not in list_names(where.fs, where.path)
+
+
+def test_reads_and_the_conditional_commit_outlast_a_burst_of_s3_errors(s3_server, bucket):
+    """Four 503s in a row (a flaky endpoint) on a HeadObject, as the step's manifest check
+    makes, and on the conditional manifest PUT cost retries, not the chunk or the step:
+    pyarrow's and boto3's default of 3 attempts gave up on them (the chaos seeds' lost runs).
+    """
+    from urllib.parse import urlparse
+
+    from bench.chaos.s3_proxy import FaultProxy
+    from dagster_gpuinfer.storage import create_exclusive
+
+    upstream = urlparse(s3_server.endpoint_url)
+    proxy = FaultProxy("127.0.0.1", (upstream.hostname, upstream.port), seed=1).start()
+    try:
+        options = StorageOptions(
+            endpoint_url=proxy.endpoint, region=s3_server.region, allow_http=True
+        )
+        s3_server.client.put_object(Bucket=bucket, Key="burst/a", Body=b"payload")
+        fs, path = filesystem_for(f"s3://{bucket}/burst/a", options)
+        for _ in range(4):
+            proxy.fail_once("HEAD", "/burst/a", "503-before")
+        assert fs.get_file_info(path).size == len(b"payload")
+        fs, path = filesystem_for(f"s3://{bucket}/burst/_SUCCESS", options)
+        for _ in range(4):
+            proxy.fail_once("PUT", "/burst/_SUCCESS", "503-before")
+        assert create_exclusive(fs, path, b"manifest", options) is True
+        assert proxy.injected["503-before"] == 8
+    finally:
+        proxy.stop()
+    assert s3_server.read(bucket, "burst/_SUCCESS") == b"manifest"

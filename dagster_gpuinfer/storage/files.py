@@ -21,6 +21,12 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from dagster_gpuinfer.spec import StorageOptions
 
+# Attempts per S3 request, pyarrow's and boto3's (both "standard" retries: 5xx, throttling,
+# connection errors; exponential backoff with jitter). Their default of 3 is spent by a
+# minute of a flaky endpoint; a failed request then fails the chunk or the step, and every
+# request the worker and the commit make is idempotent (unique names, conditional manifest).
+S3_MAX_ATTEMPTS = 8
+
 # AWS environment variable -> pyarrow.fs.S3FileSystem argument.
 _PYARROW_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "access_key",
@@ -72,6 +78,7 @@ def filesystem_for(
         for variable, argument in _PYARROW_CREDENTIALS.items():
             if credentials and credentials.get(variable):
                 kwargs[argument] = credentials[variable]
+        kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=S3_MAX_ATTEMPTS)
         return pafs.S3FileSystem(**kwargs), uri[len("s3://") :].rstrip("/")
     if uri.startswith("file://"):
         uri = uri[len("file://") :]
@@ -88,13 +95,19 @@ def s3_client(storage: StorageOptions | None = None) -> Any:
     """
     try:
         import boto3
+        from botocore.config import Config
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
         raise ImportError(
             "this S3 operation needs boto3: install dagster-gpuinfer[aws] (control plane) or "
             "a worker extra"
         ) from exc
     storage = storage or StorageOptions()
-    return boto3.client("s3", endpoint_url=storage.endpoint_url, region_name=storage.region or None)
+    return boto3.client(
+        "s3",
+        endpoint_url=storage.endpoint_url,
+        region_name=storage.region or None,
+        config=Config(retries={"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"}),
+    )
 
 
 def display_uri(fs: pafs.FileSystem, path: str) -> str:
