@@ -54,6 +54,25 @@ def storage(s3_server) -> StorageOptions:
     )
 
 
+@pytest.fixture
+def fault_proxy(s3_server):
+    """bench/chaos's fault-injecting proxy in front of the loopback S3 server, and storage
+    options that go through it."""
+    from urllib.parse import urlparse
+
+    from bench.chaos.s3_proxy import FaultProxy
+
+    upstream = urlparse(s3_server.endpoint_url)
+    proxy = FaultProxy("127.0.0.1", (upstream.hostname, upstream.port), seed=1).start()
+    try:
+        yield (
+            proxy,
+            StorageOptions(endpoint_url=proxy.endpoint, region=s3_server.region, allow_http=True),
+        )
+    finally:
+        proxy.stop()
+
+
 def make_spec(
     bucket: str, storage: StorageOptions, model: str = "sentence-transformers/all-MiniLM-L6-v2"
 ) -> InferenceSpec:
@@ -270,35 +289,18 @@ def test_manifest_creation_on_s3_is_exclusive(s3_server, bucket):
 
 @pytest.mark.parametrize("variant", ["500-after", "reset-after"])
 def test_a_manifest_put_that_applied_but_failed_still_commits_the_partition(
-    s3_server, bucket, variant
+    s3_server, bucket, storage, fault_proxy, variant
 ):
     """S3 applied the manifest's PUT but answered 500 (or reset the connection); the client
     retried it and its `If-None-Match` failed on the object it had just written. That is the
     commit's own manifest, not a rival's: the commit stands, keeps the errors file the
     manifest names and clears the leftovers (before the fix it raised `CommitConflict`, and
     the worker's yield then deleted its own errors file under its own manifest)."""
-    from urllib.parse import urlparse
-
-    from bench.chaos.s3_proxy import FaultProxy
-
-    upstream = urlparse(s3_server.endpoint_url)
-    proxy = FaultProxy("127.0.0.1", (upstream.hostname, upstream.port), seed=1).start()
-    try:
-        through_proxy = StorageOptions(
-            endpoint_url=proxy.endpoint, region=s3_server.region, allow_http=True
-        )
-        spec = make_spec(bucket, through_proxy)
-        proxy.fail_once("PUT", "/_SUCCESS", variant)
-        manifest = commit_example(spec, "day/1")
-        assert proxy.injected[variant] == 1
-    finally:
-        proxy.stop()
-    spec = make_spec(
-        bucket,
-        StorageOptions(
-            endpoint_url=s3_server.endpoint_url, region=s3_server.region, allow_http=True
-        ),
-    )
+    proxy, through_proxy = fault_proxy
+    proxy.fail_once("PUT", "/_SUCCESS", variant)
+    manifest = commit_example(make_spec(bucket, through_proxy), "day/1")
+    assert proxy.injected[variant] == 1
+    spec = make_spec(bucket, storage)
     fs, path = filesystem_for(partition_dir(spec.output, "day/1"), spec.storage)
     assert committed_manifest(spec, "day/1", model=None) == manifest
     assert verify_manifest(fs, path, manifest) == []
@@ -364,32 +366,24 @@ def test_yielding_to_a_manifest_never_deletes_a_file_it_names(tmp_path):
     assert stray.name not in list_names(where.fs, where.path)
 
 
-def test_reads_and_the_conditional_commit_outlast_a_burst_of_s3_errors(s3_server, bucket):
+def test_reads_and_the_conditional_commit_outlast_a_burst_of_s3_errors(
+    s3_server, bucket, fault_proxy
+):
     """Four 503s in a row (a flaky endpoint) on a HeadObject, as the step's manifest check
     makes, and on the conditional manifest PUT cost retries, not the chunk or the step:
     pyarrow's and boto3's default of 3 attempts gave up on them (the chaos seeds' lost runs).
     """
-    from urllib.parse import urlparse
-
-    from bench.chaos.s3_proxy import FaultProxy
     from dagster_gpuinfer.storage import create_exclusive
 
-    upstream = urlparse(s3_server.endpoint_url)
-    proxy = FaultProxy("127.0.0.1", (upstream.hostname, upstream.port), seed=1).start()
-    try:
-        options = StorageOptions(
-            endpoint_url=proxy.endpoint, region=s3_server.region, allow_http=True
-        )
-        s3_server.client.put_object(Bucket=bucket, Key="burst/a", Body=b"payload")
-        fs, path = filesystem_for(f"s3://{bucket}/burst/a", options)
-        for _ in range(4):
-            proxy.fail_once("HEAD", "/burst/a", "503-before")
-        assert fs.get_file_info(path).size == len(b"payload")
-        fs, path = filesystem_for(f"s3://{bucket}/burst/_SUCCESS", options)
-        for _ in range(4):
-            proxy.fail_once("PUT", "/burst/_SUCCESS", "503-before")
-        assert create_exclusive(fs, path, b"manifest", options) is True
-        assert proxy.injected["503-before"] == 8
-    finally:
-        proxy.stop()
+    proxy, options = fault_proxy
+    s3_server.client.put_object(Bucket=bucket, Key="burst/a", Body=b"payload")
+    fs, path = filesystem_for(f"s3://{bucket}/burst/a", options)
+    for _ in range(4):
+        proxy.fail_once("HEAD", "/burst/a", "503-before")
+    assert fs.get_file_info(path).size == len(b"payload")
+    fs, path = filesystem_for(f"s3://{bucket}/burst/_SUCCESS", options)
+    for _ in range(4):
+        proxy.fail_once("PUT", "/burst/_SUCCESS", "503-before")
+    assert create_exclusive(fs, path, b"manifest", options) is True
+    assert proxy.injected["503-before"] == 8
     assert s3_server.read(bucket, "burst/_SUCCESS") == b"manifest"
