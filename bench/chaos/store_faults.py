@@ -21,6 +21,7 @@ Kinds:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -38,14 +39,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from dagster_postgres.utils import DagsterPostgresException
 from sqlalchemy.exc import OperationalError
 
 STORE_FAULTS = ("postgres_restart", "batch_api_restart")
-# What the instance raises while its server is down (after its own retries, about 6 s).
+# What the instance raises while its server is down past its reconnect_for_s.
 STORE_DOWN = (DagsterPostgresException, OperationalError)
 FINAL = ("completed", "failed", "expired", "cancelled")
 REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
 MODEL = "chaos-minilm"  # the model the batch lines name (the route serves it)
 ENDPOINT = "/v1/embeddings"
 
@@ -182,8 +185,14 @@ def with_down_time(faults: list[Any], seconds: float | None) -> list[Any]:
 
 
 def instance_storage(url: str) -> dict[str, Any]:
-    """dagster.yaml's `storage` on PostgreSQL (runs, event log, schedules), as deployed."""
-    return {"storage": {"postgres": {"postgres_url": url}}}
+    """deploy/dagster.yaml's run, event log and schedule storage sections, on `url`."""
+    deployed = yaml.safe_load((DEPLOY / "dagster.yaml").read_text())
+    sections = ("run_storage", "event_log_storage", "schedule_storage")
+    found = {name: copy.deepcopy(deployed[name]) for name in sections}
+    for section in found.values():
+        section["config"].pop("postgres_db")
+        section["config"]["postgres_url"] = url
+    return found
 
 
 @dataclass
