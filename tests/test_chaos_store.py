@@ -6,7 +6,12 @@ keeps a short seed.)"""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import dagster as dg
@@ -17,6 +22,8 @@ from dagster._core.test_utils import create_run_for_test
 from bench.chaos.faults import KINDS, Fault, Injector, schedule
 from bench.chaos.store_faults import (
     FINAL,
+    OWNER,
+    PREFIX,
     STORE_FAULTS,
     BatchApi,
     Postgres,
@@ -25,6 +32,7 @@ from bench.chaos.store_faults import (
     inject,
     instance_storage,
     routes,
+    stop_orphans,
     verdict,
 )
 
@@ -77,6 +85,33 @@ def test_the_harness_server_is_not_a_child_of_the_harness(server):
     """`leftovers` counts this process's children: the server must not be among them."""
     children = {p.pid for p in psutil.Process().children(recursive=True)}
     assert server.server_pid() not in children
+
+
+@pytest.fixture
+def open_folder():
+    """A folder the server's `postgres` user can enter (pytest's tmp_path is root's, 0700)."""
+    folder = Path(tempfile.mkdtemp(prefix="gpuinfer-orphans-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_server_left_by_a_killed_harness_is_stopped_by_the_next(open_folder):
+    tmp_path = open_folder
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f"{PREFIX}left").mkdir()
+    left = Postgres(folder=tmp_path / f"{PREFIX}left").start()
+    (left.folder / OWNER).write_text(str(dead.pid))  # its harness was SIGKILLed
+    (tmp_path / f"{PREFIX}live").mkdir()
+    (tmp_path / f"{PREFIX}live" / OWNER).write_text(str(os.getpid()))  # a harness at work
+    (tmp_path / f"{PREFIX}starting").mkdir()  # not started yet: no owner
+    pid = left.server_pid()
+    assert pid is not None and psutil.pid_exists(pid)
+    assert stop_orphans(tmp_path) == [left.folder]
+    assert gone(pid)
+    assert not left.folder.exists()
+    assert (tmp_path / f"{PREFIX}live").exists() and (tmp_path / f"{PREFIX}starting").exists()
 
 
 @pytest.fixture

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 from dagster_postgres.utils import DagsterPostgresException
 from sqlalchemy.exc import OperationalError
@@ -48,6 +49,8 @@ STORE_FAULTS = ("postgres_restart", "batch_api_restart")
 STORE_DOWN = (DagsterPostgresException, OperationalError)
 FINAL = ("completed", "failed", "expired", "cancelled")
 REPO = Path(__file__).resolve().parents[2]
+PREFIX = "gpuinfer-chaos-pg-"  # the harness's server folders, under the temporary folder
+OWNER = "owner.pid"  # in each: the pid of the harness that started the server
 DEPLOY = REPO / "deploy"
 MODEL = "chaos-minilm"  # the model the batch lines name (the route serves it)
 ENDPOINT = "/v1/embeddings"
@@ -84,7 +87,7 @@ class Postgres:
     deploy/local/pg-cluster.sh does; pg_ctl detaches the server from this process."""
 
     def __init__(self, folder: Path | None = None, port: int | None = None) -> None:
-        self.folder = folder or Path(tempfile.mkdtemp(prefix="gpuinfer-chaos-pg-"))
+        self.folder = folder or Path(tempfile.mkdtemp(prefix=PREFIX))
         self.data = self.folder / "data"
         self.port = port or free_port()
         self.url = f"postgresql://gpuinfer@127.0.0.1:{self.port}/postgres"
@@ -125,6 +128,7 @@ class Postgres:
         if done.returncode:
             log = (self.data / "server.log").read_text()[-2000:]
             raise RuntimeError(f"pg_ctl start on port {self.port} failed: {done.stderr}\n{log}")
+        (self.folder / OWNER).write_text(str(os.getpid()))
         return self
 
     def stop(self, mode: str = "fast") -> None:
@@ -166,8 +170,25 @@ class Postgres:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def stop_orphans(root: Path | None = None) -> list[Path]:
+    """Stop and remove the servers of harnesses that died without closing them (SIGKILL):
+    a server folder whose OWNER process is gone. The folders removed."""
+    removed = []
+    for folder in sorted(Path(root or tempfile.gettempdir()).glob(f"{PREFIX}*")):
+        try:
+            owner = int((folder / OWNER).read_text())
+        except (OSError, ValueError):
+            continue  # not started yet, or not one of ours
+        if psutil.pid_exists(owner):
+            continue
+        Postgres(folder=folder).close()
+        removed.append(folder)
+    return removed
+
+
 @contextlib.contextmanager
 def postgres() -> Iterator[Postgres]:
+    stop_orphans()
     server = Postgres().start()
     try:
         yield server
