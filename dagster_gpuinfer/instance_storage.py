@@ -1,7 +1,7 @@
 """The Dagster instance's PostgreSQL storage, patient with a store that restarts.
 
-dagster_postgres gives up on a refused connection after 5 tries with exponential backoff
-from 0.2 s, about 6 s in all, and the limit cannot be configured (dagster#21209). A
+dagster_postgres gives up on a refused connection after 5 retries waiting (2^n - 1) x 0.2 s
+(+- 0.2 s), about 11 s in all, and the limit cannot be configured (dagster#21209). A
 PostgreSQL restart, a managed failover (tens of seconds) or a node drain of the database pod
 outlasts that. When it does, a step whose worker pod has committed its partitions fails
 writing its STEP_OUTPUT event, the run fails, and Dagster records committed partitions as

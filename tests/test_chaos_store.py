@@ -284,7 +284,7 @@ def test_store_down_time_can_be_set_for_every_store_fault_and_only_those():
 
 def test_the_harness_waits_out_a_store_that_is_down_longer_than_dagsters_retries():
     """A 20 s PostgreSQL restart crashed the harness itself: `wait_for_backfill` got
-    Dagster's 'too many retries for DB connection' after about 6 s."""
+    Dagster's 'too many retries for DB connection' after about 11 s."""
     from dagster_postgres.utils import DagsterPostgresException
 
     from bench.chaos.run import wait_for_backfill
@@ -307,7 +307,7 @@ def test_the_harness_waits_out_a_store_that_is_down_longer_than_dagsters_retries
 def test_a_backfill_dagster_records_as_failed_is_no_pass_even_with_every_row_in_s3():
     """The 20 s store-down probe printed PASS with its backfill COMPLETED_FAILED: the
     worker had committed both partitions, then the step's output event could not be
-    written (Dagster's connection retries end after about 6 s)."""
+    written (Dagster's connection retries end after about 11 s)."""
     from bench.chaos.report import verdict as report_verdict
 
     phase = SimpleNamespace(
