@@ -7,6 +7,7 @@ end-to-end cases with real pool workers and a real engine are in test_pool_engin
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -289,6 +290,34 @@ def test_workers_that_never_report_fail_the_step_retryably(tmp_path):
                 watch.wait(poll_s=0.01)
         assert failure.value.allow_retries
         assert queue.job_progress(job.job_id).state == "cancelled"
+
+
+def test_workers_restarted_while_the_job_reports_progress_are_no_crash_loop(tmp_path):
+    """Chaos pool seed 1: three pool workers killed within 13 s, the reconciler started
+    replacements, and the step failed "5 pool workers ... none reported back" although the
+    job's events kept coming: only events read in the very read that reconciled counted."""
+    spec = spec_for(tmp_path, ["a"])
+    ticks = itertools.count()  # one second a read of the clock: reconciles every few reads
+    with open_lease_queue(str(tmp_path / "q.db")) as queue:
+        job = pool_job(spec, run_id="r1", retry_number=0)
+        queue.submit(job)
+        lease = queue.lease(job.pool_key, worker_id="w-alive", ttl_s=300)
+        starts: list[str] = []
+
+        def reconcile_pool() -> list[str]:
+            starts.append(f"w{len(starts)}")  # a replacement for a worker that died
+            if len(starts) == 8:
+                queue.complete(lease, {"messages": [], "pool": {"warm": True}})
+            else:  # the live worker reports after this reconcile, before the next
+                queue.post_event(lease, "progress", {"rows_done": len(starts)})
+            return [starts[-1]]
+
+        watch = JobWatch(
+            queue, job, Log(), reconcile_pool=reconcile_pool, max_workers=1,
+            clock=lambda: float(next(ticks)),
+        )  # fmt: skip
+        assert watch.wait(poll_s=0.01).state == "done"
+        assert len(starts) == 8  # more starts than the limit (max_workers + 2), no failure
 
 
 # --------------------------------------------------------------------------- interruption

@@ -276,15 +276,17 @@ class JobWatch:
         """Read the job whenever its bell rings (an event, a result), else every `poll_s`;
         raise as soon as `interrupted()` says so."""
         last_reconcile = -RECONCILE_SECONDS
+        heard = False  # any event since the last reconcile, not only in this read
         while True:
             if interrupted():
                 raise dg.DagsterExecutionInterruptedError()
-            heard = self.drain_events()
+            heard = self.drain_events() or heard
             progress = self.queue.job_progress(self.job.job_id)
             if progress.finished or self.refused:
                 return progress
             if self.clock() - last_reconcile >= RECONCILE_SECONDS:
                 self._reconcile(heard)
+                heard = False
                 last_reconcile = self.clock()
             bell.wait(poll_s)
 
