@@ -31,6 +31,7 @@ from bench.chaos.store_faults import (
     batch_lines,
     inject,
     instance_storage,
+    postgres,
     routes,
     stop_orphans,
     verdict,
@@ -50,11 +51,8 @@ def gone(pid: int, wait_s: float = 10.0) -> bool:
 
 @pytest.fixture(scope="module")
 def server():
-    found = Postgres().start()
-    try:
+    with postgres() as found:
         yield found
-    finally:
-        found.close()
 
 
 def test_the_store_kinds_are_scheduled_like_the_others():

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from dagster_postgres.utils import DagsterPostgresException
 
-from bench.chaos.store_faults import Postgres, instance_storage
+from bench.chaos.store_faults import Postgres, instance_storage, postgres
 from dagster_gpuinfer.instance_storage import (
     PatientPostgresEventLogStorage,
     PatientPostgresRunStorage,
@@ -28,11 +28,8 @@ DOWN_S = 20.0
 
 @pytest.fixture(scope="module")
 def server():
-    found = Postgres().start()
-    try:
+    with postgres() as found:
         yield found
-    finally:
-        found.close()
 
 
 def home(tmp_path: Path, name: str, storage: dict) -> Path:
