@@ -106,7 +106,7 @@ def patient_config() -> dict[str, Field]:
 
 
 class _Patient:
-    """`_connect()` for a dagster_postgres storage, retried for `reconnect_for_s`."""
+    """A dagster_postgres storage whose connections are opened with `connect_patiently`."""
 
     _engine: sqlalchemy.engine.Engine
 
