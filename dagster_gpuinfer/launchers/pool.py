@@ -44,6 +44,7 @@ from dagster_gpuinfer.pools.lease_queue import (
     JobProgress,
     JobSubmission,
     LeaseQueue,
+    QueueUnavailable,
     WorkItem,
 )
 from dagster_gpuinfer.pools.metrics import push_pool_metrics
@@ -60,6 +61,10 @@ RECONCILE_SECONDS = 5.0
 # Workers this step may start in a row without the job hearing from any before it gives up
 # (a worker that cannot start: missing CLI, bad environment), above the pool's max_workers.
 EXTRA_STARTS_WITHOUT_NEWS = 2
+# How long a waiting step rides out an unreachable lease queue (a PostgreSQL restart or
+# failover) before it fails, retryably; the Dagster instance's storage waits as long
+# (dagster_gpuinfer/instance_storage.py).
+QUEUE_DOWN_LIMIT_S = 120.0
 
 
 def job_pool_key(spec: InferenceSpec) -> str:
@@ -277,18 +282,43 @@ class JobWatch:
         raise as soon as `interrupted()` says so."""
         last_reconcile = -RECONCILE_SECONDS
         heard = False  # any event since the last reconcile, not only in this read
+        down_since: float | None = None  # when the queue became unreachable
         while True:
             if interrupted():
                 raise dg.DagsterExecutionInterruptedError()
-            heard = self.drain_events() or heard
-            progress = self.queue.job_progress(self.job.job_id)
-            if progress.finished or self.refused:
-                return progress
-            if self.clock() - last_reconcile >= RECONCILE_SECONDS:
-                self._reconcile(heard)
-                heard = False
-                last_reconcile = self.clock()
+            try:
+                heard = self.drain_events() or heard
+                progress = self.queue.job_progress(self.job.job_id)
+                if down_since is not None:
+                    self.log.info(f"the lease queue answers again ({self._down_for(down_since)})")
+                    down_since = None
+                if progress.finished or self.refused:
+                    return progress
+                if self.clock() - last_reconcile >= RECONCILE_SECONDS:
+                    self._reconcile(heard)
+                    heard = False
+                    last_reconcile = self.clock()
+            except QueueUnavailable as exc:
+                down_since = self._queue_down(down_since, exc)
             bell.wait(poll_s)
+
+    def _queue_down(self, down_since: float | None, exc: QueueUnavailable) -> float:
+        """Note an unreachable queue; when it has been so for QUEUE_DOWN_LIMIT_S, fail."""
+        now = self.clock()
+        if down_since is None:
+            self.log.warning(f"{exc}; waiting up to {QUEUE_DOWN_LIMIT_S:.0f} s for it")
+            return now
+        if now - down_since >= QUEUE_DOWN_LIMIT_S:
+            raise dg.Failure(
+                description=f"the lease queue was unreachable for {self._down_for(down_since)}"
+                f" while job {self.job.job_id} ran: {exc}. Committed partitions stay "
+                "committed; the run can be retried once the queue's store answers.",
+                allow_retries=True,
+            )
+        return down_since
+
+    def _down_for(self, down_since: float) -> str:
+        return f"{self.clock() - down_since:.0f} s"
 
     def _reconcile(self, heard: bool) -> None:
         if heard:

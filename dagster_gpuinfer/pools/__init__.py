@@ -31,6 +31,7 @@ from dagster_gpuinfer.pools.lease_queue import LeaseQueue as LeaseQueue
 from dagster_gpuinfer.pools.lease_queue import LeaseQueueError as LeaseQueueError
 from dagster_gpuinfer.pools.lease_queue import PoolStats as PoolStats
 from dagster_gpuinfer.pools.lease_queue import PoolWorker as PoolWorker
+from dagster_gpuinfer.pools.lease_queue import QueueUnavailable as QueueUnavailable
 from dagster_gpuinfer.pools.lease_queue import UnknownJobError as UnknownJobError
 from dagster_gpuinfer.pools.lease_queue import WorkItem as WorkItem
 from dagster_gpuinfer.pools.postgres_queue import PostgresLeaseQueue as PostgresLeaseQueue

@@ -191,19 +191,45 @@ def postgres_channel(channel: str) -> str:
 
 
 class PostgresListener(Listener):
-    """`LISTEN` on its own autocommit connection until closed."""
+    """`LISTEN` on its own autocommit connection until closed. A connection the server
+    dropped (a restart, a failover) is opened again at the next wait: until then the
+    listener polls, and after it wakes its waiter once (rings sent while it was deaf are
+    lost; the waiter reads the queue)."""
 
-    def __init__(self, connection: Any, channel: str) -> None:
+    def __init__(self, connect: Any, channel: str) -> None:
+        self._connect = connect
+        self.channel = channel
+        self.connection: Any = None
+        self._listen()
+
+    def _listen(self) -> bool:
+        try:
+            connection = self._connect()
+            connection.autocommit = True
+            with connection.cursor() as cursor:
+                cursor.execute(f'LISTEN "{postgres_channel(self.channel)}"')
+        except Exception as exc:  # noqa: BLE001 - the queue's own calls say what is wrong
+            log.warning("no doorbell for %s yet (%s): polling", self.channel, exc)
+            return False
         self.connection = connection
-        connection.autocommit = True
-        with connection.cursor() as cursor:
-            cursor.execute(f'LISTEN "{postgres_channel(channel)}"')
+        return True
 
     def wait(self, timeout_s: float) -> bool:
-        if self._drain():
-            return True
-        ready, _, _ = select.select([self.connection], [], [], max(0.0, timeout_s))
-        return bool(ready) and self._drain()
+        if self.connection is None:
+            if self._listen():
+                return True  # deaf until now: a ring may have been missed
+            time.sleep(max(0.0, timeout_s))
+            return False
+        try:
+            if self._drain():
+                return True
+            ready, _, _ = select.select([self.connection], [], [], max(0.0, timeout_s))
+            return bool(ready) and self._drain()
+        except Exception as exc:  # noqa: BLE001 - the server went away
+            log.warning("doorbell %s lost its connection (%s): listens again", self.channel, exc)
+            self.close()
+            self.connection = None
+            return True  # rings while it was down are lost: the waiter reads the queue
 
     def _drain(self) -> bool:
         self.connection.poll()
@@ -230,11 +256,7 @@ class PostgresDoorbell(Doorbell):
         self._connect = connect
 
     def listen(self, channel: str) -> Listener:
-        try:
-            return PostgresListener(self._connect(), channel)
-        except Exception as exc:  # noqa: BLE001 - the queue's own calls will say what is wrong
-            log.warning("no doorbell for %s (%s): polling", channel, exc)
-            return Listener()
+        return PostgresListener(self._connect, channel)
 
     def ring(self, channel: str) -> None:
         try:

@@ -77,6 +77,11 @@ class LeaseLostError(LeaseQueueError):
         self.reason = reason
 
 
+class QueueUnavailable(ConnectionError):
+    """The queue's store cannot be reached now (a restart, a failover, the network). The
+    same call may succeed later; a change it carried may or may not have been applied."""
+
+
 class UnknownJobError(LeaseQueueError):
     """No job with this id was submitted (or it was deleted)."""
 

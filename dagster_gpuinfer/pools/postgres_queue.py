@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from dagster_gpuinfer.pools.doorbell import Doorbell, PostgresDoorbell
-from dagster_gpuinfer.pools.lease_queue import Clock
+from dagster_gpuinfer.pools.lease_queue import Clock, QueueUnavailable
 from dagster_gpuinfer.pools.sql_queue import (
     WORKERS,
     SqlLeaseQueue,
@@ -85,7 +85,7 @@ class PostgresLeaseQueue(SqlLeaseQueue):
         try:
             return self._psycopg2.connect(self.url, connect_timeout=self._connect_timeout_s)
         except self._psycopg2.OperationalError as exc:
-            raise ConnectionError(
+            raise QueueUnavailable(
                 f"cannot reach the lease queue at {self.location}: {str(exc).strip()}. Check "
                 "that the server runs and the URL (host, port, database, user) is right"
             ) from exc
@@ -95,15 +95,30 @@ class PostgresLeaseQueue(SqlLeaseQueue):
         connection = self._connection()
         try:
             yield Transaction(connection.cursor(), self._psycopg2.paramstyle)
-        except BaseException:
+        except BaseException as exc:
             try:
                 connection.rollback()
             except self._psycopg2.Error:
                 pass
             if connection.closed:  # the server went away: reconnect on the next call
                 self._forget_connection()
+                if isinstance(exc, self._psycopg2.Error):
+                    raise self._lost(exc) from exc
             raise
-        connection.commit()
+        try:
+            connection.commit()
+        except self._psycopg2.Error as exc:
+            if not connection.closed:
+                raise
+            self._forget_connection()
+            raise self._lost(exc) from exc
+
+    def _lost(self, exc: Exception) -> QueueUnavailable:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return QueueUnavailable(
+            f"lost the connection to the lease queue at {self.location} ({first_line}); "
+            "the next call connects again"
+        )
 
     def _next_served(self) -> str:
         return f"nextval('{SERVED_SEQUENCE}')"

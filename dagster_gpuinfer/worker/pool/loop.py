@@ -16,6 +16,7 @@ from dagster_gpuinfer.pools import (
     Lease,
     LeaseLostError,
     LeaseQueue,
+    QueueUnavailable,
     default_queue_location,
     open_lease_queue,
 )
@@ -242,12 +243,36 @@ class PoolWorkerLoop:
         result = work.result(
             worker_id=self.worker_id, warm=warm, engine_load_seconds=self.engine_load_seconds
         )
-        try:
-            self.queue.complete(lease, result)
-            self.leases_served += 1
-        except LeaseLostError as exc:
-            log.warning("item %s was done, but its lease was lost first: %s", lease.item_key, exc)
+        self._complete(lease, result)
         return None
+
+    def _complete(self, lease: Lease, result: dict[str, Any]) -> None:
+        """Complete the lease, waiting out an unreachable queue for as long as the lease
+        lives; past that it lapses and the item is leased again (its partition is
+        committed: found, not computed again), and the warm engine stays."""
+        deadline = self.clock() + self.lease_ttl_s
+        wait_s = 0.5
+        while True:
+            try:
+                self.queue.complete(lease, result)
+                self.leases_served += 1
+                return
+            except LeaseLostError as exc:
+                key = lease.item_key
+                log.warning("item %s was done, but its lease was lost first: %s", key, exc)
+                return
+            except QueueUnavailable as exc:
+                if self.clock() >= deadline:
+                    log.warning(
+                        "item %s is done, but the queue stayed unreachable for its "
+                        "lease's TTL: it lapses (%s)",
+                        lease.item_key,
+                        exc,
+                    )
+                    return
+                log.warning("completing item %s: %s (trying again)", lease.item_key, exc)
+                time.sleep(wait_s)
+                wait_s = min(wait_s * 2, 5.0)
 
     def _after_crash(self, lease: Lease, work: LeaseWork, exc: Exception) -> int | None:
         """The lease's work raised: an engine death exits, anything else fails the lease."""
