@@ -34,6 +34,7 @@ from bench.chaos.store_faults import (
     postgres,
     routes,
     stop_orphans,
+    summary_rows,
     verdict,
 )
 
@@ -145,6 +146,23 @@ def test_a_killed_service_comes_back_with_its_batch_in_flight(api, server):
     assert api.process.pid != first and gone(first)
     assert api.statuses() == {batch_id: "in_progress"}  # no run yet: still in flight
     assert api.kills == 1
+
+
+def test_answers_while_the_store_is_down_are_tallied_by_kind(api, server):
+    """Chaos seed 3 (session 21) counted 3 batch API 5xx answers and could not say which:
+    the tally now names each kind, and a store outage's are 503 store_unavailable."""
+    assert api.request("GET", "/batches").status_code == 200
+    server.stop("fast")
+    try:
+        answer = api.request("GET", "/batches")
+    finally:
+        server.start()
+    assert answer.status_code == 503
+    tally = api.tally(timeout_s=5)
+    assert tally["answers_5xx"] == 1
+    assert tally["answers_5xx_by_kind"] == {"503 store_unavailable": 1}
+    row = dict(summary_rows())["batch API 5xx answers"]
+    assert row(SimpleNamespace(batches=tally)) == "1 (503 store_unavailable: 1)"
 
 
 def test_no_batch_in_flight_means_no_restart(api, server):

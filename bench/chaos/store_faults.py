@@ -216,6 +216,18 @@ def instance_storage(url: str) -> dict[str, Any]:
     return found
 
 
+def answer_kind(answer: Any) -> str:
+    """An HTTP answer's status, with OpenAI's error `code` when it is 5xx: `200`,
+    `503 store_unavailable` (the store's server restarting: by design), `500 ...`."""
+    if answer.status_code < 500:
+        return str(answer.status_code)
+    try:
+        code = answer.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        code = "no OpenAI error body"
+    return f"{answer.status_code} {code}"
+
+
 @dataclass
 class BatchSetup:
     """What the code location's batch pipelines read (bench/chaos/defs.py via `batch_defs`)."""
@@ -289,7 +301,7 @@ class BatchApi:
     process: subprocess.Popen | None = None
     key: str = ""
     batches: dict[str, list[str]] = field(default_factory=dict)
-    answers: Counter = field(default_factory=Counter)  # HTTP status -> count (5xx counted)
+    answers: Counter = field(default_factory=Counter)  # `answer_kind` -> count
     kills: int = 0
 
     @property
@@ -375,7 +387,7 @@ class BatchApi:
             )
         except httpx.HTTPError:
             return None
-        self.answers[answer.status_code] += 1
+        self.answers[answer_kind(answer)] += 1
         return answer
 
     def submit(self, name: str, data: bytes, ids: list[str]) -> str:
@@ -435,7 +447,9 @@ class BatchApi:
             tally["lines_lost"] += sum(1 for i in ids if i not in seen)
             tally["lines_duplicated"] += sum(n - 1 for n in seen.values() if n > 1)
             tally["lines_unexpected"] += sum(1 for i in seen if i not in set(ids))
-        tally["answers_5xx"] = sum(n for code, n in self.answers.items() if code >= 500)
+        server_errors = {kind: n for kind, n in self.answers.items() if kind.startswith("5")}
+        tally["answers_5xx"] = sum(server_errors.values())
+        tally["answers_5xx_by_kind"] = dict(sorted(server_errors.items()))
         return tally
 
     def _answered(self, batch_id: str) -> Counter:
@@ -591,8 +605,18 @@ def summary_rows() -> list[tuple[str, Callable[[Any], str]]]:
             "batch lines lost / duplicated",
             lambda p: f"{get(p, 'lines_lost')} / {get(p, 'lines_duplicated')}",
         ),
-        ("batch API 5xx answers", lambda p: str(get(p, "answers_5xx"))),
+        ("batch API 5xx answers", _server_errors),
     ]
+
+
+def _server_errors(phase: Any) -> str:
+    """`3 (503 store_unavailable: 3)`: the count and, when any, what they were."""
+    b = phase.batches
+    if not b:
+        return "-"
+    kinds = b.get("answers_5xx_by_kind") or {}
+    detail = ", ".join(f"{kind}: {n}" for kind, n in kinds.items())
+    return f"{b['answers_5xx']} ({detail})" if detail else str(b["answers_5xx"])
 
 
 def _answered_once(phase: Any) -> str:
