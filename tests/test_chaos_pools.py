@@ -16,10 +16,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-import boto3
 import psutil
 import pytest
-from moto.server import ThreadedMotoServer
 
 from bench.chaos import pool_faults
 from bench.chaos.__main__ import parse
@@ -92,22 +90,13 @@ def pools(tmp_path):
 
 
 @pytest.fixture
-def s3(monkeypatch):
-    from s3_test_env import S3_TEST_ENV
-
-    for name, value in S3_TEST_ENV.items():
-        monkeypatch.setenv(name, value)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    client = boto3.client("s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1")
+def s3(s3_server):
+    """The suite's loopback S3 (conftest.py), with this module's bucket emptied."""
+    client = s3_server.client
     client.create_bucket(Bucket=BUCKET)
     for listed in client.list_objects_v2(Bucket=BUCKET).get("Contents", []):
-        client.delete_object(Bucket=BUCKET, Key=listed["Key"])  # moto's state is per process
-    try:
-        yield client
-    finally:
-        server.stop()
+        client.delete_object(Bucket=BUCKET, Key=listed["Key"])
+    return client
 
 
 @dataclass

@@ -116,43 +116,43 @@ def pipelines(setup: Any, retry_policy: Any) -> list[Any]:
 
     pools: PoolsSetup = setup.pools
 
-    def source() -> InputSpec:
-        return InputSpec(
-            uri=f"{setup.input_root}/docs/{{partition_key}}.parquet", id_column="doc_id"
+    def pipeline(name: str, keys: list[str], **specific: Any) -> Any:
+        """One asset over `keys` of the chaos shards, one run for all its partitions."""
+        return inference_assets(
+            name=name,
+            input=InputSpec(
+                uri=f"{setup.input_root}/docs/{{partition_key}}.parquet", id_column="doc_id"
+            ),
+            output_root=setup.output_root,
+            partitions_def=dg.StaticPartitionsDefinition(keys),
+            chunk_size=setup.chunk_size,
+            backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=len(keys)),
+            retry_policy=retry_policy,
+            **specific,
         )
 
-    pool = inference_assets(
-        name=POOL_ASSET,
+    pool = pipeline(
+        POOL_ASSET,
+        pools.pool_keys,
         model=setup.model,
         task="embed",
-        input=source(),
         input_asset_key="pool_shards",
-        output_root=setup.output_root,
-        partitions_def=dg.StaticPartitionsDefinition(pools.pool_keys),
         engine=EngineArgs(dtype="float32"),
-        chunk_size=setup.chunk_size,
         launch="pool",
-        backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=len(pools.pool_keys)),
-        retry_policy=retry_policy,
         group_name="pools",
     )
-    group = inference_assets(
-        name=GROUP_ASSET,
+    group = pipeline(
+        GROUP_ASSET,
+        pools.group_keys,
         model=pools.group_model,
         task="generate",
-        input=source(),
         input_asset_key="group_prompts",
-        output_root=setup.output_root,
-        partitions_def=dg.StaticPartitionsDefinition(pools.group_keys),
         # one chunk's rows in the engine at a time: chunks commit one after another, and
         # the follower is lost with chunks left (as tests/test_k8s_multinode_e2e.py)
         engine=EngineArgs(dtype="float32", max_num_seqs=setup.chunk_size),
         sampling={"max_tokens": pools.max_tokens},
-        chunk_size=setup.chunk_size,
         tensor_parallel_size=2,
         nodes=2,
-        backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=len(pools.group_keys)),
-        retry_policy=retry_policy,
         group_name="groups",
     )
     return [pool, group]
