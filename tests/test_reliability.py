@@ -46,9 +46,12 @@ from dagster_gpuinfer.storage import (
 )
 from dagster_gpuinfer.storage import commit as storage_commit
 from dagster_gpuinfer.storage import files as storage_files
-from dagster_gpuinfer.worker.commit import PartitionTimes, commit_chunks
+from dagster_gpuinfer.worker.commit import PartitionTimes, commit_chunks, write_chunk
 from dagster_gpuinfer.worker.errors import RowError
+from dagster_gpuinfer.worker.rows.readers import RawChunk
+from dagster_gpuinfer.worker.rows.validate import ValidChunk
 from dagster_gpuinfer.worker.rows.writers import errors_table
+from dagster_gpuinfer.worker.stage_messages import ChunkResult
 
 # --------------------------------------------------------------------------- commit window
 
@@ -279,6 +282,16 @@ def test_killed_worker_resumes_without_recomputing_committed_chunks(tmp_path, ti
 # --------------------------------------------------------------------------- racing runs
 
 
+def _error_lines(log: str, limit: int = 12_000) -> str:
+    """The lines of a run's log that say why it failed: tracebacks and error lines, wherever
+    in the log they are (an engine's traceback sits between thousands of warning lines)."""
+    lines, keep = log.splitlines(), set()
+    for index, line in enumerate(lines):
+        if "Traceback" in line or "rror" in line:
+            keep.update(range(max(0, index - 2), min(len(lines), index + 25)))
+    return "\n".join(lines[index] for index in sorted(keep))[:limit]
+
+
 @pytest.mark.engine
 def test_two_concurrent_runs_of_one_partition_commit_it_exactly_once(tmp_path, tiny_llama_dir):
     write_prompts(tmp_path / "in" / "p0.jsonl", 400)
@@ -299,7 +312,7 @@ def test_two_concurrent_runs_of_one_partition_commit_it_exactly_once(tmp_path, t
     codes = [run.wait(timeout=900) for run in runs]
     outputs = [log.read_text(errors="replace") for log in logs]
     assert codes == [0, 0], "both runs must succeed; " + "\n".join(
-        f"run {index} exited {code}:\n{text[:5000]}\n...\n{text[-3000:]}"
+        f"run {index} exited {code}; its errors:\n{_error_lines(text)}\n...\n{text[-3000:]}"
         for index, (code, text) in enumerate(zip(codes, outputs, strict=True))
         if code != 0
     )
@@ -368,6 +381,69 @@ def test_of_two_workers_committing_one_partition_exactly_one_wins(tmp_path):
     assert verify_manifest(where.fs, where.path, where.committed()) == []
     assert not [n for n in os.listdir(where.path) if "bbbb2222" in n]
     assert set(read_partition(spec.output, "p").column("text").to_pylist()) == {"aaaa1111"}
+
+
+@pytest.mark.parametrize("raced", ["part", "marker"])
+def test_a_chunk_write_that_meets_another_workers_commit_is_written_again_then_yielded(
+    tmp_path, monkeypatch, raced
+):
+    """Two runs of one partition: the winner's commit clears what its manifest does not name
+    (temporary files, the chunk folder) while the loser is writing a chunk, which pulls the
+    loser's file from under it. The loser's write goes on; its yield removes what it wrote."""
+    spec = _spec(tmp_path)
+    where = PartitionOutput.of(spec, "p", source=SOURCE)
+    winner = _write_attempt(where, "aaaa1111")
+    args = dict(computed=set(), rows_resumed=0, times=PartitionTimes(0.0, 0.0), worker={})
+    real_copy, commits = storage_files.local_temporary_copy, []
+
+    def copy_then_commit_elsewhere(path: str, data: bytes) -> str:
+        tmp = real_copy(path, data)
+        if "bbbb2222" in path or (raced == "marker" and path.endswith("00005.json")):
+            if not commits:  # the winner commits between the loser's write and its rename
+                commits.append(commit_chunks(where, spec, winner, **args))
+        return tmp
+
+    if raced == "part":
+        monkeypatch.setattr(storage_files, "local_temporary_copy", copy_then_commit_elsewhere)
+    else:
+        real_marker = storage.layout.write_chunk_marker
+
+        def marker_then_commit(fs, path, marker):
+            with monkeypatch.context() as patch:
+                patch.setattr(storage_files, "local_temporary_copy", copy_then_commit_elsewhere)
+                real_marker(fs, path, marker)
+
+        monkeypatch.setattr("dagster_gpuinfer.worker.commit.write_chunk_marker", marker_then_commit)
+    chunk = RawChunk(index=5, source="s", rows=[(0, "x", "hi")], rows_in=1)
+    valid = ValidChunk(index=5, rows=[0], ids=["x"], token_ids=[[1]])
+    result = ChunkResult(
+        texts=["out"], finish_reasons=["stop"], prompt_tokens=[1], generated_tokens=[1]
+    )
+    marker = write_chunk(spec, where, chunk, valid, result, "bbbb2222")
+
+    assert commits and marker.part is not None and marker.index == 5
+    assert where.committed() == commits[0]
+    where.yield_to(commits[0], "bbbb2222")
+    assert verify_manifest(where.fs, where.path, where.committed()) == []
+    assert not [n for n in os.listdir(where.path) if "bbbb2222" in n or n == storage.CHUNKS_DIR]
+    assert set(read_partition(spec.output, "p").column("text").to_pylist()) == {"aaaa1111"}
+
+
+def test_a_chunk_write_that_fails_with_no_commit_elsewhere_raises(tmp_path, monkeypatch):
+    spec = _spec(tmp_path)
+    where = PartitionOutput.of(spec, "p", source=SOURCE)
+
+    def full_disk(path: str, data: bytes) -> str:
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(storage_files, "local_temporary_copy", full_disk)
+    chunk = RawChunk(index=0, source="s", rows=[(0, "x", "hi")], rows_in=1)
+    valid = ValidChunk(index=0, rows=[0], ids=["x"], token_ids=[[1]])
+    result = ChunkResult(
+        texts=["out"], finish_reasons=["stop"], prompt_tokens=[1], generated_tokens=[1]
+    )
+    with pytest.raises(OSError, match="No space left"):
+        write_chunk(spec, where, chunk, valid, result, "cccc3333")
 
 
 def test_a_new_spec_replaces_the_manifest_of_an_old_one(tmp_path):

@@ -53,7 +53,10 @@ builds on:
    errors file's name, which is unique to the commit, and counts as committed.
    Files the manifest does not name (older specs, the loser, killed attempts, chunk
    markers) are deleted by the winner, after its manifest is in place, so a crash at any
-   point leaves either the old committed state or the new one.
+   point leaves either the old committed state or the new one. That clean-up can pull a
+   file from under the loser's chunk write in progress (its temporary file, the chunk
+   folder); the loser then writes the chunk again, and its yield removes it
+   (`PartitionOutput.beside_commits`).
 5. Done. A partition is done only when `_SUCCESS` exists and names the current spec hash and
    source version (`layout.committed_manifest`). The manifest is the one source of which
    files count (`reading.read_partition`, `reading.partition_error_files`); partitions

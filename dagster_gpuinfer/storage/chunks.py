@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import posixpath
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -42,6 +44,11 @@ from dagster_gpuinfer.storage.layout import (
 from dagster_gpuinfer.storage.versions import SourceVersion
 
 log = logging.getLogger("dagster_gpuinfer.worker")
+
+T = TypeVar("T")
+
+# How many times `PartitionOutput.beside_commits` tries a write.
+WRITE_TRIES = 3
 
 
 @dataclass
@@ -87,6 +94,29 @@ class PartitionOutput:
         attempt's name): a manifest write that applied although the store answered with an
         error, found in place afterwards."""
         return manifest.errors.name == error_file_names(self.spec_hash, attempt)[0]
+
+    def beside_commits(self, write: Callable[[], T]) -> T:
+        """`write()` (this attempt's chunk files), tried again when it failed because another
+        worker committed the partition meanwhile: the committer's clean-up deletes what its
+        manifest does not name (temporary files, the chunk folder), which can pull a file
+        from under a write in progress. What is written then belongs to a losing attempt,
+        and its yield (`yield_to`) removes it.
+
+        Raises:
+            OSError: the write failed and no other worker has committed the partition, or it
+                failed `WRITE_TRIES` times.
+        """
+        for tries_left in range(WRITE_TRIES - 1, -1, -1):
+            try:
+                return write()
+            except OSError:
+                if tries_left == 0 or self.committed() is None:
+                    raise
+                log.info(
+                    "partition %s: a chunk write met another worker's commit; writing again",
+                    self.partition_key,
+                )
+        raise AssertionError("unreachable")
 
     def yield_to(self, manifest: Manifest, attempt: str) -> Manifest:
         """Another worker committed this partition while this one ran: remove this attempt's

@@ -126,7 +126,7 @@ def write_chunk(
     """
     finished_at = time.time()
     started = time.perf_counter()
-    part = reuse_part = None
+    part = keyed = None
     invalid_outputs = 0
     if valid.ids:
         if table is None:
@@ -137,14 +137,16 @@ def write_chunk(
             part = (data, ".jsonl", table.num_rows)
             if _keeps_keys(spec, table):  # the keys go beside the JSONL, never into it
                 keyed = with_input_digests(table, chunk, valid, spec.reuse_scope())
-                reuse_part = write_reuse_part(where, chunk.index, attempt, keyed)
         else:
             table = with_input_digests(table, chunk, valid, spec.reuse_scope())
             part = (table_to_parquet_bytes(table), ".parquet", table.num_rows)
     errors = errors_table(valid.errors) if valid.errors else None
-    part_entry, errors_entry = write_chunk_files(
-        where, chunk.index, attempt, part=part, errors=errors
-    )
+
+    def write_files() -> tuple[FileEntry | None, FileEntry | None, FileEntry | None]:
+        reuse = None if keyed is None else write_reuse_part(where, chunk.index, attempt, keyed)
+        return reuse, *write_chunk_files(where, chunk.index, attempt, part=part, errors=errors)
+
+    reuse_part, part_entry, errors_entry = where.beside_commits(write_files)
     marker = ChunkMarker(
         index=chunk.index,
         spec_hash=where.spec_hash,
@@ -169,7 +171,7 @@ def write_chunk(
         reuse_part=reuse_part,
         job=job,
     )
-    write_chunk_marker(where.fs, where.path, marker)
+    where.beside_commits(lambda: write_chunk_marker(where.fs, where.path, marker))
     current_metrics().chunk_committed(where.partition_key, marker, valid.errors)
     log.debug(
         "partition %s chunk %d committed: %d rows out, %d quarantined",
