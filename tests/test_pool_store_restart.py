@@ -7,6 +7,7 @@ the outage out."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 
@@ -78,6 +79,26 @@ def test_a_listener_listens_again_after_a_restart_and_hears_the_next_ring(server
         assert not bell.wait(0.2)
         PostgresLeaseQueue(url).doorbell().ring(pool_channel(POOL))
         assert bell.wait(NEVER_S)
+    queue.close()
+
+
+def test_a_listener_logs_an_outage_once_as_it_begins_and_once_as_it_ends(server, url, caplog):
+    queue = PostgresLeaseQueue(url)
+    caplog.set_level(logging.DEBUG, logger="dagster_gpuinfer.pools.doorbell")
+    with queue.doorbell().listen(pool_channel(POOL)) as bell:
+        server.stop("fast")
+        try:
+            waits = [bell.wait(0.05) for _ in range(6)]  # a waiter polling through the outage
+        finally:
+            server.start()
+        assert waits[0] and not any(waits[1:])  # "look" once as the connection goes
+        assert bell.wait(1.0)  # listening again
+    said = [(r.levelno, r.getMessage().split(" (")[0]) for r in caplog.records]
+    channel = pool_channel(POOL)
+    assert said.count((logging.WARNING, f"doorbell {channel} lost its connection")) == 1
+    assert not [m for level, m in said if level >= logging.WARNING and "no doorbell" in m]
+    assert said.count((logging.DEBUG, f"no doorbell for {channel} yet")) == 5
+    assert said[-1] == (logging.INFO, f"doorbell {channel} listens again")
     queue.close()
 
 

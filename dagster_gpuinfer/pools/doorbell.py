@@ -194,12 +194,14 @@ class PostgresListener(Listener):
     """`LISTEN` on its own autocommit connection until closed. A connection the server
     dropped (a restart, a failover) is opened again at the next wait: until then the
     listener polls, and after it wakes its waiter once (rings sent while it was deaf are
-    lost; the waiter reads the queue)."""
+    lost; the waiter reads the queue). An outage is logged once as it begins and once as
+    it ends, not at every wait (a waiter polls every few seconds)."""
 
     def __init__(self, connect: Any, channel: str) -> None:
         self._connect = connect
         self.channel = channel
         self.connection: Any = None
+        self._deaf = False  # its last try to listen failed (and was logged)
         self._listen()
 
     def _listen(self) -> bool:
@@ -209,8 +211,13 @@ class PostgresListener(Listener):
             with connection.cursor() as cursor:
                 cursor.execute(f'LISTEN "{postgres_channel(self.channel)}"')
         except Exception as exc:  # noqa: BLE001 - the queue's own calls say what is wrong
-            log.warning("no doorbell for %s yet (%s): polling", self.channel, exc)
+            level = logging.DEBUG if self._deaf else logging.WARNING
+            log.log(level, "no doorbell for %s yet (%s): polling", self.channel, exc)
+            self._deaf = True
             return False
+        if self._deaf:
+            log.info("doorbell %s listens again", self.channel)
+            self._deaf = False
         self.connection = connection
         return True
 
@@ -226,9 +233,9 @@ class PostgresListener(Listener):
             ready, _, _ = select.select([self.connection], [], [], max(0.0, timeout_s))
             return bool(ready) and self._drain()
         except Exception as exc:  # noqa: BLE001 - the server went away
-            log.warning("doorbell %s lost its connection (%s): listens again", self.channel, exc)
+            log.warning("doorbell %s lost its connection (%s): polling", self.channel, exc)
             self.close()
-            self.connection = None
+            self.connection, self._deaf = None, True
             return True  # rings while it was down are lost: the waiter reads the queue
 
     def _drain(self) -> bool:
