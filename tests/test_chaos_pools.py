@@ -1,6 +1,7 @@
 """The chaos run's pool mode (bench/chaos/pool_faults.py) without an engine: its schedule
-and options, the backfill it asks for, which pods its injector may hit (a real SQLite lease
-queue, a real loopback S3) and what it does to them (real processes SIGKILLed).
+and options, the backfill it asks for, which pods its injector may hit (a real lease queue,
+on PostgreSQL as the harness runs it and on SQLite; a real loopback S3) and what it does to
+them (real processes SIGKILLed).
 `make chaos SEED=n MODE=pools` runs it end to end."""
 
 from __future__ import annotations
@@ -8,16 +9,20 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import psutil
 import pytest
+from support import fresh_postgres_database
 
 from bench.chaos import pool_faults
 from bench.chaos.__main__ import parse
@@ -25,6 +30,7 @@ from bench.chaos.faults import KINDS, POOL_KINDS, Fault, Injector, schedule
 from bench.chaos.pool_faults import GROUP_ASSET, POOL_ASSET, PoolChaos, PoolsSetup
 from bench.chaos.report import summary_table
 from bench.chaos.run import Phase, backfill_params
+from dagster_gpuinfer.k8s.config import K8sLauncherConfig
 from dagster_gpuinfer.pools import JobSubmission, WorkItem, open_lease_queue
 
 POOL_KEY = "pool-a"
@@ -74,11 +80,22 @@ def test_the_summary_shows_the_pool_rows_of_each_phase():
 # ------------------------------------------------------------- targets and hits
 
 
+@pytest.fixture(params=["postgres", "sqlite"])
+def queue_location(request, tmp_path) -> Iterator[str]:
+    """A new lease queue's location: a database on the suite's PostgreSQL server (how the
+    harness runs pool mode), or a SQLite file (`--pool-queue sqlite`)."""
+    if request.param == "sqlite":
+        yield str(tmp_path / pool_faults.QUEUE_FILE)
+        return
+    with fresh_postgres_database("chaos_pools") as url:
+        yield url
+
+
 @pytest.fixture
-def pools(tmp_path):
+def pools(queue_location):
     """Pool mode's setup whose lease queue has one job: item 0 leased by w1 (live), item 1
     by w2 (live), item 2 by w3 whose lease lapsed, item 3 queued."""
-    setup = PoolsSetup(queue_folder=str(tmp_path), pool_keys=[], group_keys=[])
+    setup = PoolsSetup(queue=queue_location, pool_keys=[], group_keys=[])
     with open_lease_queue(setup.queue) as queue:
         keys = ["pool-000#chunks=0-1", "pool-001", "pool-002", "pool-003"]
         queue.submit(JobSubmission("job-1", POOL_KEY, [WorkItem(k, {}) for k in keys]))
@@ -158,6 +175,59 @@ def test_pods_are_told_apart_by_their_exact_labels():
 def test_only_live_lease_holders_are_listed(pools):
     held = pool_faults.lease_holders(pools.queue)
     assert held == {"w1": ["pool-000#chunks=0-1"], "w2": ["pool-001"]}
+
+
+def test_while_the_queues_server_is_down_no_pod_is_a_target_and_nothing_raises(s3):
+    """A `postgres_restart` stops the queue's server under the injector: it waits."""
+    with socket.socket() as sock:  # a port nobody listens on: the server is down
+        sock.bind(("127.0.0.1", 0))
+        down = f"postgresql://gpuinfer@127.0.0.1:{sock.getsockname()[1]}/queue"
+    with pytest.raises(pool_faults.QUEUE_DOWN):
+        pool_faults.lease_holders(down)
+    chaos = PoolChaos(PoolsSetup(queue=down, pool_keys=[], group_keys=[]), s3, BUCKET, "chaos")
+    assert chaos.lease_holders() == {}
+    assert chaos.targets("pool_worker_kill", [pool_pod("w1")]) == []
+    assert chaos.hit(pool_pod("w1"), "pool_worker_kill") is None
+
+
+def _models_in_place(workdir: Path) -> None:
+    """`prepare`'s models, already there (it reuses complete ones): no copy, no weights."""
+    (workdir / "models" / "model").mkdir(parents=True)
+    llama = workdir / "models" / pool_faults.GROUP_MODEL
+    llama.mkdir()
+    (llama / "config.json").write_text("{}")
+    (llama / "model.safetensors").write_bytes(b"")
+
+
+def test_prepare_puts_the_queue_in_postgres_with_its_url_in_the_secret(tmp_path):
+    _models_in_place(tmp_path)
+    executor = SimpleNamespace(secrets={}, claims={})
+    keys = {POOL_ASSET: ["pool-000"], GROUP_ASSET: ["group-000"]}
+    with fresh_postgres_database("chaos_prepare") as url:
+        setup = pool_faults.prepare(executor, tmp_path, "unused", keys, queue_url=url)
+        assert setup.queue == url and setup.on_postgres
+        assert executor.secrets == {pool_faults.QUEUE_SECRET: {"url": url}}
+        assert executor.claims == {}  # no volume: the pods reach the server
+        assert pool_faults.lease_holders(url) == {}  # the queue's tables are there
+        config, _ = pool_faults.resource_fields(K8sLauncherConfig(image="i"), setup)
+        assert config.pools.queue_pvc is None
+
+
+def test_prepare_puts_a_sqlite_queue_on_the_pods_volume(tmp_path):
+    from dagster_gpuinfer.k8s.config import QUEUE_MOUNT
+
+    _models_in_place(tmp_path)
+    executor = SimpleNamespace(secrets={}, claims={})
+    keys = {POOL_ASSET: ["pool-000"], GROUP_ASSET: ["group-000"]}
+    setup = pool_faults.prepare(executor, tmp_path, "unused", keys)
+    folder = tmp_path / "queue-pvc"
+    assert setup.queue == str(folder / pool_faults.QUEUE_FILE) and not setup.on_postgres
+    url = f"{QUEUE_MOUNT}/{pool_faults.QUEUE_FILE}"
+    assert executor.secrets == {pool_faults.QUEUE_SECRET: {"url": url}}
+    assert executor.claims == {pool_faults.QUEUE_CLAIM: str(folder)}
+    assert Path(setup.queue).stat().st_uid == pool_faults.POD_UID
+    config, _ = pool_faults.resource_fields(K8sLauncherConfig(image="i"), setup)
+    assert config.pools.queue_pvc == pool_faults.QUEUE_CLAIM
 
 
 def test_a_pool_worker_mid_partition_is_hit_first_then_any_lease_holder(pools, s3):

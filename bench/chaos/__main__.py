@@ -52,6 +52,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--pool-partitions", type=int, default=10, help="--mode pools")
     parser.add_argument("--group-partitions", type=int, default=4, help="--mode pools")
+    parser.add_argument(
+        "--pool-queue",
+        choices=("postgres", "sqlite"),
+        default="postgres",
+        help="--mode pools: the lease queue in a database of the harness's PostgreSQL server "
+        "(restarted by postgres_restart, as deployed), or a SQLite file on the pods' volume",
+    )
     parser.add_argument("--concurrent-runs", type=int, default=1)
     parser.add_argument("--timeout-s", type=float, default=3600.0)
     parser.add_argument("--no-baseline", action="store_true")
@@ -81,8 +88,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def pool_mode(found: Any, options: argparse.Namespace, work: Path) -> list[str]:
     """The reference pipeline's partition keys; in `--mode pools` also the pool and group
-    pipelines' (`options.pools`, bench/chaos/pool_faults.py), whose models and queue are
-    made under `work` (then `options.model_dir` is MiniLM's copy there)."""
+    pipelines' (`options.pools`, bench/chaos/pool_faults.py), whose models are made under
+    `work` (then `options.model_dir` is MiniLM's copy there), and their lease queue on the
+    harness's PostgreSQL server (`--pool-queue sqlite`: under `work`)."""
     options.pools = None
     if options.mode != "pools":
         return [f"docs-{i:03d}" for i in range(options.partitions)]
@@ -90,7 +98,10 @@ def pool_mode(found: Any, options: argparse.Namespace, work: Path) -> list[str]:
 
     split = split_keys(options.partitions, options.pool_partitions, options.group_partitions)
     work.chmod(0o755)
-    options.pools = prepare(found.executor, work, options.model_dir, split)
+    queue_url = None
+    if options.pool_queue == "postgres":
+        queue_url = found.postgres.database("chaos_pool_queue")
+    options.pools = prepare(found.executor, work, options.model_dir, split, queue_url)
     options.model_dir = str(work / "models" / "model")
     return split["doc_embeddings"]
 

@@ -2,9 +2,12 @@
 reference `doc_embeddings` backfill, partitions of two more pipelines in the same backfill,
 and two more fault kinds that hit them.
 
-- `pool_embeddings`: the same embeddings on an engine pool (`launch="pool"`, 2 workers, a
-  SQLite lease queue on the pool pods' read-write volume, as tests/test_k8s_pool_e2e.py);
-  the run's partitions are one job whose big partitions are leased as chunk ranges.
+- `pool_embeddings`: the same embeddings on an engine pool (`launch="pool"`, 2 workers);
+  the run's partitions are one job whose big partitions are leased as chunk ranges. The
+  lease queue lives where production keeps it, in PostgreSQL: a database of the harness's
+  server, so `postgres_restart` stops the queue under the pool's workers and its step
+  (`--pool-queue sqlite`: a SQLite file on the pool pods' read-write volume instead, as
+  tests/test_k8s_pool_e2e.py).
   Fault `pool_worker_kill`: SIGKILL to the main process of a pool worker pod that holds a
   lease, preferably on a partition with committed chunks and rows left (else any lease
   holder, `MID_PARTITION_WAIT_S` after the first was seen: a worker leases before its
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from psycopg2 import OperationalError
 
 POOL_ASSET = "pool_embeddings"
 GROUP_ASSET = "group_generate"
@@ -41,13 +45,14 @@ POD_UID = 1000  # the production pods' runAsUser: the queue and models must be t
 GROUP_MODEL = "tiny-llama"
 MID_PARTITION_WAIT_S = 45.0  # then any lease holder will do
 RANGE_MARK = "#chunks="  # launchers/pool.py: a chunk range's item key
+QUEUE_DOWN = (OperationalError,)  # what reading the PostgreSQL queue raises while it is down
 
 
 @dataclass
 class PoolsSetup:
     """What pool mode adds to the code location (bench/chaos/defs.py) and the resource."""
 
-    queue_folder: str  # the PVC's host folder, holding the SQLite lease queue
+    queue: str  # the lease queue: a postgresql:// URL, or the SQLite file on the PVC's folder
     pool_keys: list[str]
     group_keys: list[str]
     group_model: str = f"/models/{GROUP_MODEL}"
@@ -57,8 +62,8 @@ class PoolsSetup:
     max_tokens: int = 32
 
     @property
-    def queue(self) -> str:
-        return str(Path(self.queue_folder) / QUEUE_FILE)
+    def on_postgres(self) -> bool:
+        return self.queue.startswith("postgresql://")
 
     def targets(self) -> dict[str, list[str]]:
         """The extra assets of the backfill and their partitions."""
@@ -80,9 +85,16 @@ def split_keys(partitions: int, pool: int, group: int) -> dict[str, list[str]]:
     }
 
 
-def prepare(executor: Any, workdir: Path, minilm: str, keys: dict[str, list[str]]) -> PoolsSetup:
-    """A model cache holding MiniLM and the tiny Llama, the lease queue's folder, both
-    readable by the pods' user; the queue's Secret and PVC on the executor.
+def prepare(
+    executor: Any,
+    workdir: Path,
+    minilm: str,
+    keys: dict[str, list[str]],
+    queue_url: str | None = None,
+) -> PoolsSetup:
+    """A model cache holding MiniLM and the tiny Llama, readable by the pods' user; the
+    lease queue, at `queue_url` (a PostgreSQL database) or else in a SQLite file on a PVC's
+    folder that user may write; the queue's Secret (and PVC) on the executor.
 
     Returns the setup; the model cache is `workdir/models` (MiniLM at `models/model`)."""
     from assets.models import make_tiny_llama
@@ -92,20 +104,33 @@ def prepare(executor: Any, workdir: Path, minilm: str, keys: dict[str, list[str]
     if not (models / "model").exists():
         shutil.copytree(minilm, models / "model")
     make_tiny_llama(models / GROUP_MODEL)
-    queue_folder = workdir / "queue-pvc"
-    queue_folder.mkdir(parents=True, exist_ok=True)
-    with open_lease_queue(str(queue_folder / QUEUE_FILE)):
-        pass  # its tables, made once, before the pods (UID 1000) open it
     for path in [workdir, *workdir.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
-    for path in [queue_folder, *queue_folder.iterdir()]:
-        os.chown(path, POD_UID, POD_UID)
-        path.chmod(0o775 if path.is_dir() else 0o664)
+    queue = queue_url or _sqlite_queue(executor, workdir / "queue-pvc")
+    with open_lease_queue(queue):
+        pass  # its tables, made once, before the pods open it
+    if queue_url:
+        executor.secrets[QUEUE_SECRET] = {"url": queue_url}
+    else:
+        _pods_may_write(Path(queue).parent)
+    return PoolsSetup(queue, keys[POOL_ASSET], keys[GROUP_ASSET])
+
+
+def _sqlite_queue(executor: Any, folder: Path) -> str:
+    """The SQLite queue's file in `folder`, the PVC `QUEUE_CLAIM` on the executor; the
+    Secret names it where the pods mount the PVC."""
     from dagster_gpuinfer.k8s.config import QUEUE_MOUNT
 
+    folder.mkdir(parents=True, exist_ok=True)
     executor.secrets[QUEUE_SECRET] = {"url": f"{QUEUE_MOUNT}/{QUEUE_FILE}"}
-    executor.claims[QUEUE_CLAIM] = str(queue_folder)
-    return PoolsSetup(str(queue_folder), keys[POOL_ASSET], keys[GROUP_ASSET])
+    executor.claims[QUEUE_CLAIM] = str(folder)
+    return str(folder / QUEUE_FILE)
+
+
+def _pods_may_write(folder: Path) -> None:
+    for path in [folder, *folder.iterdir()]:
+        os.chown(path, POD_UID, POD_UID)
+        path.chmod(0o775 if path.is_dir() else 0o664)
 
 
 def pipelines(setup: Any, retry_policy: Any) -> list[Any]:
@@ -165,7 +190,8 @@ def resource_fields(config: Any, pools: PoolsSetup) -> tuple[Any, dict[str, Any]
     from dagster_gpuinfer.k8s.group import GroupConfig
     from dagster_gpuinfer.resource import PoolSettings
 
-    config = config.model_copy(update={"pools": PoolPods(queue_pvc=QUEUE_CLAIM)})
+    pods = PoolPods() if pools.on_postgres else PoolPods(queue_pvc=QUEUE_CLAIM)
+    config = config.model_copy(update={"pools": pods})
     return config, {
         "pool": PoolSettings(
             queue=pools.queue,
@@ -247,8 +273,12 @@ class PoolChaos:
         return f"SIGKILL pool worker pid {worker.pid} holding {', '.join(sorted(items))}"
 
     def lease_holders(self) -> dict[str, list[str]]:
-        """Worker id -> the item keys it holds under a live lease, over every pool job."""
-        return lease_holders(self.pools.queue)
+        """Worker id -> the item keys it holds under a live lease, over every pool job;
+        none while the queue's server is down (a `postgres_restart`): ask again later."""
+        try:
+            return lease_holders(self.pools.queue)
+        except QUEUE_DOWN:
+            return {}
 
     def mid_partition(self, items: list[str]) -> bool:
         """Whether one of `items` is on a partition with committed chunks and no manifest."""
@@ -279,8 +309,20 @@ class PoolChaos:
 
 
 def _read(queue: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-    """A read-only query of the SQLite lease queue (the harness watches it: the queue's API
-    reads one job at a time and cannot list a pool's jobs)."""
+    """A read-only query of the lease queue, PostgreSQL or SQLite (`sql` with `?` markers;
+    the harness watches the queue: its API reads one job at a time and cannot list a pool's
+    jobs).
+
+    Raises:
+        QUEUE_DOWN: the queue's PostgreSQL server does not answer."""
+    if queue.startswith("postgresql://"):
+        import psycopg2
+
+        with contextlib.closing(psycopg2.connect(queue, connect_timeout=10)) as db:
+            db.set_session(readonly=True, autocommit=True)
+            with db.cursor() as cursor:
+                cursor.execute(sql.replace("?", "%s"), args)
+                return cursor.fetchall()
     import sqlite3
 
     with contextlib.closing(sqlite3.connect(f"file:{queue}?mode=ro", uri=True, timeout=30)) as db:
@@ -316,11 +358,12 @@ def pool_facts(pools: PoolsSetup, since: float) -> dict[str, str]:
     [(jobs, items, leases, again, expired)] = _read(
         pools.queue,
         f"SELECT COUNT(DISTINCT j.job_id), COUNT(i.item_id), COALESCE(SUM(i.leases), 0), "
-        f"COALESCE(SUM(i.leases > 1), 0), COALESCE(SUM(i.expirations), 0) "
+        f"COALESCE(SUM(CASE WHEN i.leases > 1 THEN 1 ELSE 0 END), 0), "
+        f"COALESCE(SUM(i.expirations), 0) "
         f"FROM {JOBS} j JOIN {ITEMS} i ON i.job_id = j.job_id WHERE j.submitted_at >= ?",
         since,
     )
     return {
-        "pool jobs / items / leases": f"{jobs} / {items} / {leases}",
-        "pool items leased again (leases expired)": f"{again} ({expired})",
+        "pool jobs / items / leases": f"{jobs} / {items} / {int(leases)}",
+        "pool items leased again (leases expired)": f"{int(again)} ({int(expired)})",
     }
