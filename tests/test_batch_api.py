@@ -855,3 +855,25 @@ def test_serve_refuses_a_reconcile_interval_that_would_never_move_batches(capsys
     with pytest.raises(SystemExit):
         cli_main(["serve", "--reconcile-interval", "0"])
     assert "batches move only through the reconcile loop" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_file_bytes_stream_a_file_in_reads_of_bounded_size(tmp_path, s3_server, where):
+    from dagster_gpuinfer.batch_api.files import READ_BYTES
+    from dagster_gpuinfer.spec import StorageOptions
+
+    if where == "local":
+        files = FileBytes(str(tmp_path / "files"))
+    else:
+        storage = StorageOptions(
+            endpoint_url=s3_server.endpoint_url, region=s3_server.region, allow_http=True
+        )
+        files = FileBytes(f"s3://{s3_server.new_bucket('stream')}/api", storage)
+    data = os.urandom(2 * READ_BYTES + 123)
+    files.write(files.file_uri("file-a"), data)
+    size, chunks = files.stream(files.file_uri("file-a"))
+    blocks = list(chunks)
+    assert size == len(data) and b"".join(blocks) == data
+    assert max(len(block) for block in blocks) <= READ_BYTES
+    with pytest.raises(OSError):  # gone from the storage: raised before a byte is sent
+        files.stream(files.file_uri("file-gone"))

@@ -388,9 +388,10 @@ def _chunked_upload(base_url: str, key: str, size: int) -> httpx.Response:
     return httpx.post(f"{base_url}/files", content=body(), headers=headers, timeout=120)
 
 
-def test_uploads_and_creates_stream_with_bounded_server_memory(tmp_path):
+def test_uploads_creates_and_downloads_stream_with_bounded_server_memory(tmp_path):
     """The probe: an upload over the limit was read into memory (200 MiB + 1) before its
-    413; a create read the whole file (609 MiB for one legal 198 MB file)."""
+    413; a create read the whole file (609 MiB for one legal 198 MB file). A download read
+    the whole file too (an output file of embeddings can outgrow the service's 1 GiB)."""
     with _served_in_subprocess(tmp_path) as (base_url, pid, key):
         before = _reset_peak_rss(pid)
         answer = _chunked_upload(base_url, key, 200 * MiB + MiB)
@@ -422,3 +423,15 @@ def test_uploads_and_creates_stream_with_bounded_server_memory(tmp_path):
         assert batch.status == "in_progress" and batch.request_counts.total == 48_000
         grew = _rss_mib(pid) - before
         assert grew < 48, f"creating a batch from a {uploaded.bytes >> 20} MiB file took {grew} MiB"
+        before = _reset_peak_rss(pid)
+        headers = {"Authorization": f"Bearer {key}"}
+        url = f"{base_url}/files/{uploaded.id}/content"
+        received = 0
+        with httpx.stream("GET", url, headers=headers, timeout=120) as answer:
+            assert answer.status_code == 200
+            assert int(answer.headers["content-length"]) == uploaded.bytes
+            for block in answer.iter_bytes():
+                received += len(block)
+        assert received == uploaded.bytes
+        grew = _rss_mib(pid) - before
+        assert grew < 48, f"downloading a {uploaded.bytes >> 20} MiB file took {grew} MiB"

@@ -72,6 +72,22 @@ class FileBytes:
         fs, path = filesystem_for(uri, self.storage)
         return read_bytes(fs, path)
 
+    def stream(self, uri: str) -> tuple[int, Iterator[bytes]]:
+        """The file's size and its bytes, `READ_BYTES` at a time (a download: a batch's
+        output file can be larger than the service's memory). Opened now, so a file gone
+        from the storage raises here, before an answer begins; read as the iterator is
+        consumed, and closed when it ends or its consumer closes it."""
+        fs, path = filesystem_for(uri, self.storage)
+        stream = fs.open_input_stream(path)
+        size = fs.get_file_info(path).size
+
+        def chunks() -> Iterator[bytes]:
+            with stream:
+                while chunk := stream.read(READ_BYTES):
+                    yield chunk
+
+        return size, chunks()
+
     def delete(self, uri: str) -> None:
         fs, path = filesystem_for(uri, self.storage)
         delete_quietly(fs, [path])
@@ -80,18 +96,16 @@ class FileBytes:
         """The file's lines (split at b"\\n", without it), read `READ_BYTES` at a time:
         the file is never held whole, only the lines of one read (and a line that spans
         reads)."""
-        fs, path = filesystem_for(uri, self.storage)
-        with fs.open_input_stream(path) as stream:
-            buffer = bytearray()
-            while chunk := stream.read(READ_BYTES):
-                buffer += chunk
-                end = buffer.rfind(b"\n")
-                if end < 0:
-                    continue
-                yield from bytes(buffer[:end]).split(b"\n")
-                del buffer[: end + 1]
-            if buffer:
-                yield bytes(buffer)
+        buffer = bytearray()
+        for chunk in self.stream(uri)[1]:
+            buffer += chunk
+            end = buffer.rfind(b"\n")
+            if end < 0:
+                continue
+            yield from bytes(buffer[:end]).split(b"\n")
+            del buffer[: end + 1]
+        if buffer:
+            yield bytes(buffer)
 
     def copy_batch_input(self, source_uri: str, batch_id: str) -> str:
         """Copy an uploaded file to the batch's input shard inside the storage (S3: one

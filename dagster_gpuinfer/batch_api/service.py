@@ -15,6 +15,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -360,8 +361,9 @@ class BatchService:
             raise not_found("file", file_id)
         return record
 
-    def file_content(self, tenant: Tenant, file_id: str) -> bytes:
-        return self.files.read(self.file(tenant, file_id)["path"])
+    def file_content(self, tenant: Tenant, file_id: str) -> tuple[int, Iterator[bytes]]:
+        """The file's size and its bytes as a stream (`FileBytes.stream`)."""
+        return self.files.stream(self.file(tenant, file_id)["path"])
 
     def list_files(
         self,

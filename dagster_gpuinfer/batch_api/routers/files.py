@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import StreamingResponse
 
 from dagster_gpuinfer.batch_api.dependencies import ServiceDep, TenantDep
 from dagster_gpuinfer.batch_api.routers import ERROR_RESPONSES
@@ -85,10 +85,13 @@ def retrieve_file(service: ServiceDep, tenant: TenantDep, file_id: str) -> FileO
     return FileObject.from_record(service.file(tenant, file_id))
 
 
-@router.get("/{file_id}/content", response_class=Response, responses={200: _JSONL_CONTENT})
-def file_content(service: ServiceDep, tenant: TenantDep, file_id: str) -> Response:
-    """A file's bytes."""
-    return Response(service.file_content(tenant, file_id), media_type="application/jsonl")
+@router.get("/{file_id}/content", response_class=StreamingResponse, responses={200: _JSONL_CONTENT})
+def file_content(service: ServiceDep, tenant: TenantDep, file_id: str) -> StreamingResponse:
+    """A file's bytes, streamed from the storage (never held whole: an output file of
+    embeddings can outgrow the service's memory)."""
+    size, chunks = service.file_content(tenant, file_id)
+    headers = {"Content-Length": str(size)}
+    return StreamingResponse(chunks, media_type="application/jsonl", headers=headers)
 
 
 @router.delete("/{file_id}", response_model=FileDeleted)
