@@ -30,6 +30,7 @@ from bench.chaos.faults import KINDS, POOL_KINDS, Fault, Injector, schedule
 from bench.chaos.pool_faults import GROUP_ASSET, POOL_ASSET, PoolChaos, PoolsSetup
 from bench.chaos.report import summary_table
 from bench.chaos.run import Phase, backfill_params
+from bench.chaos.store_faults import postgres
 from dagster_gpuinfer.k8s.config import K8sLauncherConfig
 from dagster_gpuinfer.pools import JobSubmission, WorkItem, open_lease_queue
 
@@ -188,6 +189,40 @@ def test_while_the_queues_server_is_down_no_pod_is_a_target_and_nothing_raises(s
     assert chaos.lease_holders() == {}
     assert chaos.targets("pool_worker_kill", [pool_pod("w1")]) == []
     assert chaos.hit(pool_pod("w1"), "pool_worker_kill") is None
+
+
+QUEUE_PROBE = """
+import os
+from dagster_gpuinfer.pools import open_lease_queue
+with open_lease_queue(os.environ["GPUINFER_LEASE_QUEUE"]) as queue:
+    print("pools:", queue.pools(), flush=True)
+"""
+
+
+def test_a_pool_pod_leases_from_the_harness_server_before_and_after_a_restart(pod_executor):
+    """Pool mode's queue lives on the harness's server: a pod (its own network namespace)
+    must reach it on the pod network's gateway, also after `postgres_restart`. (The first
+    run of pool mode on PostgreSQL: every pool worker exited 1, the server listened on
+    127.0.0.1 only.)"""
+    from test_pod_executor import NS, pod, wait_phase
+
+    with postgres(pod_executor.gateway) as server:
+        url = server.database("chaos_pool_queue", pod_executor.gateway)
+        with open_lease_queue(url) as queue:
+            queue.submit(JobSubmission("job-1", POOL_KEY, [WorkItem("pool-000", {})]))
+        pod_executor.secrets[pool_faults.QUEUE_SECRET] = {"url": url}
+        env = [
+            {
+                "name": "GPUINFER_LEASE_QUEUE",
+                "valueFrom": {"secretKeyRef": {"name": pool_faults.QUEUE_SECRET, "key": "url"}},
+            }
+        ]
+        for name in ("before-restart", "after-restart"):
+            pod_executor.create_namespaced_pod(NS, pod(name, QUEUE_PROBE, container={"env": env}))
+            status = wait_phase(pod_executor, name)
+            assert status.phase == "Succeeded", pod_executor.logs(name)
+            assert pod_executor.logs(name).strip().splitlines()[-1] == f"pools: ['{POOL_KEY}']"
+            server.restart(0.2, "fast")
 
 
 def _models_in_place(workdir: Path) -> None:

@@ -100,7 +100,8 @@ def pool_mode(found: Any, options: argparse.Namespace, work: Path) -> list[str]:
     work.chmod(0o755)
     queue_url = None
     if options.pool_queue == "postgres":
-        queue_url = found.postgres.database("chaos_pool_queue")
+        # on the pod network's gateway: the pool worker pods lease from it
+        queue_url = found.postgres.database("chaos_pool_queue", found.executor.gateway)
     options.pools = prepare(found.executor, work, options.model_dir, split, queue_url)
     options.model_dir = str(work / "models" / "model")
     return split["doc_embeddings"]
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = tuple(options.kinds.split(","))
     with (
         chaos_cluster.cluster(options.seed) as found,
-        store_faults.postgres() as server,
+        store_faults.postgres(found.executor.gateway) as server,
         tempfile.TemporaryDirectory() as work,
     ):
         found.postgres = server

@@ -84,13 +84,18 @@ class Postgres:
     """`start()`, `stop(mode)`, `restart(down_s, mode)`, `database(name)`, `close()`.
 
     As root the server runs as the `postgres` user (PostgreSQL refuses root), as
-    deploy/local/pg-cluster.sh does; pg_ctl detaches the server from this process."""
+    deploy/local/pg-cluster.sh does; pg_ctl detaches the server from this process. It
+    listens on 127.0.0.1, and with `pod_gateway` (the pod executor's bridge address) also
+    there, trusting the pods' /24: pool worker pods lease from a queue on it."""
 
-    def __init__(self, folder: Path | None = None, port: int | None = None) -> None:
+    def __init__(
+        self, folder: Path | None = None, port: int | None = None, pod_gateway: str | None = None
+    ) -> None:
         self.folder = folder or Path(tempfile.mkdtemp(prefix=PREFIX))
         self.data = self.folder / "data"
         self.port = port or free_port()
         self.url = f"postgresql://gpuinfer@127.0.0.1:{self.port}/postgres"
+        self.pod_gateway = pod_gateway
         self.restarts: list[str] = []
 
     def _as_owner(self, *command: str) -> subprocess.CompletedProcess:
@@ -120,7 +125,12 @@ class Postgres:
             )
             if done.returncode:
                 raise RuntimeError(f"initdb {self.data} failed: {done.stderr[-2000:]}")
-        options = f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1"
+            if self.pod_gateway:
+                pods = self.pod_gateway.rsplit(".", 1)[0] + ".0/24"
+                with open(self.data / "pg_hba.conf", "a") as rules:
+                    rules.write(f"host all all {pods} trust\n")
+        hosts = ",".join(["127.0.0.1", *([self.pod_gateway] if self.pod_gateway else [])])
+        options = f"-p {self.port} -k {self.data} -c listen_addresses={hosts}"
         done = self._as_owner(
             pg_bin("pg_ctl"), "-D", str(self.data), "-w", "-l", str(self.data / "server.log"),
             "-o", options, "start",
@@ -152,8 +162,9 @@ class Postgres:
         self.restarts.append(note)
         return note
 
-    def database(self, name: str) -> str:
-        """A new database `name` (dropped first if there); its URL."""
+    def database(self, name: str, host: str = "127.0.0.1") -> str:
+        """A new database `name` (dropped first if there); its URL through `host` (one the
+        server listens on)."""
         import psycopg2
 
         admin = psycopg2.connect(self.url)
@@ -162,7 +173,7 @@ class Postgres:
             cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
             cursor.execute(f'CREATE DATABASE "{name}"')
         admin.close()
-        return self.url.rsplit("/", 1)[0] + f"/{name}"
+        return f"postgresql://gpuinfer@{host}:{self.port}/{name}"
 
     def close(self) -> None:
         with contextlib.suppress(RuntimeError, FileNotFoundError):
@@ -187,9 +198,9 @@ def stop_orphans(root: Path | None = None) -> list[Path]:
 
 
 @contextlib.contextmanager
-def postgres() -> Iterator[Postgres]:
+def postgres(pod_gateway: str | None = None) -> Iterator[Postgres]:
     stop_orphans()
-    server = Postgres().start()
+    server = Postgres(pod_gateway=pod_gateway).start()
     try:
         yield server
     finally:
