@@ -401,6 +401,56 @@ def test_a_pool_kind_waiting_for_its_run_does_not_hold_back_the_faults_after_it(
     assert [f.kind for f in injector.skipped] == ["follower_kill"]
 
 
+@dataclass
+class FakeStores:
+    """The injector's `stores`: records each store fault it is told to do."""
+
+    done: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    def inject(self, kind: str, down_s: float, rng: Any) -> str:
+        self.done.append(kind)
+        return f"{kind} {down_s:.1f} s"
+
+
+def test_a_store_restart_waits_for_live_leases_when_the_queue_is_on_the_store(s3):
+    """Pool mode on the PostgreSQL queue: `postgres_restart` restarts the queue's server
+    under live leases (seed 1's first run on it restarted the server before the pool's run
+    began), waiting in its own thread; the faults after it go on meanwhile."""
+    restarts: list[float] = []
+    daemon = SimpleNamespace(restart=restarts.append)
+    with fresh_postgres_database("chaos_store_leases") as url:
+        with open_lease_queue(url) as queue:
+            queue.submit(JobSubmission("job-1", POOL_KEY, [WorkItem("pool-000", {})]))
+        chaos = PoolChaos(PoolsSetup(queue=url, pool_keys=[], group_keys=[]), s3, BUCKET, "c")
+        faults = [Fault(0.0, "postgres_restart", seconds=3.0), Fault(0.1, "daemon_restart", 2.0)]
+        injector = Injector(faults, FakeExecutor([]), None, daemon, seed=1, give_up_s=600)
+        injector.stores, injector.pools = FakeStores(), chaos
+        injector.run(time.monotonic())
+        deadline = time.monotonic() + 20
+        while not restarts and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # two more looks at the queue: no lease yet
+        assert restarts == [2.0] and injector.stores.done == []
+        with open_lease_queue(url) as queue:
+            queue.lease(POOL_KEY, worker_id="w1", ttl_s=600)
+        while not injector.stores.done and time.monotonic() < deadline:
+            time.sleep(0.05)
+        injector.stop()
+    assert injector.stores.done == ["postgres_restart"]
+    [restart] = [i for i in injector.done if i.fault.kind == "postgres_restart"]
+    assert restart.note == "postgres_restart 3.0 s, under 1 live pool lease(s): pool-000"
+
+
+def test_a_store_restart_does_not_wait_for_a_sqlite_queue(tmp_path, s3):
+    chaos = PoolChaos(PoolsSetup(str(tmp_path / "q.db"), [], []), s3, BUCKET, "c")
+    assert not chaos.queue_on_store
+    injector = Injector([Fault(0.0, "postgres_restart", seconds=3.0)], None, None, None, seed=1)
+    injector.stores, injector.pools = FakeStores(), chaos
+    injector.run(time.monotonic()).join(10)
+    assert [i.note for i in injector.done] == ["postgres_restart 3.0 s"]
+
+
 def test_pool_facts_count_leases_and_the_items_leased_again(pools):
     with open_lease_queue(pools.queue) as queue:
         queue.lease(POOL_KEY, worker_id="w4", ttl_s=600)  # pool-002 again, after w3's lapsed

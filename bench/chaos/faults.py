@@ -110,6 +110,13 @@ class Injector:
                 return
             if fault.kind in S3_FAULTS:
                 self._s3_window(fault, started)
+            elif fault.kind == "postgres_restart" and self.pools and self.pools.queue_on_store:
+                # the pool's lease queue is on the restarted server: restart it under live
+                # leases, waiting in its own thread (the pool's run may come later)
+                child = random.Random(rng.random())
+                ready = self.pools.live_leases
+                args = (self, fault, child, started, ready)
+                threading.Thread(target=store_faults.inject, args=args, daemon=True).start()
             elif fault.kind in STORE_FAULTS:
                 store_faults.inject(self, fault, rng, started)
             elif fault.kind in POOL_KINDS:  # waits in its own thread: its run may come later

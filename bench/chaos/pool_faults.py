@@ -280,6 +280,19 @@ class PoolChaos:
         except QUEUE_DOWN:
             return {}
 
+    @property
+    def queue_on_store(self) -> bool:
+        """Whether the lease queue is on the harness's PostgreSQL server (`postgres_restart`
+        then waits for live leases: `live_leases`)."""
+        return self.pools.on_postgres
+
+    def live_leases(self) -> str | None:
+        """The pool's live leases, named for a fault's note; None while there are none."""
+        held = sorted(item for items in self.lease_holders().values() for item in items)
+        if not held:
+            return None
+        return f"{len(held)} live pool lease(s): {', '.join(held)}"
+
     def mid_partition(self, items: list[str]) -> bool:
         """Whether one of `items` is on a partition with committed chunks and no manifest."""
         for key in {partition_of(i) for i in items}:

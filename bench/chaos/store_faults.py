@@ -560,19 +560,28 @@ def phase_stores(found: Any, label: str, options: Any, setup: Any) -> Iterator[S
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def inject(injector: Any, fault: Any, rng: random.Random, started: float) -> None:
+def inject(
+    injector: Any,
+    fault: Any,
+    rng: random.Random,
+    started: float,
+    ready: Callable[[], str | None] | None = None,
+) -> None:
     """The injector's hand for STORE_FAULTS (bench/chaos/faults.py): done, or retried
-    every 0.5 s until it can be (a batch in flight), or skipped after `give_up_s`."""
+    every 0.5 s until it can be (a batch in flight; with `ready`, once it says what the
+    fault will meet, as the pool's live leases), or skipped after `give_up_s`."""
     from bench.chaos.faults import Injected
 
     deadline = time.monotonic() + injector.give_up_s
     while injector.stores is not None and not injector._stop.is_set():  # noqa: SLF001
+        meets = ready() if ready is not None else ""
         try:
-            note = injector.stores.inject(fault.kind, fault.seconds, rng)
+            note = None if meets is None else injector.stores.inject(fault.kind, fault.seconds, rng)
         except RuntimeError as exc:  # the server or the service did not come back
             injector.stores.failures.append(f"{fault.kind} failed: {exc}")
             break
         if note is not None:
+            note = f"{note}, under {meets}" if meets else note
             injector.done.append(Injected(fault, time.monotonic() - started, _target(fault), note))
             return
         if time.monotonic() > deadline:
