@@ -320,6 +320,49 @@ def test_workers_restarted_while_the_job_reports_progress_are_no_crash_loop(tmp_
         assert len(starts) == 8  # more starts than the limit (max_workers + 2), no failure
 
 
+def test_workers_that_take_leases_and_die_are_no_crash_loop(tmp_path):
+    """Chaos pool seed 1 on the PostgreSQL queue: an EngineCore, a worker and a lease holder
+    SIGKILLed within 17 s, before any worker had posted an event; the reconciler's five
+    starts failed the step "none reported back", though every worker had taken a lease (the
+    verdict is for workers that exit without one: a bad image, a missing secret)."""
+    spec = spec_for(tmp_path, ["a", "b", "c", "d", "e", "f", "g", "h"])
+    ticks = itertools.count()  # one second a read of the clock: reconciles every few reads
+    with open_lease_queue(str(tmp_path / "q.db")) as queue:
+        job = pool_job(spec, run_id="r1", retry_number=0)
+        queue.submit(job)
+        starts: list[str] = []
+        leases = []
+
+        def reconcile_pool() -> list[str]:
+            starts.append(f"w{len(starts)}")  # a replacement for a worker that died leasing
+            leases.append(queue.lease(job.pool_key, worker_id=starts[-1], ttl_s=300))
+            if len(starts) == 8:  # every item leased: they finish, no event posted
+                for lease in leases:
+                    queue.complete(lease, {"messages": [], "pool": {"warm": True}})
+            return [starts[-1]]
+
+        watch = JobWatch(
+            queue, job, Log(), reconcile_pool=reconcile_pool, max_workers=1,
+            clock=lambda: float(next(ticks)),
+        )  # fmt: skip
+        assert watch.wait(poll_s=0.01).state == "done"
+        assert len(starts) == 8  # more starts than the limit (max_workers + 2), no failure
+
+
+def test_workers_that_never_lease_fail_the_step_naming_where_their_logs_are(tmp_path):
+    spec = spec_for(tmp_path, ["a"])
+    with open_lease_queue(str(tmp_path / "q.db")) as queue:
+        job = pool_job(spec, run_id="r1", retry_number=0)
+        queue.submit(job)
+        watch = JobWatch(queue, job, Log(), reconcile_pool=lambda: ["w-dead"], max_workers=1)
+        with pytest.raises(dg.Failure) as failure:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr("dagster_gpuinfer.launchers.pool.RECONCILE_SECONDS", 0.0)
+                watch.wait(poll_s=0.01)
+    assert "none took a lease or reported back" in failure.value.description
+    assert f"gpuinfer/pool={job.pool_key}" in failure.value.description
+
+
 # --------------------------------------------------------------------------- interruption
 
 INTERRUPTED_RUN = """

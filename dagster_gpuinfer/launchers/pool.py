@@ -255,6 +255,7 @@ class JobWatch:
         self.refused = False
         self.started_at = clock()
         self.starts_without_news = 0
+        self.leases_seen = 0  # the job's `JobProgress.leases` at the last read
 
     def wait(
         self, *, poll_s: float, interrupted: Callable[[], bool] = lambda: False
@@ -281,7 +282,9 @@ class JobWatch:
         """Read the job whenever its bell rings (an event, a result), else every `poll_s`;
         raise as soon as `interrupted()` says so."""
         last_reconcile = -RECONCILE_SECONDS
-        heard = False  # any event since the last reconcile, not only in this read
+        # news since the last reconcile, not only in this read: an event, or a lease taken
+        # (a worker that leased is no crash loop, whatever became of it after)
+        heard = False
         down_since: float | None = None  # when the queue became unreachable
         while True:
             if interrupted():
@@ -289,6 +292,8 @@ class JobWatch:
             try:
                 heard = self.drain_events() or heard
                 progress = self.queue.job_progress(self.job.job_id)
+                heard = heard or progress.leases > self.leases_seen
+                self.leases_seen = max(self.leases_seen, progress.leases)
                 if down_since is not None:
                     self.log.info(f"the lease queue answers again ({self._down_for(down_since)})")
                     down_since = None
@@ -332,8 +337,10 @@ class JobWatch:
             self.queue.cancel(self.job.job_id, "pool workers exit without taking a lease")
             raise dg.Failure(
                 description=f"{self.starts_without_news} pool workers of {self.job.pool_key} "
-                f"were started for job {self.job.job_id} and none reported back; their logs "
-                "say why (LocalPoolBackend: beside the queue file). The run can be retried.",
+                f"were started for job {self.job.job_id} and none took a lease or reported "
+                "back; their logs say why (Kubernetes: the pods labelled gpuinfer/pool="
+                f"{self.job.pool_key}; the local backend: beside the queue file). The run "
+                "can be retried.",
                 allow_retries=True,
             )
 
