@@ -18,6 +18,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Each test engine's KV cache, explicit (GiB; the local workers inherit it). Without it vLLM's
+# CPU build reserves gpu_memory_utilization (0.2 in the tests) of the machine's memory per
+# engine, 4.6 GiB on a 23 GiB box, and the tiny test models need a few MiB: four engines at
+# once (two 2-engine tests on the two xdist workers) had the kernel OOM-kill one, and an
+# engine starting beside three others refuses to start for want of memory.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 @pytest.fixture(scope="session")
