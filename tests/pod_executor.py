@@ -179,6 +179,9 @@ class Image:
         return pod_path
 
 
+KV_CACHE_SPACE = "VLLM_CPU_KVCACHE_SPACE"
+
+
 def project_image() -> Image:
     """The worker image of this project, with its code at fixed paths as a built image has
     it: this source tree at `POD_SOURCE_TREE` (importable, the working directory) and the
@@ -187,14 +190,19 @@ def project_image() -> Image:
     prefix = os.path.realpath(sys.prefix)
     base = os.path.realpath(sys.base_prefix)
     paths = () if base in ("/usr", "/usr/local") else (base,)
+    env = {
+        "PATH": f"{POD_VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "PYTHONPATH": POD_SOURCE_TREE,
+        "LANG": "C.UTF-8",
+    }
+    # The suite's KV cache size (tests/conftest.py) as a test image's ENV would carry it: a
+    # pod's engine otherwise reserves a fifth of the machine's memory.
+    if os.environ.get(KV_CACHE_SPACE):
+        env[KV_CACHE_SPACE] = os.environ[KV_CACHE_SPACE]
     return Image(
         paths=paths,
         mounts=((str(SOURCE_TREE), POD_SOURCE_TREE), (prefix, POD_VENV)),
-        env={
-            "PATH": f"{POD_VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "PYTHONPATH": POD_SOURCE_TREE,
-            "LANG": "C.UTF-8",
-        },
+        env=env,
         workdir=POD_SOURCE_TREE,
     )
 

@@ -71,7 +71,8 @@ def writable(path):
         return False
 print(json.dumps({
     'uid': os.getuid(), 'gid': os.getgid(), 'groups': os.getgroups(),
-    'env': {k: os.environ.get(k) for k in ('FROM_SECRET', 'FROM_CM', 'POD_IP', 'NAME', 'BULK_X')},
+    'env': {k: os.environ.get(k) for k in ('FROM_SECRET', 'FROM_CM', 'POD_IP', 'NAME', 'BULK_X',
+                                           'VLLM_CPU_KVCACHE_SPACE')},
     'hostname': socket.gethostname(), 'python': sys.executable, 'cwd': os.getcwd(),
     'root_writable': writable('/'), 'tmp_writable': writable('/tmp'),
     'shm_writable': writable('/dev/shm'), 'models_writable': writable('/models'),
@@ -128,6 +129,7 @@ def test_pod_runs_its_command_with_env_mounts_user_and_network(pod_executor, tmp
         "POD_IP": ip,
         "NAME": f"{ip}-x",
         "BULK_X": "from-env-from",
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # the suite's, in the test image's env (conftest.py)
     }
     assert seen["hostname"] == "probe"
     assert not seen["root_writable"] and not seen["models_writable"]
