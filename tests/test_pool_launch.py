@@ -278,7 +278,7 @@ def test_a_refused_spec_cancels_the_job_at_its_first_result(tmp_path):
         assert fatal in watch.messages()
 
 
-def test_workers_that_never_report_fail_the_step_retryably(tmp_path):
+def test_workers_that_never_lease_or_report_fail_the_step_retryably(tmp_path):
     spec = spec_for(tmp_path, ["a"])
     with open_lease_queue(str(tmp_path / "q.db")) as queue:
         job = pool_job(spec, run_id="r1", retry_number=0)
@@ -290,6 +290,8 @@ def test_workers_that_never_report_fail_the_step_retryably(tmp_path):
                 watch.wait(poll_s=0.01)
         assert failure.value.allow_retries
         assert queue.job_progress(job.job_id).state == "cancelled"
+    assert "none took a lease or reported back" in failure.value.description
+    assert f"gpuinfer/pool={job.pool_key}" in failure.value.description  # where the logs are
 
 
 def test_workers_restarted_while_the_job_reports_progress_are_no_crash_loop(tmp_path):
@@ -297,7 +299,6 @@ def test_workers_restarted_while_the_job_reports_progress_are_no_crash_loop(tmp_
     replacements, and the step failed "5 pool workers ... none reported back" although the
     job's events kept coming: only events read in the very read that reconciled counted."""
     spec = spec_for(tmp_path, ["a"])
-    ticks = itertools.count()  # one second a read of the clock: reconciles every few reads
     with open_lease_queue(str(tmp_path / "q.db")) as queue:
         job = pool_job(spec, run_id="r1", retry_number=0)
         queue.submit(job)
@@ -312,12 +313,19 @@ def test_workers_restarted_while_the_job_reports_progress_are_no_crash_loop(tmp_
                 queue.post_event(lease, "progress", {"rows_done": len(starts)})
             return [starts[-1]]
 
-        watch = JobWatch(
-            queue, job, Log(), reconcile_pool=reconcile_pool, max_workers=1,
-            clock=lambda: float(next(ticks)),
-        )  # fmt: skip
-        assert watch.wait(poll_s=0.01).state == "done"
+        assert _watch_one_worker_pool(queue, job, reconcile_pool) == "done"
         assert len(starts) == 8  # more starts than the limit (max_workers + 2), no failure
+
+
+def _watch_one_worker_pool(queue, job, reconcile_pool) -> str:
+    """The job's final state, watched for a pool of one worker whose clock advances a second
+    at each read (so it reconciles every few reads)."""
+    ticks = itertools.count()
+    watch = JobWatch(
+        queue, job, Log(), reconcile_pool=reconcile_pool, max_workers=1,
+        clock=lambda: float(next(ticks)),
+    )  # fmt: skip
+    return watch.wait(poll_s=0.01).state
 
 
 def test_workers_that_take_leases_and_die_are_no_crash_loop(tmp_path):
@@ -326,7 +334,6 @@ def test_workers_that_take_leases_and_die_are_no_crash_loop(tmp_path):
     starts failed the step "none reported back", though every worker had taken a lease (the
     verdict is for workers that exit without one: a bad image, a missing secret)."""
     spec = spec_for(tmp_path, ["a", "b", "c", "d", "e", "f", "g", "h"])
-    ticks = itertools.count()  # one second a read of the clock: reconciles every few reads
     with open_lease_queue(str(tmp_path / "q.db")) as queue:
         job = pool_job(spec, run_id="r1", retry_number=0)
         queue.submit(job)
@@ -341,26 +348,8 @@ def test_workers_that_take_leases_and_die_are_no_crash_loop(tmp_path):
                     queue.complete(lease, {"messages": [], "pool": {"warm": True}})
             return [starts[-1]]
 
-        watch = JobWatch(
-            queue, job, Log(), reconcile_pool=reconcile_pool, max_workers=1,
-            clock=lambda: float(next(ticks)),
-        )  # fmt: skip
-        assert watch.wait(poll_s=0.01).state == "done"
+        assert _watch_one_worker_pool(queue, job, reconcile_pool) == "done"
         assert len(starts) == 8  # more starts than the limit (max_workers + 2), no failure
-
-
-def test_workers_that_never_lease_fail_the_step_naming_where_their_logs_are(tmp_path):
-    spec = spec_for(tmp_path, ["a"])
-    with open_lease_queue(str(tmp_path / "q.db")) as queue:
-        job = pool_job(spec, run_id="r1", retry_number=0)
-        queue.submit(job)
-        watch = JobWatch(queue, job, Log(), reconcile_pool=lambda: ["w-dead"], max_workers=1)
-        with pytest.raises(dg.Failure) as failure:
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr("dagster_gpuinfer.launchers.pool.RECONCILE_SECONDS", 0.0)
-                watch.wait(poll_s=0.01)
-    assert "none took a lease or reported back" in failure.value.description
-    assert f"gpuinfer/pool={job.pool_key}" in failure.value.description
 
 
 # --------------------------------------------------------------------------- interruption
